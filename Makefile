@@ -1,0 +1,36 @@
+# EdgeTrain — set-up, demo, tests, benchmarks. Everything runs inside .venv.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test test-fast bench protos lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m edgetrain demo
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 -q --timeout=600
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -n 2 -q -m "not slow"
+
+bench: $(STAMP)
+	$(PY) scripts/bench_dp.py
+
+protos: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

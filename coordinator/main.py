@@ -1,0 +1,75 @@
+"""Coordinator entry point: build the job, serve devices, train, report, always clean up."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from coordinator.registry import DeviceRegistry
+from coordinator.report import summarize, summary_table
+from coordinator.servicer import CoordinatorServicer, create_server
+from coordinator.steps import StepBoard
+from coordinator.trainer import DataParallelTrainer
+from edgetrain.config import JobConfig, job_to_dict
+from edgetrain.data import dataset_is_synthetic, load_dataset
+from edgetrain.models import build_model
+from edgetrain.tensors import bundle_metas
+from edgetrain.training import shard_tensor_names
+
+logger = logging.getLogger(__name__)
+
+
+def profile_batch_sizes(global_batch: int) -> list[int]:
+    """Batch sizes a device times itself at: around the shares it is likely to get."""
+    return sorted({max(2, global_batch // 8), max(4, global_batch // 2)})
+
+
+def _watch_heartbeats(registry: DeviceRegistry, timeout_s: float, stop: threading.Event) -> None:
+    while not stop.wait(min(1.0, timeout_s / 4)):
+        registry.expire(timeout_s)
+
+
+def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str = "data",
+                    runs_dir: str = "runs", port_file: str | None = None, resume: bool = False,
+                    stop: threading.Event | None = None) -> dict:
+    """Serve and train `job` to completion; returns the run summary (also under runs/<name>/)."""
+    stop = stop or threading.Event()
+    job = replace(job, dataset=replace(job.dataset, data_dir=data_dir))
+    run_dir = Path(runs_dir) / job.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "job.json").write_text(json.dumps(job_to_dict(job), indent=2))
+    torch.set_num_threads(1)
+    model = build_model(job.model, seed=job.seed)
+    train_size = len(load_dataset(job.dataset, train=True))
+    test_set = load_dataset(job.dataset, train=False)
+    if dataset_is_synthetic(job.dataset):
+        logger.info("[Coordinator] dataset: SYNTHETIC CIFAR-shaped data (seed %d), not CIFAR-10", job.dataset.seed)
+    registry = DeviceRegistry()
+    board = StepBoard(bundle_metas(dict(shard_tensor_names(model))))
+    servicer = CoordinatorServicer(job, registry, board, profile_batch_sizes(job.training.global_batch))
+    server, port = create_server(bind, servicer)
+    host = bind.rsplit(":", 1)[0]
+    logger.info("[Coordinator] serving job %r on %s:%d", job.name, host, port)
+    if port_file:
+        Path(port_file).write_text(f"{host}:{port}\n")
+    watcher = threading.Thread(target=_watch_heartbeats, daemon=True,
+                               args=(registry, job.training.heartbeat_timeout_s, stop))
+    watcher.start()
+    trainer = DataParallelTrainer(job, registry, board, model, train_size, test_set, run_dir, stop)
+    try:
+        if resume:
+            trainer.resume_if_possible()
+        final = trainer.run()
+        summary = summarize(job, final, trainer, registry.snapshot())
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(summary_table(summary), flush=True)
+        return summary
+    finally:
+        stop.set()
+        trainer.metrics.close()
+        server.stop(grace=2.0).wait()

@@ -1,0 +1,57 @@
+"""Training metrics as JSONL (one object per step or evaluation) plus progress lines on the log."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+class MetricsLog:
+    """Appends metrics records to a JSONL file and keeps the latest evaluation."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.last_eval: dict = {}
+        self._file = path.open("a", buffering=1)
+
+    def write(self, record: dict) -> None:
+        """Append one record (adds the wall-clock time)."""
+        self._file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+
+    def train_step(self, record, *, lr: float, epoch: float, total_steps: int, log_every: int) -> None:
+        """Record one completed step (`record` is a trainer.StepRecord)."""
+        accepted = record.outcome.accepted
+        samples = sum(c.samples for c in accepted.values())
+        loss = sum(c.loss * c.samples for c in accepted.values()) / samples if samples else float("nan")
+        correct = sum(c.correct for c in accepted.values())
+        devices = {
+            d: {"samples": c.samples, "compute_s": round(c.compute_s, 4), "download_s": round(c.download_s, 4),
+                "upload_s": round(c.upload_s, 4), "comm_s": round(c.download_s + c.upload_s, 4)}
+            for d, c in accepted.items()}
+        self.write({
+            "kind": "train", "step": record.step, "epoch": round(epoch, 4), "loss": loss,
+            "train_accuracy": correct / samples if samples else None, "lr": lr, "samples": samples,
+            "step_s": round(record.seconds, 4), "samples_per_s": samples / record.seconds,
+            "attempts": record.attempts, "shares": record.shares, "devices": devices,
+            "rejected": record.outcome.rejected, "failed": record.outcome.missing})
+        if record.step % log_every == 0 or record.step == total_steps - 1:
+            shares = "/".join(str(n) for n in record.shares.values())
+            logger.info("step %4d/%d  loss %.4f  acc %.3f  %.1f samples/s  shares %s", record.step + 1,
+                        total_steps, loss, correct / max(samples, 1), samples / record.seconds, shares)
+
+    def evaluation(self, step: int, loss: float, accuracy: float, samples: int, seconds: float) -> None:
+        """Record a test-set evaluation after `step`."""
+        self.last_eval = {"kind": "eval", "step": step, "test_loss": loss, "test_accuracy": accuracy,
+                          "test_samples": samples, "eval_s": round(seconds, 3)}
+        self.write(self.last_eval)
+        logger.info("eval after step %d: test loss %.4f, test accuracy %.3f (%d samples)", step + 1, loss,
+                    accuracy, samples)
+
+    def close(self) -> None:
+        """Close the file."""
+        self._file.close()

@@ -1,0 +1,157 @@
+"""Admitted devices: their description, profile, speed estimate and liveness (in memory)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+from edgetrain.split import SpeedEstimate, fit_speed, refine_speed
+
+logger = logging.getLogger(__name__)
+
+
+class UnknownDevice(KeyError):
+    """A device id the registry does not know (never registered, or dropped)."""
+
+    def __str__(self) -> str:
+        return f"unknown device id {self.args[0]!r}; register again"
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What a device measured about itself at join time."""
+
+    timings: tuple[tuple[int, float], ...]
+    """(batch size, seconds for one forward+backward) pairs on the job's model."""
+    memory_total_bytes: int
+    """Physical memory of the board."""
+    memory_available_bytes: int
+    """Memory available when it profiled."""
+    peak_rss_bytes: int
+    """Resident memory of the client after profiling."""
+
+
+@dataclass
+class DeviceRecord:
+    """One admitted device."""
+
+    device_id: str
+    name: str
+    info: dict
+    versions: dict
+    joined_at: float
+    last_seen: float
+    profile: DeviceProfile | None = None
+    speed: SpeedEstimate | None = None
+    alive: bool = True
+    left_reason: str = ""
+    stats: dict = field(default_factory=lambda: {"samples": 0, "compute_s": 0.0, "comm_s": 0.0, "steps": 0})
+
+    @property
+    def ready(self) -> bool:
+        """Alive and profiled: it can be given work."""
+        return self.alive and self.speed is not None
+
+
+class DeviceRegistry:
+    """Thread-safe in-memory registry of devices. Ids are never reused within a run."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._devices: dict[str, DeviceRecord] = {}
+        self._ids = itertools.count(1)
+        self.changed = threading.Condition(self._lock)
+        """Notified whenever membership, readiness or liveness changes."""
+
+    def register(self, name: str, info: dict, versions: dict) -> DeviceRecord:
+        """Admit a device; a re-registering name gets a fresh id, its old record is dropped."""
+        with self._lock:
+            for record in self._devices.values():
+                if record.name == name and record.alive:
+                    self._drop(record, "re-registered")
+            now = self._clock()
+            device_id = f"{name}-{next(self._ids)}"
+            record = DeviceRecord(device_id, name, info, versions, now, now)
+            self._devices[device_id] = record
+            self.changed.notify_all()
+            return record
+
+    def get(self, device_id: str) -> DeviceRecord:
+        """The live record for `device_id`, or UnknownDevice."""
+        with self._lock:
+            record = self._devices.get(device_id)
+            if record is None or not record.alive:
+                raise UnknownDevice(device_id)
+            return record
+
+    def set_profile(self, device_id: str, profile: DeviceProfile) -> SpeedEstimate:
+        """Store the device's profile and derive its speed estimate from it."""
+        speed = fit_speed(profile.timings)
+        with self._lock:
+            record = self._live(device_id)
+            record.profile, record.speed = profile, speed
+            self.changed.notify_all()
+        return speed
+
+    def heartbeat(self, device_id: str) -> None:
+        """Mark the device as seen now."""
+        with self._lock:
+            self._live(device_id).last_seen = self._clock()
+
+    def observe_step(self, device_id: str, samples: int, compute_s: float, comm_s: float) -> None:
+        """Refine the device's speed from one step's timings and accumulate its stats."""
+        with self._lock:
+            record = self._devices[device_id]
+            if record.speed is not None:
+                record.speed = refine_speed(record.speed, samples, compute_s)
+            for key, value in (("samples", samples), ("compute_s", compute_s), ("comm_s", comm_s),
+                               ("steps", 1)):
+                record.stats[key] += value
+
+    def drop(self, device_id: str, reason: str) -> None:
+        """Consider the device gone (it must register again to get work)."""
+        with self._lock:
+            record = self._devices.get(device_id)
+            if record is not None and record.alive:
+                self._drop(record, reason)
+
+    def expire(self, timeout_s: float) -> list[str]:
+        """Drop devices silent for longer than `timeout_s`; returns their ids."""
+        with self._lock:
+            now = self._clock()
+            stale = [r for r in self._devices.values() if r.alive and now - r.last_seen > timeout_s]
+            for record in stale:
+                self._drop(record, f"no heartbeat for {now - record.last_seen:.1f} s")
+            return [r.device_id for r in stale]
+
+    def wait_ready(self, count: int, timeout_s: float) -> dict[str, SpeedEstimate]:
+        """Like `ready`, but first waits up to `timeout_s` for at least `count` ready devices."""
+        with self.changed:
+            self.changed.wait_for(lambda: sum(r.ready for r in self._devices.values()) >= count, timeout_s)
+            return {r.device_id: r.speed for r in self._devices.values() if r.ready}
+
+    def is_alive(self, device_id: str) -> bool:
+        """True while the device is registered and has not been dropped."""
+        with self._lock:
+            record = self._devices.get(device_id)
+            return record is not None and record.alive
+
+    def snapshot(self) -> list[DeviceRecord]:
+        """Copies of all records, live and gone."""
+        with self._lock:
+            return [replace(r, stats=dict(r.stats)) for r in self._devices.values()]
+
+    def _live(self, device_id: str) -> DeviceRecord:
+        record = self._devices.get(device_id)
+        if record is None or not record.alive:
+            raise UnknownDevice(device_id)
+        return record
+
+    def _drop(self, record: DeviceRecord, reason: str) -> None:
+        record.alive, record.left_reason = False, reason
+        logger.warning("[Coordinator.Registry] device %s dropped: %s", record.device_id, reason)
+        self.changed.notify_all()

@@ -1,0 +1,54 @@
+"""The end-of-run summary: final accuracy, throughput and each device's share of the work."""
+
+from __future__ import annotations
+
+from edgetrain.config import JobConfig
+from edgetrain.data import dataset_is_synthetic
+
+
+def summarize(job: JobConfig, final_eval: dict, trainer, devices) -> dict:
+    """Plain-data summary of a finished run (`trainer` is a DataParallelTrainer)."""
+    total = sum(r.stats["samples"] for r in devices) or 1
+    rows = []
+    for record in devices:
+        stats = record.stats
+        if not stats["steps"]:
+            continue
+        rows.append({
+            "device": record.device_id,
+            "emulated_speed": record.info.get("emulated_speed") or None,
+            "samples_per_s_estimate": round(record.speed.samples_per_s, 2) if record.speed else None,
+            "samples": stats["samples"], "share": stats["samples"] / total, "steps": stats["steps"],
+            "compute_s": round(stats["compute_s"], 2), "comm_s": round(stats["comm_s"], 2),
+            "alive_at_end": record.alive,
+        })
+    return {
+        "job": job.name, "model": job.model, "dataset": job.dataset.name,
+        "synthetic_data": dataset_is_synthetic(job.dataset), "split": job.training.split,
+        "global_batch": job.training.global_batch, "steps": job.training.steps,
+        "test_accuracy": final_eval.get("test_accuracy"), "test_loss": final_eval.get("test_loss"),
+        "train_samples": trainer.samples_done, "train_seconds": round(trainer.train_seconds, 2),
+        "samples_per_s": trainer.samples_done / trainer.train_seconds if trainer.train_seconds else 0.0,
+        "devices": rows,
+    }
+
+
+def summary_table(summary: dict) -> str:
+    """Human-readable summary; says so when the data is synthetic."""
+    data = f"{summary['dataset']} (SYNTHETIC data, not CIFAR-10)" if summary["synthetic_data"] else summary["dataset"]
+    acc = summary["test_accuracy"]
+    lines = [
+        f"== EdgeTrain run '{summary['job']}': {summary['model']} on {data}, split {summary['split']} ==",
+        f"test accuracy {acc:.3f} (chance 0.100) after {summary['steps']} steps of {summary['global_batch']}"
+        if acc is not None else "no evaluation",
+        f"throughput {summary['samples_per_s']:.1f} samples/s ({summary['train_samples']} samples in "
+        f"{summary['train_seconds']:.1f} s of training)",
+        "",
+        f"{'device':<18}{'speed':>7}{'est. samples/s':>16}{'samples':>9}{'share':>8}{'compute s':>11}{'comm s':>9}",
+    ]
+    for row in summary["devices"]:
+        speed = f"{row['emulated_speed']:.2f}" if row["emulated_speed"] else "native"
+        est = row["samples_per_s_estimate"]
+        lines.append(f"{row['device']:<18}{speed:>7}{est if est is not None else '-':>16}{row['samples']:>9}"
+                     f"{row['share']:>8.1%}{row['compute_s']:>11.1f}{row['comm_s']:>9.1f}")
+    return "\n".join(lines)

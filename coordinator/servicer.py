@@ -1,0 +1,161 @@
+"""The Coordinator gRPC service: thin handlers whose failures become precise status codes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+
+import edgetrain
+from coordinator.registry import DeviceProfile, DeviceRegistry, UnknownDevice
+from coordinator.steps import Assignment, Finished, StepBoard, StepError
+from edgetrain import serde
+from edgetrain.config import JobConfig
+from edgetrain.grpc_options import SERVER_OPTIONS
+from edgetrain.tensors import TransferError, iter_chunks
+from protos import coordinator_pb2 as pb
+from protos import coordinator_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+_CODES = {
+    "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
+    "data_loss": grpc.StatusCode.DATA_LOSS,
+    "out_of_range": grpc.StatusCode.OUT_OF_RANGE,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    "already_exists": grpc.StatusCode.ALREADY_EXISTS,
+}
+MAX_POLL_S = 30.0
+
+
+def _abort(context: grpc.ServicerContext, rpc: str, code: grpc.StatusCode, message: str) -> None:
+    logger.warning("[Coordinator.%s] %s: %s", rpc, code.name, message)
+    context.abort(code, message)
+
+
+def _guarded(rpc: str):
+    """Turn the domain's exceptions into status codes (the handler itself stays linear)."""
+    def wrap(handler):
+        def run(self, request, context):
+            try:
+                return handler(self, request, context)
+            except UnknownDevice as e:
+                _abort(context, rpc, grpc.StatusCode.NOT_FOUND, str(e))
+            except (StepError, TransferError) as e:
+                _abort(context, rpc, _CODES[e.kind], str(e))
+            except ValueError as e:
+                _abort(context, rpc, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        run.__name__ = handler.__name__
+        return run
+    return wrap
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    """Admits devices and serves the data-parallel training loop's work and transfers."""
+
+    def __init__(self, job: JobConfig, registry: DeviceRegistry, board: StepBoard,
+                 profile_batch_sizes: list[int]) -> None:
+        self._job = job
+        self._registry = registry
+        self._board = board
+        self._job_spec = pb.JobSpec(
+            job_id=job.name, model=job.model, num_classes=10,
+            dataset=serde.dataset_to_proto(job.dataset), profile_batch_sizes=profile_batch_sizes,
+            heartbeat_interval_s=job.training.heartbeat_interval_s, chunk_bytes=job.training.chunk_bytes)
+
+    @_guarded("Register")
+    def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterReply:
+        if request.protocol_version != edgetrain.PROTOCOL_VERSION:
+            _abort(context, "Register", grpc.StatusCode.FAILED_PRECONDITION,
+                   f"protocol version {request.protocol_version} not supported; "
+                   f"this coordinator speaks {edgetrain.PROTOCOL_VERSION}")
+        if not request.device.name:
+            raise ValueError("device.name is required")
+        info = {f.name: v for f, v in request.device.ListFields()}
+        versions = {f.name: v for f, v in request.versions.ListFields()}
+        record = self._registry.register(request.device.name, info, versions)
+        logger.info("[Coordinator.Register] %s joined (%s, %s cores, speed %s)", record.device_id,
+                    info.get("arch", "?"), info.get("cpu_count", "?"), info.get("emulated_speed", "native"))
+        return pb.RegisterReply(device_id=record.device_id, job=self._job_spec)
+
+    @_guarded("ReportProfile")
+    def ReportProfile(self, request: pb.ProfileReport, context) -> pb.ProfileAck:
+        timings = tuple((t.batch_size, t.seconds) for t in request.timings)
+        if not timings or any(b == 0 or not s > 0 for b, s in timings):
+            raise ValueError(f"profile needs timings with batch_size > 0 and seconds > 0, got {timings}")
+        profile = DeviceProfile(timings, request.memory_total_bytes, request.memory_available_bytes,
+                                request.peak_rss_bytes)
+        speed = self._registry.set_profile(request.device_id, profile)
+        logger.info("[Coordinator.ReportProfile] %s: %.1f samples/s + %.3f s/step", request.device_id,
+                    speed.samples_per_s, speed.overhead_s)
+        return pb.ProfileAck()
+
+    @_guarded("Heartbeat")
+    def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
+        self._registry.heartbeat(request.device_id)
+        return pb.HeartbeatReply()
+
+    @_guarded("GetWork")
+    def GetWork(self, request: pb.WorkRequest, context) -> pb.WorkAssignment:
+        self._registry.heartbeat(request.device_id)
+        wait = min(max(request.max_wait_s, 0.0), MAX_POLL_S)
+        work = self._board.next_work(request.device_id, wait)
+        self._registry.get(request.device_id)  # it may have been dropped while waiting
+        if isinstance(work, Finished):
+            return pb.WorkAssignment(finished=pb.Finished(reason=work.reason))
+        if isinstance(work, Assignment):
+            return pb.WorkAssignment(step=pb.StepWork(
+                step=work.step, attempt=work.attempt, param_version=work.param_version,
+                indices=work.indices, augment=work.augment, data_seed=work.data_seed))
+        return pb.WorkAssignment(idle=pb.Idle())
+
+    @_guarded("DownloadParameters")
+    def DownloadParameters(self, request: pb.ParameterRequest, context) -> Iterator[pb.ParameterMessage]:
+        self._registry.get(request.device_id)
+        metas, payload = self._board.parameters(request.version)
+        if request.offset > len(payload):
+            raise TransferError("out_of_range", f"offset {request.offset} is past the {len(payload)} bytes")
+        chunks = iter_chunks(payload, start=request.offset, chunk_bytes=self._job.training.chunk_bytes)
+        return serde.parameter_stream(metas, chunks)
+
+    @_guarded("UploadGradient")
+    def UploadGradient(self, request_iterator: Iterator[pb.UploadMessage], context) -> pb.UploadReply:
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "header":
+            raise ValueError("an upload must start with an UploadHeader message")
+        header = first.header
+        self._registry.get(header.device_id)
+        metas, _ = serde.header_from_proto(header.bundle)
+        report = {"samples": header.report.samples, "loss": header.report.loss,
+                  "correct": header.report.correct, "compute_s": header.report.compute_s,
+                  "download_s": header.report.download_s}
+        assembler = self._board.begin_upload(header.device_id, header.step, header.attempt, metas,
+                                             report, header.resume_offset)
+        for message in request_iterator:
+            if message.WhichOneof("kind") != "chunk":
+                raise ValueError("only chunks may follow the upload header")
+            chunk = message.chunk
+            assembler.add(chunk.offset, chunk.data, chunk.crc32)
+        self._board.complete_upload(header.device_id, header.step, header.attempt)
+        return pb.UploadReply(received_bytes=assembler.received)
+
+    @_guarded("GetUploadStatus")
+    def GetUploadStatus(self, request: pb.UploadStatusRequest, context) -> pb.UploadStatus:
+        self._registry.get(request.device_id)
+        held, total = self._board.upload_status(request.device_id, request.step, request.attempt)
+        return pb.UploadStatus(received_bytes=held, total_bytes=total)
+
+
+def create_server(address: str, servicer: CoordinatorServicer, *, max_workers: int = 32) -> tuple[grpc.Server, int]:
+    """A started gRPC server for `servicer` bound to `address` ("host:0" picks a port)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
+    pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    server.start()
+    return server, port
+

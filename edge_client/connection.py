@@ -1,0 +1,136 @@
+"""The board's connection to the coordinator: every RPC, retries, and resumable transfers.
+
+Retries happen only here, only on UNAVAILABLE (the coordinator unreachable or restarting), with
+exponential backoff. Tensor transfers resume from the last byte that arrived intact instead of
+starting over: downloads ask for chunks from that offset, uploads ask the coordinator how many
+bytes it holds and continue from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+import grpc
+
+from edgetrain import serde
+from edgetrain.grpc_options import CHANNEL_OPTIONS
+from edgetrain.tensors import ChunkAssembler, TensorMeta, TransferError, iter_chunks
+from protos import coordinator_pb2 as pb
+from protos import coordinator_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+TRANSFER_RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.CANCELLED,
+                        grpc.StatusCode.DEADLINE_EXCEEDED)
+"""A transfer failing with these is resumed from the last good byte."""
+
+
+class CoordinatorUnreachable(ConnectionError):
+    """The coordinator stayed unavailable for longer than the retry budget."""
+
+
+class CoordinatorConnection:
+    """A channel to one coordinator with typed, retrying calls."""
+
+    def __init__(self, address: str, *, retry_budget_s: float = 60.0, transfer_attempts: int = 5) -> None:
+        self.address = address
+        self.retry_budget_s = retry_budget_s
+        self.transfer_attempts = transfer_attempts
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+    def _retrying(self, call: Callable[[], T]) -> T:
+        delay, deadline = 0.2, time.monotonic() + self.retry_budget_s
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay > deadline:
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                        raise CoordinatorUnreachable(f"{self.address}: {e.details()}") from e
+                    raise
+                logger.debug("[Client.Connection] %s unavailable; retrying in %.1f s", self.address, delay,
+                             exc_info=True)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def register(self, request: pb.RegisterRequest) -> pb.RegisterReply:
+        """Join the coordinator's job."""
+        return self._retrying(lambda: self._stub.Register(request, timeout=30))
+
+    def report_profile(self, report: pb.ProfileReport) -> None:
+        """Send the join-time profile."""
+        self._retrying(lambda: self._stub.ReportProfile(report, timeout=30))
+
+    def heartbeat(self, device_id: str) -> None:
+        """One liveness ping (no retry: the next one follows soon)."""
+        self._stub.Heartbeat(pb.HeartbeatRequest(device_id=device_id), timeout=10)
+
+    def get_work(self, device_id: str, max_wait_s: float) -> pb.WorkAssignment:
+        """Long-poll for work."""
+        request = pb.WorkRequest(device_id=device_id, max_wait_s=max_wait_s)
+        return self._retrying(lambda: self._stub.GetWork(request, timeout=max_wait_s + 30))
+
+    def download_parameters(self, device_id: str, version: int) -> tuple[list[TensorMeta], bytearray]:
+        """Parameters of `version`, resuming an interrupted stream from the last good byte."""
+        assembler: ChunkAssembler | None = None
+        metas: list[TensorMeta] = []
+        for attempt in range(self.transfer_attempts):
+            offset = assembler.received if assembler else 0
+            request = pb.ParameterRequest(device_id=device_id, version=version, offset=offset)
+            try:
+                for message in self._stub.DownloadParameters(request, timeout=600):
+                    if message.WhichOneof("kind") == "header":
+                        metas, total = serde.header_from_proto(message.header)
+                        assembler = assembler or ChunkAssembler(total)
+                    else:
+                        chunk = message.chunk
+                        assembler.add(chunk.offset, chunk.data, chunk.crc32)
+                return metas, assembler.payload()
+            except (grpc.RpcError, TransferError) as e:
+                if isinstance(e, grpc.RpcError) and e.code() not in TRANSFER_RETRY_CODES:
+                    raise
+                logger.info("[Client.Download] version %d interrupted at byte %d (%s); resuming", version,
+                            assembler.received if assembler else 0, e)
+                time.sleep(min(0.2 * 2**attempt, 5.0))
+        raise CoordinatorUnreachable(f"download of version {version} failed {self.transfer_attempts} times")
+
+    def upload_gradient(self, header: pb.UploadHeader, payload: memoryview, chunk_bytes: int) -> None:
+        """Upload one step's tensors, resuming from what the coordinator already holds."""
+        status_request = pb.UploadStatusRequest(device_id=header.device_id, step=header.step,
+                                                attempt=header.attempt)
+        start = 0
+        for attempt in range(self.transfer_attempts):
+            header.resume_offset = start
+            try:
+                self._stub.UploadGradient(_upload_messages(header, payload, start, chunk_bytes), timeout=600)
+                return
+            except grpc.RpcError as e:
+                if e.code() not in TRANSFER_RETRY_CODES:
+                    raise
+                logger.info("[Client.Upload] step %d interrupted (%s); resuming", header.step, e.details())
+                time.sleep(min(0.2 * 2**attempt, 5.0))
+                start = self._retrying(lambda: self._stub.GetUploadStatus(status_request, timeout=30)).received_bytes
+        raise CoordinatorUnreachable(f"upload for step {header.step} failed {self.transfer_attempts} times")
+
+
+def _upload_messages(header: pb.UploadHeader, payload: memoryview, start: int,
+                     chunk_bytes: int) -> Iterator[pb.UploadMessage]:
+    yield pb.UploadMessage(header=header)
+    for chunk in iter_chunks(payload, start=start, chunk_bytes=chunk_bytes):
+        yield pb.UploadMessage(chunk=serde.chunk_to_proto(chunk))
+
+
+def upload_header(device_id: str, step: int, attempt: int, metas: Sequence[TensorMeta],
+                  report: pb.StepReport) -> pb.UploadHeader:
+    """Header of a gradient upload."""
+    return pb.UploadHeader(device_id=device_id, step=step, attempt=attempt,
+                           bundle=serde.header_to_proto(metas), report=report)

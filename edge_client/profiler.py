@@ -1,0 +1,68 @@
+"""Join-time profile: how fast this board trains the job's model, and how much memory it has."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import psutil
+import torch
+from torch import nn
+
+from edgetrain.data import make_batch
+from edgetrain.throttle import CpuLimiter
+from edgetrain.training import compute_shard
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Measured training speed and memory of this board."""
+
+    timings: tuple[tuple[int, float], ...]
+    """(batch size, median seconds of one forward + backward)."""
+    memory_total_bytes: int
+    memory_available_bytes: int
+    peak_rss_bytes: int
+
+
+def time_training_step(model: nn.Module, dataset, batch_size: int, limiter: CpuLimiter, *,
+                       repeats: int = 3) -> float:
+    """Median wall seconds of one forward + backward at `batch_size`, after one warm-up step."""
+    indices = [i % len(dataset) for i in range(batch_size)]
+    x, y = make_batch(dataset, indices, augment=False, seed=0, step=0)
+    samples = []
+    for i in range(repeats + 1):
+        started = time.perf_counter()
+        with limiter.working():
+            compute_shard(model, x, y)
+        if i:
+            samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def profile_device(model: nn.Module, dataset, batch_sizes: Sequence[int], limiter: CpuLimiter) -> Profile:
+    """Time training at each batch size (the model's weights are overwritten before real work)."""
+    timings = tuple((b, time_training_step(model, dataset, b, limiter)) for b in batch_sizes)
+    memory = psutil.virtual_memory()
+    rss = psutil.Process(os.getpid()).memory_info().rss
+    return Profile(timings, memory.total, memory.available, rss)
+
+
+def training_throughput(model: nn.Module, dataset, batch_size: int, limiter: CpuLimiter,
+                        *, repeats: int = 5) -> float:
+    """Samples per second of standalone training at `batch_size` (for benchmarks)."""
+    return batch_size / time_training_step(model, dataset, batch_size, limiter, repeats=repeats)
+
+
+def torch_threads_for(speed: float | None) -> int | None:
+    """Threads for an emulated speed (whole cores it may use); None keeps torch's default."""
+    return None if speed is None else max(1, int(speed + 0.999))
+
+
+def set_threads(threads: int | None) -> None:
+    """Apply a torch thread count if one is given."""
+    if threads:
+        torch.set_num_threads(threads)

@@ -1,0 +1,167 @@
+"""The data-parallel shard runtime: join, profile, then compute gradients for assigned samples."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import psutil
+import torch
+
+import edgetrain
+from edge_client.connection import CoordinatorConnection, upload_header
+from edge_client.profiler import profile_device
+from edgetrain import serde
+from edgetrain.data import load_dataset, make_batch
+from edgetrain.models import build_model
+from edgetrain.tensors import pack, unpack
+from edgetrain.throttle import CpuLimiter
+from edgetrain.training import compute_shard, load_state_tensors
+from protos import coordinator_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ClientOptions:
+    """How this board joins and where it keeps its data."""
+
+    name: str
+    """Device name shown by the coordinator (unique per board)."""
+    data_dir: str = "data"
+    """Where the local copy of the dataset lives."""
+    download: bool = False
+    """Download the dataset if missing (needs internet)."""
+    emulated_speed: float | None = None
+    """Fraction of one core this board emulates (None: a real board at full speed)."""
+    poll_s: float = 10.0
+    """Longest a work poll waits on the coordinator."""
+
+
+class Rejoin(Exception):
+    """The coordinator no longer knows this device: register and profile again."""
+
+
+def device_info(options: ClientOptions) -> pb.RegisterRequest:
+    """This board's registration: description, software and protocol version."""
+    return pb.RegisterRequest(
+        device=pb.DeviceInfo(name=options.name, hostname=socket.gethostname(), arch=platform.machine(),
+                             os=platform.platform(), cpu_count=os.cpu_count() or 0,
+                             memory_total_bytes=psutil.virtual_memory().total,
+                             emulated_speed=options.emulated_speed or 0.0),
+        versions=pb.SoftwareVersions(edgetrain=edgetrain.__version__, python=sys.version.split()[0],
+                                     torch=torch.__version__, grpcio=grpc.__version__),
+        protocol_version=edgetrain.PROTOCOL_VERSION)
+
+
+class DataParallelWorker:
+    """Runs one board's part of a data-parallel job until the coordinator says it is finished."""
+
+    def __init__(self, conn: CoordinatorConnection, options: ClientOptions, limiter: CpuLimiter) -> None:
+        self.conn = conn
+        self.options = options
+        self.limiter = limiter
+        self.device_id = ""
+        self._job: pb.JobSpec | None = None
+        self._model: torch.nn.Module | None = None
+        self._dataset = None
+        self._version = -1
+        self._lost = threading.Event()
+        self._timings: tuple[tuple[int, float], ...] = ()
+
+    def run(self) -> str:
+        """Work until the job finishes; returns the coordinator's reason."""
+        while True:
+            self._join()
+            stop_beat = threading.Event()
+            beat = threading.Thread(target=self._heartbeats, args=(stop_beat,), daemon=True)
+            beat.start()
+            try:
+                return self._work_loop()
+            except Rejoin:
+                logger.warning("[Client] coordinator forgot %s; joining again", self.device_id)
+            finally:
+                stop_beat.set()
+
+    def _join(self) -> None:
+        reply = self.conn.register(device_info(self.options))
+        self.device_id, self._lost = reply.device_id, threading.Event()
+        if self._job is None or self._job.SerializeToString() != reply.job.SerializeToString():
+            self._setup(reply.job)
+        report = pb.ProfileReport(device_id=self.device_id, timings=[
+            pb.BatchTiming(batch_size=b, seconds=s) for b, s in self._timings])
+        report.memory_total_bytes, report.memory_available_bytes, report.peak_rss_bytes = self._memory
+        self.conn.report_profile(report)
+        logger.info("[Client] %s joined job %s (%s); profile %s", self.device_id, reply.job.job_id,
+                    reply.job.model, ", ".join(f"b={b}: {s * 1000:.0f} ms" for b, s in self._timings))
+
+    def _setup(self, job: pb.JobSpec) -> None:
+        self._job, self._version = job, -1
+        spec = serde.dataset_from_proto(job.dataset, data_dir=self.options.data_dir,
+                                        download=self.options.download)
+        self._dataset = load_dataset(spec, train=True)
+        self._model = build_model(job.model, num_classes=job.num_classes)
+        self._has_running_stats = any(b.is_floating_point() for b in self._model.buffers())
+        profile = profile_device(self._model, self._dataset, list(job.profile_batch_sizes), self.limiter)
+        self._timings = profile.timings
+        self._memory = (profile.memory_total_bytes, profile.memory_available_bytes, profile.peak_rss_bytes)
+
+    def _heartbeats(self, stop: threading.Event) -> None:
+        while not stop.wait(self._job.heartbeat_interval_s):
+            try:
+                self.conn.heartbeat(self.device_id)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    self._lost.set()
+                    return
+                logger.debug("[Client.Heartbeat] failed", exc_info=True)
+
+    def _work_loop(self) -> str:
+        while True:
+            if self._lost.is_set():
+                raise Rejoin()
+            try:
+                work = self.conn.get_work(self.device_id, self.options.poll_s)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    raise Rejoin() from e
+                raise
+            kind = work.WhichOneof("work")
+            if kind == "finished":
+                logger.info("[Client] job finished: %s", work.finished.reason)
+                return work.finished.reason
+            if kind == "step":
+                self._do_step(work.step)
+
+    def _do_step(self, work: pb.StepWork) -> None:
+        started = time.perf_counter()
+        if work.param_version != self._version:
+            metas, payload = self.conn.download_parameters(self.device_id, work.param_version)
+            load_state_tensors(self._model, unpack(metas, payload))
+            self._version = work.param_version
+        download_s = time.perf_counter() - started
+        started = time.perf_counter()
+        with self.limiter.working():
+            x, y = make_batch(self._dataset, list(work.indices), augment=work.augment, seed=work.data_seed,
+                              step=work.step)
+            result = compute_shard(self._model, x, y)
+        compute_s = time.perf_counter() - started
+        if self._has_running_stats:  # the forward pass moved BN running stats off the served version
+            self._version = -1
+        metas, payload = pack(result.tensors)
+        report = pb.StepReport(samples=result.samples, loss=result.loss, correct=result.correct,
+                               compute_s=compute_s, download_s=download_s)
+        header = upload_header(self.device_id, work.step, work.attempt, metas, report)
+        try:
+            self.conn.upload_gradient(header, payload, self._job.chunk_bytes)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND and "unknown device" in (e.details() or ""):
+                raise Rejoin() from e
+            logger.warning("[Client.Upload] step %d refused: %s %s", work.step, e.code().name, e.details())

@@ -1,0 +1,20 @@
+"""EdgeTrain shared core: role-free code imported by both the coordinator and the edge client.
+
+- ``models.py``    CIFAR ResNet-18 / MobileNetV2 / a BN-free small CNN as ordered block lists,
+                   with per-block parameter count, FLOPs and activation size.
+- ``data.py``      CIFAR-10 loader and a deterministic, learnable synthetic CIFAR-shaped dataset;
+                   deterministic batch assembly and augmentation.
+- ``tensors.py``   named-tensor bundles as dtype + shape + raw bytes, checksummed chunking.
+- ``grpc_options.py`` every channel and server option, each with its reason.
+- ``config.py``    job configuration (keyword-only dataclasses) and YAML loading.
+- ``split.py``     how a global batch is divided across devices (proportional / equal).
+- ``training.py``  the gradient computation both roles (and the reference tests) share.
+- ``throttle.py``  emulated CPU speed: cgroup v1 quota as root, duty-cycle throttle otherwise.
+- ``launch.py``    starts coordinator and client processes for local runs (never imports a role).
+- ``cli.py``       the ``edgetrain`` command; the only module here that imports a role.
+"""
+
+__version__ = "0.1.0"
+
+PROTOCOL_VERSION = 1
+"""Wire protocol version; the coordinator refuses clients that speak another."""

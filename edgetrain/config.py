@@ -1,0 +1,217 @@
+"""Job configuration: keyword-only dataclasses checked at construction, loaded from YAML.
+
+A job file has four sections, each optional:
+
+```yaml
+name: demo
+model: mobilenet_v2            # resnet18 | mobilenet_v2 | small_cnn
+dataset: {name: synthetic, train_size: 20000, test_size: 1000, seed: 0, augment: true}
+training: {global_batch: 64, steps: 300, split: proportional, min_clients: 4, eval_every: 50}
+optimizer: {lr: 0.05, momentum: 0.9, weight_decay: 5.0e-4, schedule: cosine, warmup_steps: 10}
+```
+
+Errors name the file, the key and the bad value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from edgetrain.data import DatasetSpec
+from edgetrain.models import MODEL_NAMES
+
+SPLITS = ("proportional", "equal")
+SCHEDULES = ("cosine", "constant", "step")
+
+
+class ConfigError(ValueError):
+    """A job file or override that cannot be used; the message names file, key and value."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimizerConfig:
+    """SGD with momentum and weight decay, applied by the coordinator, and its LR schedule."""
+
+    lr: float = 0.05
+    """Peak learning rate (for the global batch)."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    weight_decay: float = 5e-4
+    """L2 weight decay."""
+    nesterov: bool = False
+    """Nesterov momentum."""
+    schedule: str = "cosine"
+    """cosine (to 0 at the last step), constant, or step (x0.1 at 50% and 75% of the steps)."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 over this many steps."""
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "lr", self.lr, "must be > 0")
+        _require(0 <= self.momentum < 1, "momentum", self.momentum, "must be in [0, 1)")
+        _require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
+        _require(self.schedule in SCHEDULES, "schedule", self.schedule, f"must be one of {SCHEDULES}")
+        _require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainingConfig:
+    """How the coordinator drives synchronous data-parallel training."""
+
+    global_batch: int = 64
+    """Samples per step across all devices."""
+    steps: int = 300
+    """Number of optimizer steps."""
+    split: str = "proportional"
+    """proportional: batch shares follow measured speed; equal: the framework-default baseline."""
+    min_clients: int = 1
+    """Training starts once this many clients have registered and profiled."""
+    eval_every: int = 50
+    """Evaluate on the test set every this many steps (and after the last step); 0: only at the end."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every this many steps (and after the last step); 0: only at the end."""
+    step_timeout_s: float = 0.0
+    """Give up on a device's contribution after this long; 0: 3x the predicted step time + 10 s."""
+    heartbeat_interval_s: float = 1.0
+    """How often clients send heartbeats."""
+    heartbeat_timeout_s: float = 10.0
+    """A device silent for this long is considered gone."""
+    max_attempts: int = 5
+    """How often one step may be redone (after devices failed) before the job gives up."""
+    chunk_bytes: int = 512 * 1024
+    """Chunk size for parameter and gradient streams (256 KiB - 1 MiB is fastest)."""
+    log_every: int = 10
+    """Print a progress line every this many steps."""
+
+    def __post_init__(self) -> None:
+        _require(self.global_batch > 0, "global_batch", self.global_batch, "must be > 0")
+        _require(self.steps > 0, "steps", self.steps, "must be > 0")
+        _require(self.split in SPLITS, "split", self.split, f"must be one of {SPLITS}")
+        _require(self.min_clients >= 1, "min_clients", self.min_clients, "must be >= 1")
+        _require(self.eval_every >= 0, "eval_every", self.eval_every, "must be >= 0")
+        _require(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every, "must be >= 0")
+        _require(self.step_timeout_s >= 0, "step_timeout_s", self.step_timeout_s, "must be >= 0")
+        _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", self.heartbeat_interval_s,
+                 "must be > 0")
+        _require(self.heartbeat_timeout_s > self.heartbeat_interval_s, "heartbeat_timeout_s",
+                 self.heartbeat_timeout_s, "must exceed heartbeat_interval_s")
+        _require(self.max_attempts >= 1, "max_attempts", self.max_attempts, "must be >= 1")
+        _require(4096 <= self.chunk_bytes <= 1024 * 1024, "chunk_bytes", self.chunk_bytes,
+                 "must be in [4096, 1048576]")
+        _require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
+
+
+@dataclass(kw_only=True, frozen=True)
+class JobConfig:
+    """One training job: model, data, training loop and optimizer."""
+
+    name: str = "demo"
+    """Job name; results go to runs/<name>/."""
+    model: str = "mobilenet_v2"
+    """Model name (see edgetrain.models.MODEL_NAMES)."""
+    seed: int = 0
+    """Seed for the model's initial parameters and the sample order."""
+    dataset: DatasetSpec = field(default_factory=lambda: DatasetSpec(name="synthetic"))
+    """Training and test data; every client holds it locally."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Training loop settings."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer settings."""
+
+    def __post_init__(self) -> None:
+        _require(self.model in MODEL_NAMES, "model", self.model, f"must be one of {MODEL_NAMES}")
+        _require(bool(self.name) and "/" not in self.name, "name", self.name,
+                 "must be a non-empty name without '/'")
+
+
+def _require(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """Instantiate dataclass `cls` from a mapping, checking keys and value types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(fields)})")
+        kwargs[key] = _coerce(hints[key], value, f"{where}.{key}" if where else key)
+    try:
+        return cls(**kwargs)
+    except (ConfigError, ValueError) as e:
+        raise ConfigError(f"{where or 'job'}: {e}") from None
+
+
+def _coerce(hint: Any, value: Any, where: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None and type(None) in allowed:
+        return None
+    for typ in allowed:
+        if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if typ is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if typ in (str, bool) and isinstance(value, typ):
+            return value
+    names = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
+    raise ConfigError(f"{where}: expected {names}, got {type(value).__name__} {value!r}")
+
+
+def job_from_dict(data: Any, *, source: str = "job") -> JobConfig:
+    """A JobConfig from a parsed mapping; errors are prefixed with `source`."""
+    try:
+        return _build(JobConfig, data if data is not None else {}, "")
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobConfig:
+    """Load a job YAML file, apply dotted overrides (e.g. {"training.steps": 20}), validate."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    data = apply_overrides(data if data is not None else {}, overrides or {})
+    return job_from_dict(data, source=str(path))
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `data` with dotted keys set, e.g. {"training.steps": 20}."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"expected a mapping at the top level, got {type(data).__name__}")
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return out
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`key.sub=value` from the command line; the value is parsed as YAML (20 -> int)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {text!r}: expected key=value, e.g. training.steps=20")
+    return key.strip(), yaml.safe_load(raw)
+
+
+def job_to_dict(job: JobConfig) -> dict[str, Any]:
+    """Plain-data form of a job (for run directories and logs)."""
+    return dataclasses.asdict(job)

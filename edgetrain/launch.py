@@ -1,0 +1,97 @@
+"""Run a coordinator and N emulated boards as separate processes on this machine (loopback).
+
+The roles are started as `python -m edgetrain coordinator|client` processes, never imported, so
+a local run exercises exactly what a real deployment does: separate processes talking gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEMO_JOB = Path(__file__).parent / "presets" / "demo.yaml"
+DEMO_SPEEDS = (0.5, 0.3, 0.2, 0.1)
+
+
+@dataclass(kw_only=True, frozen=True)
+class LocalRun:
+    """A local run: one job file, one emulated board per speed."""
+
+    job_file: Path = DEMO_JOB
+    """The job YAML the coordinator runs."""
+    speeds: tuple[float, ...] = DEMO_SPEEDS
+    """Emulated speed of each board, as a fraction of one core."""
+    overrides: tuple[str, ...] = ()
+    """`key=value` job overrides passed to the coordinator (e.g. training.steps=20)."""
+    runs_dir: Path = Path("runs")
+    """Where results go (runs/<job name>/)."""
+    data_dir: Path = Path("data")
+    """Dataset directory shared by the coordinator and the boards."""
+
+    def __post_init__(self) -> None:
+        if not self.speeds or any(s <= 0 for s in self.speeds):
+            raise ValueError(f"speeds must be a non-empty list of positive fractions, got {self.speeds}")
+
+
+def _edgetrain(*args: str) -> list[str]:
+    return [sys.executable, "-m", "edgetrain", *args]
+
+
+def _wait_for_address(port_file: Path, coordinator: subprocess.Popen, timeout_s: float = 300) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if port_file.exists() and port_file.read_text().strip():
+            return port_file.read_text().strip()
+        if coordinator.poll() is not None:
+            raise RuntimeError(f"the coordinator exited with code {coordinator.returncode} before serving")
+        time.sleep(0.1)
+    raise TimeoutError(f"the coordinator did not start serving within {timeout_s:.0f} s")
+
+
+def _stop(processes: Sequence[subprocess.Popen], grace_s: float) -> None:
+    deadline = time.monotonic() + grace_s
+    for proc in processes:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+    for proc in processes:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def run_local(run: LocalRun, *, job_name: str) -> int:
+    """Start the coordinator and boards, wait for the job to end; returns the coordinator's exit code."""
+    log_dir = run.runs_dir / job_name / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port_file = run.runs_dir / job_name / "coordinator.address"
+    port_file.unlink(missing_ok=True)
+    overrides = [arg for o in run.overrides for arg in ("--set", o)]
+    coordinator = subprocess.Popen(_edgetrain(
+        "coordinator", "--config", str(run.job_file), *overrides, "--bind", "127.0.0.1:0",
+        "--port-file", str(port_file), "--runs-dir", str(run.runs_dir), "--data-dir", str(run.data_dir)))
+    clients: list[subprocess.Popen] = []
+    try:
+        address = _wait_for_address(port_file, coordinator)
+        for i, speed in enumerate(run.speeds):
+            name = f"board{i}-{speed:g}"
+            with (log_dir / f"{name}.log").open("w") as log:
+                clients.append(subprocess.Popen(_edgetrain(
+                    "client", "--coordinator", address, "--name", name, "--speed", f"{speed:g}",
+                    "--data-dir", str(run.data_dir)), stdout=log, stderr=subprocess.STDOUT))
+        logger.info("started %d emulated boards (speeds %s); their logs are in %s", len(clients),
+                    ", ".join(f"{s:g}" for s in run.speeds), log_dir)
+        code = coordinator.wait()
+        _stop(clients, grace_s=15)
+        return code
+    finally:
+        _stop([*clients, coordinator], grace_s=0)

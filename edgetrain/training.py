@@ -1,0 +1,110 @@
+"""The training arithmetic both roles share, so distributed and reference runs match exactly.
+
+A device computes the gradient of the *mean* loss over its local samples; the coordinator
+combines devices' gradients weighted by samples / global batch, which equals the gradient of the
+mean loss over the global batch. BatchNorm semantics (documented in the README): each device
+normalises with its own shard's batch statistics (as DDP without SyncBatchNorm); the running
+statistics it returns are averaged weighted by samples, which equals one running-statistics
+update with the sample-weighted mean of the shards' batch statistics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from edgetrain.config import OptimizerConfig
+
+GRAD_PREFIX = "grad."
+BUFFER_PREFIX = "buf."
+
+
+@dataclass
+class ShardResult:
+    """What one device computed on its share of a step."""
+
+    loss: float
+    """Mean loss over the shard."""
+    correct: int
+    """Correctly classified samples in the shard."""
+    samples: int
+    """Shard size."""
+    tensors: dict[str, torch.Tensor]
+    """Gradients (``grad.<param>``) and updated float buffers (``buf.<buffer>``)."""
+
+
+def state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Everything a device needs to reproduce the model: parameters then buffers, by name."""
+    out = {name: p.detach() for name, p in model.named_parameters()}
+    out.update({name: b.detach() for name, b in model.named_buffers()})
+    return out
+
+
+@torch.no_grad()
+def load_state_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy received parameters and buffers into `model` in place."""
+    targets = dict(model.named_parameters())
+    targets.update(dict(model.named_buffers()))
+    for name, value in tensors.items():
+        targets[name].copy_(value)
+
+
+def shard_tensor_names(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(wire name, template tensor) of what a device uploads: gradients, then float buffers."""
+    out = [(GRAD_PREFIX + name, p) for name, p in model.named_parameters()]
+    out += [(BUFFER_PREFIX + name, b) for name, b in model.named_buffers() if b.is_floating_point()]
+    return out
+
+
+def compute_shard(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> ShardResult:
+    """Forward + backward of the mean cross-entropy on one shard; returns grads and buffers."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    logits = model(x)
+    loss = nn.functional.cross_entropy(logits, y)
+    loss.backward()
+    tensors = {}
+    for wire_name, ref in shard_tensor_names(model):
+        if wire_name.startswith(GRAD_PREFIX):
+            grad = ref.grad if ref.grad is not None else torch.zeros_like(ref)
+            tensors[wire_name] = grad.detach()
+        else:
+            tensors[wire_name] = ref.detach()
+    correct = int((logits.argmax(dim=1) == y).sum())
+    return ShardResult(loss=float(loss), correct=correct, samples=int(y.numel()), tensors=tensors)
+
+
+def make_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.SGD:
+    """SGD with momentum and weight decay, as configured."""
+    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                           weight_decay=cfg.weight_decay, nesterov=cfg.nesterov)
+
+
+def lr_factor(step: int, total_steps: int, cfg: OptimizerConfig) -> float:
+    """Multiplier of the peak LR at `step` (0-based): warm-up, then the configured schedule."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+    if cfg.schedule == "step":
+        return 0.1 ** ((progress >= 0.5) + (progress >= 0.75))
+    return 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int,
+                      cfg: OptimizerConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """Per-step LR schedule for `optimizer`."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
+    """Summed loss and correct count over a batch, in eval mode."""
+    model.eval()
+    logits = model(x)
+    loss = nn.functional.cross_entropy(logits, y, reduction="sum")
+    return float(loss), int((logits.argmax(dim=1) == y).sum())

@@ -1,0 +1,248 @@
+from protos import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DeviceInfo(_message.Message):
+    __slots__ = ("name", "hostname", "arch", "os", "cpu_count", "memory_total_bytes", "emulated_speed")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    ARCH_FIELD_NUMBER: _ClassVar[int]
+    OS_FIELD_NUMBER: _ClassVar[int]
+    CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EMULATED_SPEED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    hostname: str
+    arch: str
+    os: str
+    cpu_count: int
+    memory_total_bytes: int
+    emulated_speed: float
+    def __init__(self, name: _Optional[str] = ..., hostname: _Optional[str] = ..., arch: _Optional[str] = ..., os: _Optional[str] = ..., cpu_count: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., emulated_speed: _Optional[float] = ...) -> None: ...
+
+class SoftwareVersions(_message.Message):
+    __slots__ = ("edgetrain", "python", "torch", "grpcio")
+    EDGETRAIN_FIELD_NUMBER: _ClassVar[int]
+    PYTHON_FIELD_NUMBER: _ClassVar[int]
+    TORCH_FIELD_NUMBER: _ClassVar[int]
+    GRPCIO_FIELD_NUMBER: _ClassVar[int]
+    edgetrain: str
+    python: str
+    torch: str
+    grpcio: str
+    def __init__(self, edgetrain: _Optional[str] = ..., python: _Optional[str] = ..., torch: _Optional[str] = ..., grpcio: _Optional[str] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("device", "versions", "protocol_version")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    device: DeviceInfo
+    versions: SoftwareVersions
+    protocol_version: int
+    def __init__(self, device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., versions: _Optional[_Union[SoftwareVersions, _Mapping]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class DatasetSpec(_message.Message):
+    __slots__ = ("name", "seed", "train_size", "test_size", "augment")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TEST_SIZE_FIELD_NUMBER: _ClassVar[int]
+    AUGMENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    seed: int
+    train_size: int
+    test_size: int
+    augment: bool
+    def __init__(self, name: _Optional[str] = ..., seed: _Optional[int] = ..., train_size: _Optional[int] = ..., test_size: _Optional[int] = ..., augment: _Optional[bool] = ...) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("job_id", "model", "num_classes", "dataset", "profile_batch_sizes", "heartbeat_interval_s", "chunk_bytes")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    model: str
+    num_classes: int
+    dataset: DatasetSpec
+    profile_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    heartbeat_interval_s: float
+    chunk_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., profile_batch_sizes: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("device_id", "job")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    job: JobSpec
+    def __init__(self, device_id: _Optional[str] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+
+class BatchTiming(_message.Message):
+    __slots__ = ("batch_size", "seconds")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    batch_size: int
+    seconds: float
+    def __init__(self, batch_size: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class ProfileReport(_message.Message):
+    __slots__ = ("device_id", "timings", "memory_total_bytes", "memory_available_bytes", "peak_rss_bytes")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    timings: _containers.RepeatedCompositeFieldContainer[BatchTiming]
+    memory_total_bytes: int
+    memory_available_bytes: int
+    peak_rss_bytes: int
+    def __init__(self, device_id: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[BatchTiming, _Mapping]]] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ...) -> None: ...
+
+class ProfileAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("device_id",)
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    def __init__(self, device_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkRequest(_message.Message):
+    __slots__ = ("device_id", "max_wait_s")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    max_wait_s: float
+    def __init__(self, device_id: _Optional[str] = ..., max_wait_s: _Optional[float] = ...) -> None: ...
+
+class StepWork(_message.Message):
+    __slots__ = ("step", "attempt", "param_version", "indices", "augment", "data_seed")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PARAM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    AUGMENT_FIELD_NUMBER: _ClassVar[int]
+    DATA_SEED_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    attempt: int
+    param_version: int
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    augment: bool
+    data_seed: int
+    def __init__(self, step: _Optional[int] = ..., attempt: _Optional[int] = ..., param_version: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., augment: _Optional[bool] = ..., data_seed: _Optional[int] = ...) -> None: ...
+
+class Idle(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Finished(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class WorkAssignment(_message.Message):
+    __slots__ = ("idle", "step", "finished")
+    IDLE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    idle: Idle
+    step: StepWork
+    finished: Finished
+    def __init__(self, idle: _Optional[_Union[Idle, _Mapping]] = ..., step: _Optional[_Union[StepWork, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+
+class ParameterRequest(_message.Message):
+    __slots__ = ("device_id", "version", "offset")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    version: int
+    offset: int
+    def __init__(self, device_id: _Optional[str] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class ParameterMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: _tensor_pb2.BundleHeader
+    chunk: _tensor_pb2.Chunk
+    def __init__(self, header: _Optional[_Union[_tensor_pb2.BundleHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
+
+class StepReport(_message.Message):
+    __slots__ = ("samples", "loss", "correct", "compute_s", "download_s")
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    CORRECT_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_S_FIELD_NUMBER: _ClassVar[int]
+    samples: int
+    loss: float
+    correct: int
+    compute_s: float
+    download_s: float
+    def __init__(self, samples: _Optional[int] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., compute_s: _Optional[float] = ..., download_s: _Optional[float] = ...) -> None: ...
+
+class UploadHeader(_message.Message):
+    __slots__ = ("device_id", "step", "attempt", "bundle", "report", "resume_offset")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    step: int
+    attempt: int
+    bundle: _tensor_pb2.BundleHeader
+    report: StepReport
+    resume_offset: int
+    def __init__(self, device_id: _Optional[str] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., bundle: _Optional[_Union[_tensor_pb2.BundleHeader, _Mapping]] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ..., resume_offset: _Optional[int] = ...) -> None: ...
+
+class UploadMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: UploadHeader
+    chunk: _tensor_pb2.Chunk
+    def __init__(self, header: _Optional[_Union[UploadHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
+
+class UploadReply(_message.Message):
+    __slots__ = ("received_bytes",)
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
+
+class UploadStatusRequest(_message.Message):
+    __slots__ = ("device_id", "step", "attempt")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    step: int
+    attempt: int
+    def __init__(self, device_id: _Optional[str] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class UploadStatus(_message.Message):
+    __slots__ = ("received_bytes", "total_bytes")
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    total_bytes: int
+    def __init__(self, received_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
