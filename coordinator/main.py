@@ -29,9 +29,11 @@ def profile_batch_sizes(global_batch: int) -> list[int]:
     return sorted({max(2, global_batch // 8), max(4, global_batch // 2)})
 
 
-def _watch_heartbeats(registry: DeviceRegistry, timeout_s: float, stop: threading.Event) -> None:
+def _watch_heartbeats(registry: DeviceRegistry, board: StepBoard, timeout_s: float, stop: threading.Event) -> None:
+    """Drop silent devices; when the coordinator stops, release everything waiting on the board."""
     while not stop.wait(min(1.0, timeout_s / 4)):
         registry.expire(timeout_s)
+    board.finish("coordinator stopped")
 
 
 def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str = "data",
@@ -58,7 +60,7 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
     if port_file:
         Path(port_file).write_text(f"{host}:{port}\n")
     watcher = threading.Thread(target=_watch_heartbeats, daemon=True,
-                               args=(registry, job.training.heartbeat_timeout_s, stop))
+                               args=(registry, board, job.training.heartbeat_timeout_s, stop))
     watcher.start()
     trainer = DataParallelTrainer(job, registry, board, model, train_size, test_set, run_dir, stop)
     try:

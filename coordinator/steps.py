@@ -138,7 +138,7 @@ class StepBoard:
             while True:
                 pending = [d for d in attempt.assignments if not attempt.answered(d)]
                 gone = [d for d in pending if not is_alive(d)]
-                if len(gone) == len(pending) or self._clock() >= deadline:
+                if len(gone) == len(pending) or self._clock() >= deadline or self._finished:
                     break
                 self._cond.wait(timeout=min(0.2, max(0.0, deadline - self._clock())))
             self._closed.add((attempt.step, attempt.attempt))

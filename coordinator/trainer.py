@@ -122,6 +122,8 @@ class DataParallelTrainer:
             self.board.open_attempt(assignments)
             deadline = time.monotonic() + self._timeout(shares, speeds)
             outcome = self.board.wait_attempt(deadline, self.registry.is_alive)
+            if self.stop.is_set():
+                raise JobAborted(f"stopped during step {step}")
             for device_id in outcome.missing:
                 self.registry.drop(device_id, f"no result for step {step} attempt {attempt}")
             if not outcome.missing:

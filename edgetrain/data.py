@@ -1,0 +1,274 @@
+"""CIFAR-10 and a synthetic CIFAR-shaped dataset, plus deterministic batch assembly.
+
+Every process that builds the batch for the same ``(indices, step)`` gets identical tensors:
+synthetic items are a pure function of ``(seed, split, index)`` computed in integer arithmetic,
+and a sample's augmentation is a pure function of ``(seed, step, index)``. That is what lets the
+coordinator split a global batch across devices while single-process reference training sees
+the same samples.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+from torchvision import datasets
+
+logger = logging.getLogger(__name__)
+
+DATASET_NAMES: tuple[str, ...] = ("synthetic", "cifar10")
+"""Names accepted by ``DatasetSpec.name``."""
+
+CIFAR10_MEAN: tuple[float, float, float] = (0.4914, 0.4822, 0.4465)
+"""Per-channel mean of the CIFAR-10 training images (pixels scaled to [0, 1])."""
+CIFAR10_STD: tuple[float, float, float] = (0.2470, 0.2435, 0.2616)
+"""Per-channel standard deviation of the CIFAR-10 training images (pixels scaled to [0, 1])."""
+
+NUM_CLASSES = 10
+FULL_TRAIN_SIZE = 50_000
+FULL_TEST_SIZE = 10_000
+IMAGE_SIZE = 32
+CROP_PADDING = 4
+
+_MASK64 = (1 << 64) - 1
+# Stream tags keep the hashes used for different purposes independent of each other.
+_TEMPLATE_STREAM, _ITEM_STREAM, _NOISE_STREAM, _LABEL_STREAM, _AUGMENT_STREAM = range(5)
+
+# Synthetic image recipe, in 8-bit pixel units: a smooth class template (coarse random grid,
+# bilinearly upsampled) scaled by a random contrast, shifted, brightened, plus pixel noise.
+_TEMPLATE_GRID = 4
+_TEMPLATE_AMPLITUDE = 64
+_MAX_SHIFT = 3
+_CONTRAST_SIXTEENTHS = (8, 24)
+_MAX_BRIGHTNESS = 24
+_NOISE_TERMS = 3
+_NOISE_HALF_WIDTH = 40
+
+
+@dataclass(kw_only=True, frozen=True)
+class DatasetSpec:
+    """Which dataset a job trains on, and how much of it."""
+
+    name: str
+    """``"synthetic"`` (generated on the fly, needs nothing on disk) or ``"cifar10"``."""
+    data_dir: str = "data"
+    """Directory holding (or receiving) the CIFAR-10 python batches."""
+    download: bool = False
+    """Download CIFAR-10 into ``data_dir`` when it is missing (needs network access)."""
+    seed: int = 0
+    """Seed of the synthetic dataset; every process with the same seed sees the same images."""
+    train_size: int | None = None
+    """Training samples to use: the first N (None: 50000)."""
+    test_size: int | None = None
+    """Test samples to use: the first N (None: 10000)."""
+    augment: bool = True
+    """Random crop (4-pixel zero padding) and horizontal flip on training batches."""
+
+    def __post_init__(self) -> None:
+        if self.name not in DATASET_NAMES:
+            raise ValueError(
+                f"unknown dataset {self.name!r}; valid names: {', '.join(DATASET_NAMES)}"
+            )
+        for field in ("train_size", "test_size"):
+            size = getattr(self, field)
+            if size is not None and size <= 0:
+                raise ValueError(f"{field} must be > 0 (or None for the full split), got {size}")
+
+    def split_size(self, *, train: bool) -> int:
+        """Number of samples to use from the training or test split."""
+        if train:
+            return FULL_TRAIN_SIZE if self.train_size is None else self.train_size
+        return FULL_TEST_SIZE if self.test_size is None else self.test_size
+
+
+def _mix(*values: int) -> int:
+    """A 64-bit hash of a sequence of integers (SplitMix64 steps), identical on every machine."""
+    state = 0
+    for value in values:
+        state = ((state ^ (value & _MASK64)) + 0x9E3779B97F4A7C15) & _MASK64
+        state = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        state = ((state ^ (state >> 27)) * 0x94D049BB133111EB) & _MASK64
+        state ^= state >> 31
+    return state
+
+
+def _generator(*values: int) -> torch.Generator:
+    """A CPU generator seeded from a hash of ``values`` (63 bits, a valid torch seed)."""
+    return torch.Generator().manual_seed(_mix(*values) >> 1)
+
+
+_MEAN = torch.tensor(CIFAR10_MEAN).view(3, 1, 1)
+_STD = torch.tensor(CIFAR10_STD).view(3, 1, 1)
+
+
+def normalize(pixels: torch.Tensor) -> torch.Tensor:
+    """Turn uint8 pixels (..., 3, H, W) into float32 normalised with the CIFAR-10 statistics."""
+    return (pixels.to(torch.float32) / 255.0 - _MEAN) / _STD
+
+
+def _smooth(x: torch.Tensor, dim: int, width: int) -> torch.Tensor:
+    """Circular box filter of ``width`` along ``dim``, in exact integer arithmetic."""
+    return sum(torch.roll(x, shifts=k, dims=dim) for k in range(width)) // width
+
+
+def _class_templates(seed: int) -> torch.Tensor:
+    """One smooth random int32 pattern (3, 32, 32) per class, a pure function of ``seed``.
+
+    A coarse random grid upsampled by repetition then box-filtered over one cell equals bilinear
+    interpolation; doing it on integers keeps templates bit-identical across machines.
+    """
+    cell = IMAGE_SIZE // _TEMPLATE_GRID
+    coarse = torch.randint(
+        -_TEMPLATE_AMPLITUDE,
+        _TEMPLATE_AMPLITUDE + 1,
+        (NUM_CLASSES, 3, _TEMPLATE_GRID, _TEMPLATE_GRID),
+        generator=_generator(_TEMPLATE_STREAM, seed),
+        dtype=torch.int32,
+    )
+    fine = coarse.repeat_interleave(cell, dim=2).repeat_interleave(cell, dim=3)
+    return _smooth(_smooth(fine, dim=2, width=cell), dim=3, width=cell)
+
+
+class SyntheticCIFAR10(Dataset):
+    """SYNTHETIC CIFAR-shaped data, not real CIFAR-10: 10 classes of generated 32x32 images.
+
+    Each class has a smooth random colour pattern; an item is its class pattern with a random
+    contrast, a circular shift of up to 3 pixels, a random brightness and strong pixel noise.
+    A small CNN learns it well above chance within a few hundred SGD steps, but not instantly.
+    Item ``i`` is a pure function of ``(seed, train/test, i)``, computed with integer arithmetic
+    and per-item generators, so it is identical in every process and on every machine; train
+    and test share the class patterns but not the items. Labels are exactly balanced in every
+    aligned run of 10 indices. Items are ``(float32 (3, 32, 32) normalised image, int label)``.
+    """
+
+    def __init__(self, *, train: bool, size: int, seed: int) -> None:
+        if size <= 0:
+            raise ValueError(f"size must be > 0, got {size}")
+        self.train = train
+        self.size = size
+        self.seed = seed
+        self._split = 0 if train else 1
+        self._templates = _class_templates(seed)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        index = int(index)
+        if not 0 <= index < self.size:
+            raise IndexError(f"index {index} out of range for {self.size} items")
+        label = self.label(index)
+        return normalize(self.pixels(index, label)), label
+
+    def label(self, index: int) -> int:
+        """Label of item ``index``: each aligned block of 10 indices holds every class once."""
+        block, position = divmod(index, NUM_CLASSES)
+        return (position + _mix(_LABEL_STREAM, self.seed, self._split, block)) % NUM_CLASSES
+
+    def pixels(self, index: int, label: int) -> torch.Tensor:
+        """The uint8 (3, 32, 32) image of item ``index``, before normalisation."""
+        draw = _mix(_ITEM_STREAM, self.seed, self._split, index)
+        span = 2 * _MAX_SHIFT + 1
+        shifts = (draw % span - _MAX_SHIFT, (draw >> 8) % span - _MAX_SHIFT)
+        low, high = _CONTRAST_SIXTEENTHS
+        contrast = low + (draw >> 16) % (high - low + 1)
+        brightness = (draw >> 24) % (2 * _MAX_BRIGHTNESS + 1) - _MAX_BRIGHTNESS
+        noise = torch.randint(
+            -_NOISE_HALF_WIDTH,
+            _NOISE_HALF_WIDTH + 1,
+            (_NOISE_TERMS, 3, IMAGE_SIZE, IMAGE_SIZE),
+            generator=_generator(_NOISE_STREAM, self.seed, self._split, index),
+            dtype=torch.int32,
+        ).sum(dim=0)
+        pattern = torch.roll(self._templates[label], shifts=shifts, dims=(1, 2))
+        pixels = 128 + brightness + contrast * pattern // 16 + noise
+        return pixels.clamp_(0, 255).to(torch.uint8)
+
+
+class InMemoryImages(Dataset):
+    """Images held as one uint8 (N, 3, 32, 32) tensor, normalised when an item is fetched."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != 3:
+            raise ValueError(f"images must be uint8 (N, 3, H, W), got {images.dtype} {images.shape}")
+        if labels.shape != (images.shape[0],):
+            raise ValueError(f"need one label per image, got {labels.shape} for {images.shape}")
+        self.images = images
+        self.labels = labels.to(torch.int64)
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return normalize(self.images[index]), int(self.labels[index])
+
+
+def dataset_is_synthetic(spec: DatasetSpec) -> bool:
+    """Whether ``spec`` names generated data, which reports must label as synthetic."""
+    return spec.name == "synthetic"
+
+
+def load_dataset(spec: DatasetSpec, *, train: bool) -> Dataset:
+    """The training or test split named by ``spec``, cut to the requested size."""
+    size = spec.split_size(train=train)
+    if dataset_is_synthetic(spec):
+        return SyntheticCIFAR10(train=train, size=size, seed=spec.seed)
+    return _load_cifar10(spec, train=train, size=size)
+
+
+def _load_cifar10(spec: DatasetSpec, *, train: bool, size: int) -> InMemoryImages:
+    """Real CIFAR-10 from ``spec.data_dir`` (downloaded first if ``spec.download``)."""
+    try:
+        source = datasets.CIFAR10(root=spec.data_dir, train=train, download=spec.download)
+    except RuntimeError as e:
+        raise FileNotFoundError(
+            f"CIFAR-10 not found under {spec.data_dir!r}; run with download enabled when online "
+            f"(edgetrain ... --download) or use dataset name 'synthetic'"
+        ) from e
+    if size > len(source):
+        split = "train" if train else "test"
+        raise ValueError(f"requested {size} samples but the CIFAR-10 {split} split has {len(source)}")
+    images = torch.from_numpy(source.data[:size]).permute(0, 3, 1, 2).contiguous()
+    logger.info("[Data] loaded CIFAR-10 %s split: %d images", "train" if train else "test", size)
+    return InMemoryImages(images, torch.tensor(source.targets[:size]))
+
+
+def make_batch(
+    dataset: Dataset, indices: Sequence[int], *, augment: bool, seed: int, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack the items at ``indices`` (in that order) into ``(images, int64 labels)``.
+
+    With ``augment``, each image gets a random crop (4-pixel zero padding) and horizontal flip
+    drawn from ``(seed, step, index)`` alone, so a sample looks the same in whichever process
+    and alongside whichever other samples it is batched.
+    """
+    if len(indices) == 0:
+        raise ValueError("make_batch needs at least one index")
+    items = [dataset[int(i)] for i in indices]
+    images = torch.stack([image for image, _ in items])
+    labels = torch.tensor([label for _, label in items], dtype=torch.int64)
+    if augment:
+        images = _crop_and_flip(images, [int(i) for i in indices], seed=seed, step=step)
+    return images, labels
+
+
+def _crop_and_flip(
+    images: torch.Tensor, indices: list[int], *, seed: int, step: int
+) -> torch.Tensor:
+    """Random-crop (after zero padding) and maybe mirror each image, keyed by its index."""
+    size, pad = images.shape[-1], CROP_PADDING
+    draws = [_mix(_AUGMENT_STREAM, seed, step, index) for index in indices]
+    top = torch.tensor([draw % (2 * pad + 1) for draw in draws])
+    left = torch.tensor([(draw >> 8) % (2 * pad + 1) for draw in draws])
+    flip = torch.tensor([bool((draw >> 16) & 1) for draw in draws])
+    offsets = torch.arange(size)
+    rows = top[:, None] + offsets
+    cols = left[:, None] + torch.where(flip[:, None], offsets.flip(0), offsets)
+    padded = F.pad(images, (pad, pad, pad, pad))
+    batch = torch.arange(len(indices))[:, None, None]
+    # Advanced indices around a slice move to the front: the result is (N, H, W, C).
+    return padded[batch, :, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2).contiguous()

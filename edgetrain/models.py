@@ -1,0 +1,209 @@
+"""CIFAR-10 models as ordered lists of named blocks, with the cost of each block.
+
+A block is the unit a pipeline partition cuts at: a stage that owns blocks ``[start, stop)`` runs
+``model.run_blocks(x, start, stop)``, and the planner prices a cut from ``block_costs``. The
+ResNet-18 and MobileNetV2 blocks are torchvision's own modules (CIFAR stems), so their weights and
+semantics are torchvision's; ``small_cnn`` has no BatchNorm or dropout, so a pipeline or
+data-parallel run can be compared exactly with single-process training.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+from torchvision import models as tv_models
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAMES: tuple[str, ...] = ("resnet18", "mobilenet_v2", "small_cnn")
+"""Names accepted by ``build_model``."""
+
+_FLOAT32_BYTES = 4
+_BATCHNORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+NamedBlocks = list[tuple[str, nn.Module]]
+
+
+class BlockModel(nn.Module):
+    """A network held as an ordered list of named blocks, so it can be cut between any two.
+
+    Blocks are stored in ``self.blocks`` (an ordered ``nn.ModuleDict``) under their name with
+    ``.`` replaced by ``_`` (module names cannot contain dots): block ``layer1.0`` owns parameters
+    ``blocks.layer1_0.*``. Parameter names therefore depend only on the architecture and are the
+    same in every process, which is what lets processes exchange state by name.
+    """
+
+    def __init__(self, blocks: Sequence[tuple[str, nn.Module]]) -> None:
+        super().__init__()
+        if not blocks:
+            raise ValueError("a BlockModel needs at least one block")
+        names = [name for name, _ in blocks]
+        keys = [name.replace(".", "_") for name in names]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"block names must be unique (after '.' -> '_'), got {names}")
+        self._block_names = names
+        self.blocks = nn.ModuleDict(zip(keys, (module for _, module in blocks)))
+
+    @property
+    def block_names(self) -> list[str]:
+        """The block names in execution order (e.g. ``stem``, ``layer1.0``, ..., ``head``)."""
+        return list(self._block_names)
+
+    def block_modules(self, start: int = 0, stop: int | None = None) -> list[nn.Module]:
+        """The modules of blocks ``[start, stop)``: what a pipeline stage owns and optimises."""
+        count = len(self._block_names)
+        stop = count if stop is None else stop
+        if not 0 <= start <= stop <= count:
+            raise IndexError(f"need 0 <= start <= stop <= {count}, got start={start} stop={stop}")
+        return list(self.blocks.values())[start:stop]
+
+    def run_blocks(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Run blocks ``[start, stop)`` on ``x``: the forward pass of one pipeline stage."""
+        for block in self.block_modules(start, stop):
+            x = block(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Run every block in order."""
+        return self.run_blocks(x, 0, len(self._block_names))
+
+
+def _resnet18_blocks(num_classes: int) -> NamedBlocks:
+    """torchvision ResNet-18 with the CIFAR stem (3x3 stride-1 conv, no max-pool)."""
+    net = tv_models.resnet18(num_classes=num_classes)
+    net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")
+    blocks: NamedBlocks = [("stem", nn.Sequential(net.conv1, net.bn1, net.relu))]
+    for layer_name in ("layer1", "layer2", "layer3", "layer4"):
+        layer = getattr(net, layer_name)
+        blocks += [(f"{layer_name}.{i}", block) for i, block in enumerate(layer)]
+    blocks.append(("head", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), net.fc)))
+    return blocks
+
+
+def _mobilenet_v2_blocks(num_classes: int) -> NamedBlocks:
+    """torchvision MobileNetV2 with a stride-1 stem conv, so 32x32 inputs keep enough resolution."""
+    net = tv_models.mobilenet_v2(num_classes=num_classes)
+    net.features[0][0].stride = (1, 1)
+    blocks: NamedBlocks = [(f"features.{i}", feature) for i, feature in enumerate(net.features)]
+    blocks.append(("head", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), net.classifier)))
+    return blocks
+
+
+def _small_cnn_blocks(num_classes: int) -> NamedBlocks:
+    """A three-conv network without BatchNorm or dropout: fast on CPU and exactly reproducible."""
+    return [
+        ("conv1", nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))),
+        ("conv2", nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))),
+        (
+            "conv3",
+            nn.Sequential(
+                nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()
+            ),
+        ),
+        ("head", nn.Linear(64, num_classes)),
+    ]
+
+
+_BUILDERS: dict[str, Callable[[int], NamedBlocks]] = {
+    "resnet18": _resnet18_blocks,
+    "mobilenet_v2": _mobilenet_v2_blocks,
+    "small_cnn": _small_cnn_blocks,
+}
+
+
+def build_model(name: str, num_classes: int = 10, seed: int | None = None) -> BlockModel:
+    """Build model ``name`` as a ``BlockModel``.
+
+    With ``seed``, initialisation is a pure function of the seed, so every process that builds
+    the model starts from the same weights; the global RNG state is left as it was.
+    """
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODEL_NAMES)}")
+    if num_classes < 1:
+        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+    if seed is None:
+        return BlockModel(_BUILDERS[name](num_classes))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return BlockModel(_BUILDERS[name](num_classes))
+
+
+@dataclass(kw_only=True, frozen=True)
+class BlockCost:
+    """What one block costs for a given batch: the planner's input for pricing a cut."""
+
+    name: str
+    """The block's name, as in ``BlockModel.block_names``."""
+    params: int
+    """Number of parameter elements the block owns."""
+    param_bytes: int
+    """Bytes of those parameters (what moving the block's weights costs)."""
+    forward_flops: int
+    """Forward-pass FLOPs for the whole batch, as counted by torch's FlopCounterMode."""
+    output_shape: tuple[int, ...]
+    """Shape of the block's output, batch dimension first."""
+    output_bytes: int
+    """Bytes of that output as float32: what a cut after this block sends per micro-batch."""
+
+    def __post_init__(self) -> None:
+        for field in ("params", "param_bytes", "forward_flops", "output_bytes"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")
+        if not self.output_shape or min(self.output_shape) < 1:
+            raise ValueError(f"output_shape must be non-empty and positive: {self.output_shape}")
+
+
+def count_params(model: nn.Module) -> int:
+    """Number of parameter elements in ``model``."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    """Whether ``model`` has BatchNorm, whose batch statistics make sharded training inexact."""
+    return any(isinstance(module, _BATCHNORM_TYPES) for module in model.modules())
+
+
+def block_costs(
+    model: BlockModel, batch_size: int, input_shape: tuple[int, ...] = (3, 32, 32)
+) -> list[BlockCost]:
+    """Parameters, FLOPs and output size of each block for a batch of ``batch_size``.
+
+    Measures one sample in eval mode under ``no_grad`` (so BatchNorm running statistics are not
+    touched) and scales FLOPs and activation bytes linearly with the batch. Every module's
+    train/eval flag is restored afterwards.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            return _measure_blocks(model, batch_size, torch.zeros(1, *input_shape))
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def _measure_blocks(model: BlockModel, batch_size: int, x: torch.Tensor) -> list[BlockCost]:
+    """Run ``x`` (one sample) through the blocks, recording each block's cost."""
+    costs = []
+    for name, block in zip(model.block_names, model.block_modules()):
+        with FlopCounterMode(display=False) as counter:
+            x = block(x)
+        costs.append(
+            BlockCost(
+                name=name,
+                params=count_params(block),
+                param_bytes=sum(p.numel() * p.element_size() for p in block.parameters()),
+                forward_flops=counter.get_total_flops() * batch_size,
+                output_shape=(batch_size, *x.shape[1:]),
+                output_bytes=x.numel() * batch_size * _FLOAT32_BYTES,
+            )
+        )
+    return costs

@@ -1,0 +1,136 @@
+"""Shared fixtures: a real coordinator on 127.0.0.1 (port 0), client processes, cleanup."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+import torch
+
+from edgetrain.config import JobConfig, job_from_dict
+from protos import coordinator_pb2_grpc as pb_grpc
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _kill_leftover_children() -> Iterator[None]:
+    """No test may leave a client or coordinator process behind."""
+    yield
+    for child in psutil.Process(os.getpid()).children(recursive=True):
+        child.kill()
+
+
+def small_job(**sections) -> JobConfig:
+    """A fast BN-free job on synthetic data; `sections` override parts of the job mapping."""
+    data = {
+        "name": "test", "model": "small_cnn", "seed": 0,
+        "dataset": {"name": "synthetic", "train_size": 512, "test_size": 128, "augment": False},
+        "training": {"global_batch": 24, "steps": 6, "min_clients": 1, "eval_every": 0, "log_every": 1,
+                     "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5.0},
+        "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4, "schedule": "cosine",
+                      "warmup_steps": 2},
+    }
+    for key, value in sections.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) else value
+    return job_from_dict(data)
+
+
+@dataclass
+class RunningCoordinator:
+    """A coordinator serving a job in a background thread of the test process."""
+
+    address: str
+    run_dir: Path
+    thread: threading.Thread
+    stop: threading.Event
+    result: dict = field(default_factory=dict)
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.address)
+
+    def stub(self) -> pb_grpc.CoordinatorStub:
+        return pb_grpc.CoordinatorStub(self.channel())
+
+    def wait(self, timeout: float) -> dict:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"coordinator did not finish within {timeout} s"
+        if "error" in self.result:
+            raise self.result["error"]
+        return self.result["summary"]
+
+
+def start_coordinator(job: JobConfig, tmp_path: Path) -> RunningCoordinator:
+    """Run `job` on a real gRPC server bound to 127.0.0.1:0; returns once it serves."""
+    from coordinator.main import run_coordinator
+
+    port_file = tmp_path / "address"
+    stop = threading.Event()
+    result: dict = {}
+
+    def serve() -> None:
+        try:
+            result["summary"] = run_coordinator(job, bind="127.0.0.1:0", runs_dir=str(tmp_path / "runs"),
+                                                port_file=str(port_file), stop=stop)
+        except BaseException as e:  # surfaced by RunningCoordinator.wait
+            result["error"] = e
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not (port_file.exists() and port_file.read_text().strip()):
+        assert time.monotonic() < deadline and thread.is_alive(), f"coordinator did not start: {result}"
+        time.sleep(0.05)
+    return RunningCoordinator(port_file.read_text().strip(), tmp_path / "runs" / job.name, thread, stop, result)
+
+
+@pytest.fixture
+def coordinator_factory(tmp_path: Path) -> Iterator:
+    """Start coordinators for a test; they are stopped afterwards."""
+    started: list[RunningCoordinator] = []
+
+    def factory(job: JobConfig) -> RunningCoordinator:
+        running = start_coordinator(job, tmp_path)
+        started.append(running)
+        return running
+
+    yield factory
+    for running in started:
+        running.stop.set()
+        running.thread.join(30)
+
+
+def spawn_client(address: str, name: str, *, speed: float | None = None, log_dir: Path) -> subprocess.Popen:
+    """An edge client as a separate process (`python -m edgetrain client`)."""
+    args = [sys.executable, "-m", "edgetrain", "client", "--coordinator", address, "--name", name,
+            "--threads", "1"]
+    if speed:
+        args += ["--speed", str(speed)]
+    log = (log_dir / f"{name}.log").open("w")
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.fixture
+def client_factory(tmp_path: Path) -> Iterator:
+    """Start client processes for a test; they are killed afterwards."""
+    procs: list[subprocess.Popen] = []
+
+    def factory(address: str, name: str, speed: float | None = None) -> subprocess.Popen:
+        proc = spawn_client(address, name, speed=speed, log_dir=tmp_path)
+        procs.append(proc)
+        return proc
+
+    yield factory
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)

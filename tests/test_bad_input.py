@@ -1,0 +1,632 @@
+"""Bad input from a hand-written client: precise status codes, and the coordinator keeps serving.
+
+Each test starts a real coordinator on 127.0.0.1:0 and speaks raw gRPC to it through the
+generated stubs, computing real gradients for the samples it is assigned, so every refusal is
+the coordinator's own and every "keeps serving" check is a real accepted upload or a real next
+step.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from conftest import small_job
+
+import edgetrain
+from edgetrain import serde
+from edgetrain.data import load_dataset, make_batch
+from edgetrain.grpc_options import MAX_MESSAGE_BYTES
+from edgetrain.models import build_model
+from edgetrain.tensors import ChunkAssembler, RawChunk, iter_chunks, pack, unpack
+from edgetrain.training import compute_shard, load_state_tensors
+from protos import coordinator_pb2 as pb
+from protos import coordinator_pb2_grpc as pb_grpc
+from protos import tensor_pb2 as tpb
+
+pytestmark = pytest.mark.timeout(60)
+
+NAME = "raw-board"
+CHUNK = 4096
+"""Upload chunk size: the small CNN's ~95 KiB gradient travels in ~24 chunks."""
+RPC_TIMEOUT_S = 15.0
+
+
+def bad_input_job(**training):
+    """50 steps, one board, a 30 s step deadline; heartbeats lenient so a slow host is not dropped."""
+    return small_job(training={"steps": 50, "min_clients": 1, "step_timeout_s": 30,
+                               "heartbeat_timeout_s": 30.0, **training})
+
+
+# --- a raw client ------------------------------------------------------------------------------
+
+@dataclass
+class Board:
+    """One registered, profiled device driven by hand."""
+
+    stub: pb_grpc.CoordinatorStub
+    device_id: str
+    job: pb.JobSpec
+
+
+@dataclass
+class Gradient:
+    """A real gradient upload for one step: header fields, tensors and packed payload."""
+
+    work: pb.StepWork
+    tensors: dict[str, torch.Tensor]
+    bundle: tpb.BundleHeader
+    payload: bytes
+    report: pb.StepReport
+
+
+def register(stub: pb_grpc.CoordinatorStub, name: str = NAME,
+             protocol_version: int = edgetrain.PROTOCOL_VERSION) -> pb.RegisterReply:
+    request = pb.RegisterRequest(
+        device=pb.DeviceInfo(name=name, hostname="test", arch="x86_64", os="linux", cpu_count=1),
+        versions=pb.SoftwareVersions(edgetrain=edgetrain.__version__),
+        protocol_version=protocol_version)
+    return stub.Register(request, timeout=RPC_TIMEOUT_S)
+
+
+def join(stub: pb_grpc.CoordinatorStub, name: str = NAME) -> Board:
+    """Register and report a profile, so the trainer may give this board work."""
+    reply = register(stub, name)
+    timings = [pb.BatchTiming(batch_size=b, seconds=0.01 + b * 0.001) for b in reply.job.profile_batch_sizes]
+    stub.ReportProfile(pb.ProfileReport(device_id=reply.device_id, timings=timings,
+                                        memory_total_bytes=2**30, memory_available_bytes=2**29),
+                       timeout=RPC_TIMEOUT_S)
+    return Board(stub, reply.device_id, reply.job)
+
+
+def next_step(board: Board, timeout_s: float = 20.0) -> pb.StepWork:
+    """Poll GetWork until it hands out a step."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        work = board.stub.GetWork(pb.WorkRequest(device_id=board.device_id, max_wait_s=1.0),
+                                  timeout=RPC_TIMEOUT_S)
+        kind = work.WhichOneof("work")
+        assert kind != "finished", work.finished.reason
+        if kind == "step":
+            return work.step
+    raise AssertionError(f"no work for {board.device_id} within {timeout_s} s")
+
+
+def download(board: Board, version: int) -> dict[str, torch.Tensor]:
+    metas, assembler = [], None
+    request = pb.ParameterRequest(device_id=board.device_id, version=version)
+    for message in board.stub.DownloadParameters(request, timeout=RPC_TIMEOUT_S):
+        if message.WhichOneof("kind") == "header":
+            metas, total = serde.header_from_proto(message.header)
+            assembler = ChunkAssembler(total)
+        else:
+            assembler.add(message.chunk.offset, message.chunk.data, message.chunk.crc32)
+    return unpack(metas, assembler.payload())
+
+
+def compute_gradient(board: Board, work: pb.StepWork, tmp_path: Path) -> Gradient:
+    """What a real board computes for `work`: gradients of the mean loss over its samples."""
+    model = build_model(board.job.model, num_classes=board.job.num_classes)
+    load_state_tensors(model, download(board, work.param_version))
+    spec = serde.dataset_from_proto(board.job.dataset, data_dir=str(tmp_path / "data"), download=False)
+    x, y = make_batch(load_dataset(spec, train=True), list(work.indices), augment=work.augment,
+                      seed=work.data_seed, step=work.step)
+    result = compute_shard(model, x, y)
+    return gradient_of(work, result.tensors, pb.StepReport(
+        samples=result.samples, loss=result.loss, correct=result.correct, compute_s=0.01))
+
+
+def gradient_of(work: pb.StepWork, tensors: dict[str, torch.Tensor], report: pb.StepReport) -> Gradient:
+    metas, payload = pack(tensors)
+    return Gradient(work, tensors, serde.header_to_proto(metas), bytes(payload), report)
+
+
+def header(board: Board, grad: Gradient, *, resume_offset: int = 0, **fields) -> pb.UploadHeader:
+    """The upload header for `grad`; `fields` override device_id / step / attempt."""
+    values = {"device_id": board.device_id, "step": grad.work.step, "attempt": grad.work.attempt, **fields}
+    return pb.UploadHeader(bundle=grad.bundle, report=grad.report, resume_offset=resume_offset, **values)
+
+
+def chunks(grad: Gradient, start: int = 0, stop: int | None = None) -> list[RawChunk]:
+    """Good chunks of the payload covering [start, stop)."""
+    end = len(grad.payload) if stop is None else stop
+    return [c for c in iter_chunks(grad.payload, start=start, chunk_bytes=CHUNK) if c.offset < end]
+
+
+def stream(head: pb.UploadHeader | None, pieces: Iterable[RawChunk | tpb.Chunk]) -> Iterator[pb.UploadMessage]:
+    if head is not None:
+        yield pb.UploadMessage(header=head)
+    for piece in pieces:
+        chunk = piece if isinstance(piece, tpb.Chunk) else serde.chunk_to_proto(piece)
+        yield pb.UploadMessage(chunk=chunk)
+
+
+def upload(board: Board, head: pb.UploadHeader | None, pieces: Iterable[RawChunk | tpb.Chunk]) -> pb.UploadReply:
+    return board.stub.UploadGradient(stream(head, pieces), timeout=RPC_TIMEOUT_S)
+
+
+def upload_good(board: Board, grad: Gradient) -> pb.UploadReply:
+    return upload(board, header(board, grad), chunks(grad))
+
+
+def refused(call: Callable[[], object]) -> grpc.RpcError:
+    """The RpcError `call` fails with (the test fails if it succeeds)."""
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    return caught.value
+
+
+def train_records(run_dir: Path) -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == "train"}
+
+
+def leave(stub: pb_grpc.CoordinatorStub, *names: str) -> None:
+    """Re-register `names` without profiling: their old records are dropped, so an open step
+    attempt ends at once instead of at its 30 s deadline (the trainer ignores `stop` while it
+    waits for an attempt; see test_stop_while_a_step_is_open_ends_the_run_promptly)."""
+    for name in names:
+        register(stub, name)
+
+
+@pytest.fixture
+def coordinator(coordinator_factory):
+    """A coordinator for `bad_input_job()`; on teardown it must stop within a few seconds."""
+    running = coordinator_factory(bad_input_job())
+    yield running
+    running.stop.set()
+    leave(running.stub(), NAME)
+    running.thread.join(15)
+    assert not running.thread.is_alive(), "coordinator did not stop within 15 s"
+
+
+@pytest.fixture
+def board(coordinator) -> Board:
+    return join(coordinator.stub())
+
+
+# --- the happy path ----------------------------------------------------------------------------
+
+def test_raw_client_good_upload_is_accepted_and_training_moves_on(coordinator, board, tmp_path):
+    # Prepare
+    work = next_step(board)
+    grad = compute_gradient(board, work, tmp_path)
+
+    # Execute
+    reply = upload_good(board, grad)
+    following = next_step(board)
+
+    # Assert
+    assert (work.step, work.attempt, work.param_version) == (0, 0, 0)
+    assert len(work.indices) == 24
+    assert reply.received_bytes == len(grad.payload)
+    assert following.step == 1
+    record = train_records(coordinator.run_dir)[0]
+    assert record["samples"] == 24
+    assert record["rejected"] == {}
+    assert record["devices"][board.device_id]["samples"] == 24
+
+
+# --- refused headers: the contribution is rejected and the step goes on without it ----------------
+
+def _wrong_shape(bundle: tpb.BundleHeader) -> str:
+    spec = bundle.tensors[0]
+    spec.shape[:] = list(reversed(spec.shape))
+    return spec.name
+
+
+def _wrong_dtype(bundle: tpb.BundleHeader) -> str:
+    bundle.tensors[0].dtype = tpb.INT32  # same 4 bytes per element: only the dtype is wrong
+    return bundle.tensors[0].name
+
+
+@pytest.mark.parametrize(("corrupt", "fragments"), [
+    pytest.param(_wrong_shape, ["shape [3, 3, 3, 16]", "expected [16, 3, 3, 3]"], id="shape"),
+    pytest.param(_wrong_dtype, ["dtype int32", "expected float32"], id="dtype"),
+])
+def test_header_with_wrong_tensor_is_rejected_and_step_goes_on(coordinator, board, tmp_path, corrupt,
+                                                               fragments):
+    # Prepare
+    work = next_step(board)
+    grad = compute_gradient(board, work, tmp_path)
+    bad_bundle = tpb.BundleHeader()
+    bad_bundle.CopyFrom(grad.bundle)
+    name = corrupt(bad_bundle)
+    head = header(board, grad)
+    head.bundle.CopyFrom(bad_bundle)
+
+    # Execute
+    error = refused(lambda: upload(board, head, chunks(grad)))
+    following = next_step(board)
+
+    # Assert
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"tensor {name!r}" in error.details()
+    for fragment in fragments:
+        assert fragment in error.details()
+    assert following.step == work.step + 1
+    record = train_records(coordinator.run_dir)[work.step]
+    assert record["samples"] == 0
+    assert fragments[0] in record["rejected"][board.device_id]
+    assert record["failed"] == []
+
+
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_gradient_is_rejected_and_step_goes_on(coordinator, board, tmp_path, bad_value):
+    # Prepare
+    work = next_step(board)
+    grad = compute_gradient(board, work, tmp_path)
+    tensors = dict(grad.tensors)
+    first = next(iter(tensors))
+    tensors[first] = tensors[first].clone()
+    tensors[first].view(-1)[:3] = bad_value
+    poisoned = gradient_of(work, tensors, grad.report)
+
+    # Execute
+    error = refused(lambda: upload_good(board, poisoned))
+    following = next_step(board)
+
+    # Assert
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"tensor {first!r} has 3 non-finite (NaN/Inf) values" in error.details()
+    assert following.step == work.step + 1
+    assert "non-finite" in train_records(coordinator.run_dir)[work.step]["rejected"][board.device_id]
+
+
+def test_sample_count_not_matching_assignment_is_rejected(coordinator, board, tmp_path):
+    # Prepare
+    work = next_step(board)
+    grad = compute_gradient(board, work, tmp_path)
+    grad.report.samples = len(work.indices) + 1
+
+    # Execute
+    error = refused(lambda: upload_good(board, grad))
+
+    # Assert
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"report says {len(work.indices) + 1} samples, assignment had {len(work.indices)}" in error.details()
+    assert next_step(board).step == work.step + 1
+
+
+# --- broken streams resume from the last good byte -----------------------------------------------
+
+def test_bad_crc_is_data_loss_and_upload_resumes_from_held_bytes(coordinator, board, tmp_path):
+    # Prepare: five good chunks, then one whose crc32 does not match its data
+    work = next_step(board)
+    grad = compute_gradient(board, work, tmp_path)
+    good, bad = chunks(grad, stop=5 * CHUNK), chunks(grad)[5]
+    status_request = pb.UploadStatusRequest(device_id=board.device_id, step=work.step, attempt=work.attempt)
+
+    # Execute
+    error = refused(lambda: upload(board, header(board, grad), [*good, RawChunk(bad.offset, bad.data, bad.crc32 ^ 1)]))
+    status = board.stub.GetUploadStatus(status_request, timeout=RPC_TIMEOUT_S)
+    reply = upload(board, header(board, grad, resume_offset=status.received_bytes),
+                   chunks(grad, start=status.received_bytes))
+
+    # Assert
+    assert error.code() == grpc.StatusCode.DATA_LOSS
+    assert f"chunk at byte {5 * CHUNK} failed its crc32 check; resume from byte {5 * CHUNK}" in error.details()
+    assert (status.received_bytes, status.total_bytes) == (5 * CHUNK, len(grad.payload))
+    assert reply.received_bytes == len(grad.payload)
+    assert next_step(board).step == work.step + 1
+    assert board.device_id in train_records(coordinator.run_dir)[work.step]["devices"]
+
+
+def test_truncated_stream_is_data_loss_and_resume_completes(coordinator, board, tmp_path):
+    # Prepare
+    work = next_step(board)
+    grad = compute_gradient(board, work, tmp_path)
+    held, total = 7 * CHUNK, len(grad.payload)
+
+    # Execute
+    error = refused(lambda: upload(board, header(board, grad), chunks(grad, stop=held)))
+    status = board.stub.GetUploadStatus(
+        pb.UploadStatusRequest(device_id=board.device_id, step=work.step, attempt=work.attempt),
+        timeout=RPC_TIMEOUT_S)
+    reply = upload(board, header(board, grad, resume_offset=held), chunks(grad, start=held))
+
+    # Assert
+    assert error.code() == grpc.StatusCode.DATA_LOSS
+    assert f"stream ended at byte {held} of {total}; resume from byte {held}" in error.details()
+    assert status.received_bytes == held
+    assert reply.received_bytes == total
+    assert next_step(board).step == work.step + 1
+
+
+def test_resume_that_repeats_held_bytes_is_accepted(coordinator, board, tmp_path):
+    # Prepare: 3 chunks held; the resumed sender starts over from byte 0 (duplicates are ignored)
+    work = next_step(board)
+    grad = compute_gradient(board, work, tmp_path)
+    refused(lambda: upload(board, header(board, grad), chunks(grad, stop=3 * CHUNK)))
+
+    # Execute
+    reply = upload(board, header(board, grad), chunks(grad))
+
+    # Assert
+    assert reply.received_bytes == len(grad.payload)
+    assert next_step(board).step == work.step + 1
+
+
+def _as_messages(head: pb.UploadHeader | None, pieces: Iterable[RawChunk | tpb.Chunk]) -> list[pb.UploadMessage]:
+    return list(stream(head, pieces))
+
+
+@pytest.mark.parametrize(("make_messages", "code", "fragment"), [
+    pytest.param(lambda b, g: _as_messages(header(b, g), [chunks(g)[0], chunks(g)[2]]),
+                 grpc.StatusCode.OUT_OF_RANGE, f"chunk at byte {2 * CHUNK} leaves a gap; resume from byte {CHUNK}",
+                 id="gap"),
+    pytest.param(lambda b, g: _as_messages(header(b, g, resume_offset=CHUNK), chunks(g, start=CHUNK)),
+                 grpc.StatusCode.OUT_OF_RANGE, f"resume_offset {CHUNK} is past the 0 bytes held",
+                 id="resume-past-held"),
+    pytest.param(lambda b, g: _as_messages(header(b, g), [tpb.Chunk(offset=len(g.payload) - 10, data=bytes(20))]),
+                 grpc.StatusCode.OUT_OF_RANGE, "runs past the declared", id="past-total"),
+    pytest.param(lambda b, g: _as_messages(None, chunks(g)), grpc.StatusCode.INVALID_ARGUMENT,
+                 "an upload must start with an UploadHeader message", id="chunk-first"),
+    pytest.param(lambda b, g: [pb.UploadMessage()], grpc.StatusCode.INVALID_ARGUMENT,
+                 "an upload must start with an UploadHeader message", id="empty-message-first"),
+    pytest.param(lambda b, g: [], grpc.StatusCode.INVALID_ARGUMENT,
+                 "an upload must start with an UploadHeader message", id="empty-stream"),
+    pytest.param(lambda b, g: _as_messages(header(b, g), []) * 2, grpc.StatusCode.INVALID_ARGUMENT,
+                 "only chunks may follow the upload header", id="second-header"),
+])
+def test_malformed_stream_is_refused_and_good_upload_follows(coordinator, board, tmp_path, make_messages,
+                                                            code, fragment):
+    # Prepare
+    work = next_step(board)
+    grad = compute_gradient(board, work, tmp_path)
+    messages = make_messages(board, grad)
+
+    # Execute
+    error = refused(lambda: board.stub.UploadGradient(iter(messages), timeout=RPC_TIMEOUT_S))
+    reply = upload_good(board, grad)
+
+    # Assert
+    assert error.code() == code
+    assert fragment in error.details()
+    assert reply.received_bytes == len(grad.payload)
+    assert next_step(board).step == work.step + 1
+
+
+def test_oversize_message_is_resource_exhausted_and_server_keeps_serving(coordinator, board, tmp_path):
+    # Prepare: one chunk of 9 MiB, above the 8 MiB receive limit
+    work = next_step(board)
+    grad = compute_gradient(board, work, tmp_path)
+    data = bytes(9 * 1024 * 1024)
+    assert len(data) > MAX_MESSAGE_BYTES
+    huge = tpb.Chunk(offset=0, data=data, crc32=0)
+
+    # Execute
+    error = refused(lambda: upload(board, header(board, grad), [huge]))
+    reply = upload_good(board, grad)
+
+    # Assert
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert str(MAX_MESSAGE_BYTES) in error.details()
+    assert reply.received_bytes == len(grad.payload)
+    assert next_step(board).step == work.step + 1
+
+
+# --- uploads for the wrong step ------------------------------------------------------------------
+
+@pytest.mark.parametrize(("shift_step", "shift_attempt"), [(100, 0), (0, 3)], ids=["step", "attempt"])
+def test_unknown_step_or_attempt_is_not_found(coordinator, board, tmp_path, shift_step, shift_attempt):
+    # Prepare
+    work = next_step(board)
+    grad = compute_gradient(board, work, tmp_path)
+    step, attempt = work.step + shift_step, work.attempt + shift_attempt
+    status_request = pb.UploadStatusRequest(device_id=board.device_id, step=step, attempt=attempt)
+
+    # Execute
+    upload_error = refused(lambda: upload(board, header(board, grad, step=step, attempt=attempt), chunks(grad)))
+    status_error = refused(lambda: board.stub.GetUploadStatus(status_request, timeout=RPC_TIMEOUT_S))
+    reply = upload_good(board, grad)
+
+    # Assert
+    for error in (upload_error, status_error):
+        assert error.code() == grpc.StatusCode.NOT_FOUND
+        assert (f"unknown step {step} attempt {attempt}; current: step {work.step} attempt {work.attempt}"
+                in error.details())
+    assert reply.received_bytes == len(grad.payload)
+
+
+def test_upload_for_a_closed_step_is_failed_precondition(coordinator, board, tmp_path):
+    # Prepare: step 0 answered and closed (the board already has step 1)
+    work = next_step(board)
+    grad = compute_gradient(board, work, tmp_path)
+    upload_good(board, grad)
+    following = next_step(board)
+
+    # Execute
+    error = refused(lambda: upload_good(board, grad))
+
+    # Assert
+    assert following.step == work.step + 1
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"step {work.step} attempt {work.attempt} is closed" in error.details()
+    later = compute_gradient(board, following, tmp_path)
+    assert upload_good(board, later).received_bytes == len(later.payload)
+
+
+def test_second_upload_while_step_still_open_is_already_exists(coordinator_factory, tmp_path):
+    # Prepare: two boards share step 0; the first answers twice before the second answers
+    running = coordinator_factory(bad_input_job(min_clients=2))
+    first, second = join(running.stub(), "raw-a"), join(running.stub(), "raw-b")
+    try:
+        work_a, work_b = next_step(first), next_step(second)
+        grad_a = compute_gradient(first, work_a, tmp_path)
+        upload_good(first, grad_a)
+
+        # Execute
+        error = refused(lambda: upload_good(first, grad_a))
+        stranger = refused(lambda: upload(second, header(second, grad_a, device_id="raw-c-404"), []))
+        upload_good(second, compute_gradient(second, work_b, tmp_path))
+
+        # Assert
+        assert work_a.step == work_b.step == 0
+        assert len(work_a.indices) + len(work_b.indices) == 24
+        assert error.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert f"device {first.device_id} already answered step 0 attempt 0" in error.details()
+        assert stranger.code() == grpc.StatusCode.NOT_FOUND
+        assert next_step(first).step == 1
+        record = train_records(running.run_dir)[0]
+        assert set(record["devices"]) == {first.device_id, second.device_id}
+        assert record["samples"] == 24
+    finally:
+        running.stop.set()
+        leave(running.stub(), "raw-a", "raw-b")
+
+
+# --- unknown devices, bad registrations and profiles ---------------------------------------------
+
+def test_unknown_device_is_not_found_on_every_rpc(coordinator, board, tmp_path):
+    # Prepare
+    ghost = "ghost-404"
+    work = next_step(board)
+    grad = compute_gradient(board, work, tmp_path)
+    calls = {
+        "Heartbeat": lambda: board.stub.Heartbeat(pb.HeartbeatRequest(device_id=ghost), timeout=RPC_TIMEOUT_S),
+        "GetWork": lambda: board.stub.GetWork(pb.WorkRequest(device_id=ghost, max_wait_s=0.1),
+                                              timeout=RPC_TIMEOUT_S),
+        "UploadGradient": lambda: upload(board, header(board, grad, device_id=ghost), chunks(grad)),
+        "GetUploadStatus": lambda: board.stub.GetUploadStatus(
+            pb.UploadStatusRequest(device_id=ghost, step=work.step, attempt=work.attempt), timeout=RPC_TIMEOUT_S),
+        "DownloadParameters": lambda: list(board.stub.DownloadParameters(
+            pb.ParameterRequest(device_id=ghost, version=work.param_version), timeout=RPC_TIMEOUT_S)),
+        "ReportProfile": lambda: board.stub.ReportProfile(pb.ProfileReport(
+            device_id=ghost, timings=[pb.BatchTiming(batch_size=4, seconds=0.1)]), timeout=RPC_TIMEOUT_S),
+    }
+
+    # Execute
+    errors = {rpc: refused(call) for rpc, call in calls.items()}
+
+    # Assert
+    for rpc, error in errors.items():
+        assert error.code() == grpc.StatusCode.NOT_FOUND, rpc
+        assert f"unknown device id {ghost!r}; register again" in error.details(), rpc
+    board.stub.Heartbeat(pb.HeartbeatRequest(device_id=board.device_id), timeout=RPC_TIMEOUT_S)
+    assert upload_good(board, grad).received_bytes == len(grad.payload)
+
+
+def test_download_of_unserved_version_or_offset_is_refused(coordinator, board):
+    # Prepare
+    work = next_step(board)
+
+    # Execute
+    stale = refused(lambda: list(board.stub.DownloadParameters(
+        pb.ParameterRequest(device_id=board.device_id, version=work.param_version + 5), timeout=RPC_TIMEOUT_S)))
+    past = refused(lambda: list(board.stub.DownloadParameters(
+        pb.ParameterRequest(device_id=board.device_id, version=work.param_version, offset=10**9),
+        timeout=RPC_TIMEOUT_S)))
+
+    # Assert
+    assert stale.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"parameter version {work.param_version + 5} is not served" in stale.details()
+    assert past.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert f"offset {10**9} is past the" in past.details()
+    assert download(board, work.param_version)
+
+
+def test_protocol_version_mismatch_is_failed_precondition(coordinator):
+    # Prepare
+    stub = coordinator.stub()
+    wrong = edgetrain.PROTOCOL_VERSION + 1
+
+    # Execute
+    error = refused(lambda: register(stub, "from-the-future", protocol_version=wrong))
+    reply = register(stub, "from-today")
+
+    # Assert
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"protocol version {wrong} not supported" in error.details()
+    assert f"speaks {edgetrain.PROTOCOL_VERSION}" in error.details()
+    assert reply.device_id
+
+
+def test_register_without_a_name_is_invalid_argument(coordinator):
+    # Execute
+    error = refused(lambda: register(coordinator.stub(), name=""))
+
+    # Assert
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "device.name is required" in error.details()
+
+
+@pytest.mark.parametrize("timings", [
+    pytest.param([], id="empty"),
+    pytest.param([pb.BatchTiming(batch_size=0, seconds=0.1)], id="zero-batch"),
+    pytest.param([pb.BatchTiming(batch_size=4, seconds=0.0)], id="zero-seconds"),
+    pytest.param([pb.BatchTiming(batch_size=4, seconds=float("nan"))], id="nan-seconds"),
+])
+def test_report_profile_with_unusable_timings_is_invalid_argument(coordinator, timings):
+    # Prepare
+    stub = coordinator.stub()
+    device_id = register(stub).device_id
+
+    # Execute
+    error = refused(lambda: stub.ReportProfile(pb.ProfileReport(device_id=device_id, timings=timings),
+                                               timeout=RPC_TIMEOUT_S))
+    board = join(stub)
+
+    # Assert
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "profile needs timings with batch_size > 0 and seconds > 0" in error.details()
+    assert next_step(board).step == 0
+
+
+# --- shutdown ------------------------------------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bug: DataParallelTrainer._run_step blocks in StepBoard.wait_attempt until the step deadline "
+    "(step_timeout_s, or 3x predicted + 10 s) without looking at `stop`, so stopping a run while "
+    "a live device holds work takes up to the whole deadline"))
+def test_stop_while_a_step_is_open_ends_the_run_promptly(coordinator_factory):
+    # Prepare: the board holds step 0 and stays alive (no heartbeat expiry: the run is stopping)
+    running = coordinator_factory(bad_input_job())
+    board = join(running.stub())
+    next_step(board)
+
+    # Execute
+    started = time.monotonic()
+    running.stop.set()
+    running.thread.join(5.0)
+    try:
+        # Assert
+        assert not running.thread.is_alive(), (
+            f"coordinator still running {time.monotonic() - started:.1f} s after stop")
+    finally:
+        leave(running.stub(), NAME)
+        running.thread.join(15)
+
+
+def test_server_serves_concurrent_bad_and_good_calls(coordinator, board, tmp_path):
+    # Prepare: a burst of refused calls from other threads while the board uploads
+    work = next_step(board)
+    grad = compute_gradient(board, work, tmp_path)
+    codes: list[grpc.StatusCode] = []
+
+    def hammer() -> None:
+        for _ in range(10):
+            try:
+                board.stub.Heartbeat(pb.HeartbeatRequest(device_id="nobody"), timeout=RPC_TIMEOUT_S)
+            except grpc.RpcError as e:
+                codes.append(e.code())
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+
+    # Execute
+    for thread in threads:
+        thread.start()
+    reply = upload_good(board, grad)
+    for thread in threads:
+        thread.join(RPC_TIMEOUT_S)
+
+    # Assert
+    assert codes == [grpc.StatusCode.NOT_FOUND] * 40
+    assert reply.received_bytes == len(grad.payload)

@@ -1,0 +1,185 @@
+"""Tests for edgetrain.split: batch division across devices and the affine speed model."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgetrain.split import (
+    SpeedEstimate,
+    fit_speed,
+    predicted_step_seconds,
+    refine_speed,
+    split_equal,
+    split_proportional,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+_speeds = st.builds(
+    SpeedEstimate,
+    overhead_s=st.floats(0.0, 2.0, allow_nan=False),
+    samples_per_s=st.floats(0.5, 50.0, allow_nan=False),
+)
+
+
+def _brute_force_best(total: int, speeds: dict[str, SpeedEstimate]) -> float:
+    """The smallest slowest-device time over every integer split of `total`."""
+    devices = list(speeds)
+    best = float("inf")
+    for head in itertools.product(range(total + 1), repeat=len(devices) - 1):
+        if sum(head) <= total:
+            shares = dict(zip(devices, (*head, total - sum(head))))
+            best = min(best, predicted_step_seconds(shares, speeds))
+    return best
+
+
+# --- split_proportional ------------------------------------------------------------------------
+
+@settings(max_examples=150, deadline=None)
+@given(total=st.integers(0, 14), speeds=st.lists(_speeds, min_size=1, max_size=3))
+def test_split_proportional_is_min_max_optimal(total: int, speeds: list[SpeedEstimate]) -> None:
+    # Prepare
+    by_device = {f"dev-{i}": s for i, s in enumerate(speeds)}
+
+    # Execute
+    shares = split_proportional(total, by_device)
+
+    # Assert
+    assert sum(shares.values()) == total
+    assert set(shares) == set(by_device)
+    assert all(n >= 0 for n in shares.values())
+    assert predicted_step_seconds(shares, by_device) == pytest.approx(
+        _brute_force_best(total, by_device), rel=1e-9, abs=1e-12)
+
+
+def test_split_proportional_matches_speed_ratios_without_overhead() -> None:
+    # Prepare
+    speeds = {name: SpeedEstimate(overhead_s=0.0, samples_per_s=v)
+              for name, v in (("a", 5.0), ("b", 3.0), ("c", 2.0), ("d", 1.0))}
+
+    # Execute
+    shares = split_proportional(110, speeds)
+
+    # Assert
+    for name, want in (("a", 50), ("b", 30), ("c", 20), ("d", 10)):
+        assert abs(shares[name] - want) <= 1, shares
+    assert sum(shares.values()) == 110
+
+
+def test_split_proportional_gives_zero_to_a_device_too_slow_to_help() -> None:
+    # Prepare: the fast device does the whole batch in 0.16 s; the slow one needs 5 s for one sample
+    speeds = {"fast": SpeedEstimate(overhead_s=0.0, samples_per_s=100.0),
+              "slow": SpeedEstimate(overhead_s=5.0, samples_per_s=100.0)}
+
+    # Execute
+    shares = split_proportional(16, speeds)
+
+    # Assert
+    assert shares == {"fast": 16, "slow": 0}
+    assert predicted_step_seconds(shares, speeds) == pytest.approx(0.16)
+
+
+def test_split_proportional_of_zero_samples_gives_nothing() -> None:
+    speeds = {"a": SpeedEstimate(overhead_s=0.0, samples_per_s=1.0)}
+    assert split_proportional(0, speeds) == {"a": 0}
+
+
+def test_split_proportional_needs_a_device() -> None:
+    with pytest.raises(ValueError, match="zero devices"):
+        split_proportional(8, {})
+
+
+# --- split_equal -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("total", "devices", "want"), [
+    (12, ["a", "b", "c"], {"a": 4, "b": 4, "c": 4}),
+    (14, ["a", "b", "c"], {"a": 5, "b": 5, "c": 4}),
+    (2, ["a", "b", "c"], {"a": 1, "b": 1, "c": 0}),
+    (7, ["solo"], {"solo": 7}),
+])
+def test_split_equal(total: int, devices: list[str], want: dict[str, int]) -> None:
+    assert split_equal(total, devices) == want
+
+
+def test_split_equal_needs_a_device() -> None:
+    with pytest.raises(ValueError, match="zero devices"):
+        split_equal(8, [])
+
+
+# --- fit_speed / refine_speed ------------------------------------------------------------------
+
+@pytest.mark.parametrize(("overhead", "rate"), [(0.0, 40.0), (0.05, 120.0), (1.5, 3.0)])
+def test_fit_speed_recovers_affine_model(overhead: float, rate: float) -> None:
+    # Prepare
+    timings = [(b, overhead + b / rate) for b in (3, 12, 24, 12)]
+
+    # Execute
+    speed = fit_speed(timings)
+
+    # Assert
+    assert speed.overhead_s == pytest.approx(overhead, abs=1e-9)
+    assert speed.samples_per_s == pytest.approx(rate, rel=1e-9)
+
+
+@pytest.mark.parametrize(("timings", "rate"), [
+    pytest.param([(8, 0.4)], 20.0, id="single-size"),
+    pytest.param([(8, 0.4), (8, 0.6)], 16 / 1.0, id="repeated-size"),
+    pytest.param([(2, 1.0), (12, 0.5)], 14 / 1.5, id="time-falls-with-batch"),
+    pytest.param([(2, 0.01), (12, 0.5)], 14 / 0.51, id="negative-overhead"),
+    pytest.param([(0, 1.0), (4, 0.0), (8, 0.4)], 20.0, id="unusable-points-dropped"),
+])
+def test_fit_speed_falls_back_to_proportional(timings, rate: float) -> None:
+    # Execute
+    speed = fit_speed(timings)
+
+    # Assert
+    assert speed.overhead_s == 0.0
+    assert speed.samples_per_s == pytest.approx(rate)
+
+
+def test_fit_speed_without_usable_timings_raises() -> None:
+    with pytest.raises(ValueError, match="no usable timings"):
+        fit_speed([(0, 1.0), (4, 0.0)])
+
+
+@pytest.mark.parametrize("observed_rate", [10.0, 400.0])
+def test_refine_speed_moves_towards_observation(observed_rate: float) -> None:
+    # Prepare
+    estimate = SpeedEstimate(overhead_s=0.1, samples_per_s=100.0)
+
+    # Execute
+    refined = refine_speed(estimate, samples=40, seconds=0.1 + 40 / observed_rate)
+
+    # Assert
+    assert refined.overhead_s == estimate.overhead_s
+    low, high = sorted((estimate.samples_per_s, observed_rate))
+    assert low < refined.samples_per_s < high
+    assert refined.samples_per_s == pytest.approx(0.7 * 100.0 + 0.3 * observed_rate)
+
+
+@pytest.mark.parametrize(("samples", "seconds"), [(0, 1.0), (10, 0.1), (10, 0.05)])
+def test_refine_speed_ignores_unusable_observations(samples: int, seconds: float) -> None:
+    estimate = SpeedEstimate(overhead_s=0.1, samples_per_s=100.0)
+    assert refine_speed(estimate, samples=samples, seconds=seconds) == estimate
+
+
+# --- predicted_step_seconds --------------------------------------------------------------------
+
+def test_predicted_step_seconds_is_the_slowest_busy_device() -> None:
+    # Prepare
+    speeds = {"a": SpeedEstimate(overhead_s=0.5, samples_per_s=10.0),
+              "b": SpeedEstimate(overhead_s=0.0, samples_per_s=4.0),
+              "idle": SpeedEstimate(overhead_s=100.0, samples_per_s=1.0)}
+
+    # Execute
+    seconds = predicted_step_seconds({"a": 20, "b": 10, "idle": 0}, speeds)
+
+    # Assert
+    assert seconds == pytest.approx(2.5)
+    assert predicted_step_seconds({}, speeds) == 0.0
+    assert predicted_step_seconds({"idle": 0}, speeds) == 0.0
+    assert speeds["a"].seconds(0) == 0.0

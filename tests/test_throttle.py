@@ -1,0 +1,179 @@
+"""Tests for edgetrain.throttle: duty-cycle pacing, validation, and the cgroup v1 quota.
+
+The machine is shared, so speeds are checked as CPU/wall ratios with wide tolerances.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from edgetrain import throttle
+from edgetrain.throttle import limit_cpu, remove_stale_cgroups
+
+REPO = Path(__file__).resolve().parents[1]
+CGROUP_ROOT = Path(throttle.DEFAULT_CGROUP_ROOT)
+
+needs_cgroup = pytest.mark.skipif(
+    os.geteuid() != 0 or not (CGROUP_ROOT / "cpu.cfs_quota_us").exists(),
+    reason="needs root and cgroup v1 cpu mounted at /sys/fs/cgroup/cpu",
+)
+
+
+def _burn(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+@pytest.mark.parametrize("burst_s", [0.005, 0.0002], ids=["5ms-bursts", "0.2ms-bursts"])
+def test_duty_cycle_holds_fraction(burst_s: float) -> None:
+    # Prepare
+    limiter = limit_cpu(0.25, name="test-duty", prefer_cgroup=False)
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+
+    # Execute
+    while time.perf_counter() - wall0 < 1.0:
+        with limiter.working():
+            _burn(burst_s)
+    ratio = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+
+    # Assert
+    assert limiter.mode == "duty-cycle"
+    assert 0.15 <= ratio <= 0.35, f"CPU/wall {ratio:.3f} for fraction 0.25"
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.5, (os.cpu_count() or 1) + 1, float("nan")])
+def test_rejects_fraction_outside_cores(fraction: float) -> None:
+    with pytest.raises(ValueError, match=str(fraction)):
+        limit_cpu(fraction, name="test-bad")
+
+
+def test_none_mode_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare
+    sleeps: list[float] = []
+    monkeypatch.setattr(throttle.time, "sleep", sleeps.append)
+
+    # Execute
+    with limit_cpu(None, name="test-none") as limiter:
+        for _ in range(20):
+            with limiter.working():
+                _burn(0.001)
+
+    # Assert
+    assert (limiter.mode, limiter.fraction, limiter.cgroup_path) == ("none", None, None)
+    assert sleeps == []
+
+
+def test_cgroup_failure_falls_back_to_duty_cycle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Prepare: looks like cgroup v1 to a root process, but the group cannot be created
+    (tmp_path / "cpu.cfs_quota_us").write_text("-1\n")
+    (tmp_path / "edgetrain").write_text("not a directory")
+    monkeypatch.setattr(throttle.os, "geteuid", lambda: 0)
+
+    # Execute
+    with caplog.at_level(logging.WARNING, logger=throttle.__name__):
+        limiter = limit_cpu(0.5, name="test-fallback", cgroup_root=str(tmp_path))
+
+    # Assert
+    assert (limiter.mode, limiter.cgroup_path) == ("duty-cycle", None)
+    assert "using duty-cycle" in caplog.text
+
+
+@pytest.fixture
+def spawn() -> Iterator[list[subprocess.Popen[str]]]:
+    """Processes a test starts; killed at teardown, and their groups removed, if it failed."""
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for proc in procs:
+        proc.kill()
+        proc.wait(timeout=10)
+        with contextlib.suppress(FileNotFoundError):
+            _child_group(proc).rmdir()
+
+
+def _child_group(proc: subprocess.Popen[str]) -> Path:
+    return CGROUP_ROOT / "edgetrain" / f"test-cg_child-{proc.pid}"
+
+
+def _start_limited_child(spawn: list[subprocess.Popen[str]], body: str) -> subprocess.Popen[str]:
+    """Start a Python child that limits itself to 0.2 cores, prints its state, then runs body."""
+    code = textwrap.dedent(
+        """
+        import json, time
+        from edgetrain.throttle import limit_cpu
+        with limit_cpu(0.2, name="test-cg/child") as limiter:
+            print(json.dumps({"mode": limiter.mode, "path": limiter.cgroup_path}), flush=True)
+        """
+    ) + textwrap.indent(textwrap.dedent(body), "    ")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    spawn.append(proc)
+    return proc
+
+
+@pytest.mark.root
+@needs_cgroup
+def test_cgroup_quota_holds_fraction_and_is_removed_on_close(
+    spawn: list[subprocess.Popen[str]],
+) -> None:
+    # Prepare
+    proc = _start_limited_child(
+        spawn,
+        """
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        while time.perf_counter() - wall0 < 1.5:
+            pass
+        print((time.process_time() - cpu0) / (time.perf_counter() - wall0), flush=True)
+        """,
+    )
+
+    # Execute
+    out, _ = proc.communicate(timeout=60)
+
+    # Assert
+    state_line, ratio_line = out.splitlines()
+    state, ratio = json.loads(state_line), float(ratio_line)
+    assert proc.returncode == 0
+    assert state["mode"] == "cgroup"
+    assert state["path"] == str(_child_group(proc))
+    assert 0.1 <= ratio <= 0.3, f"CPU/wall {ratio:.3f} for fraction 0.2"
+    assert not Path(state["path"]).exists()
+
+
+@pytest.mark.root
+@needs_cgroup
+def test_killed_child_leaves_group_that_remove_stale_cgroups_removes(
+    spawn: list[subprocess.Popen[str]],
+) -> None:
+    # Prepare
+    proc = _start_limited_child(spawn, "time.sleep(60)")
+    assert proc.stdout is not None
+    state = json.loads(proc.stdout.readline())
+    group = Path(state["path"])
+    assert state["mode"] == "cgroup" and group.is_dir()
+
+    # Execute
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    left_behind = group.is_dir()
+    removed = remove_stale_cgroups()
+
+    # Assert
+    assert left_behind
+    assert str(group) in removed
+    assert not group.exists()
