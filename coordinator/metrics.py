@@ -27,7 +27,7 @@ class MetricsLog:
         """Record one completed step (`record` is a trainer.StepRecord)."""
         accepted = record.outcome.accepted
         samples = sum(c.samples for c in accepted.values())
-        loss = sum(c.loss * c.samples for c in accepted.values()) / samples if samples else float("nan")
+        loss = sum(c.loss * c.samples for c in accepted.values()) / samples if samples else None
         correct = sum(c.correct for c in accepted.values())
         devices = {
             d: {"samples": c.samples, "compute_s": round(c.compute_s, 4), "download_s": round(c.download_s, 4),
@@ -39,7 +39,7 @@ class MetricsLog:
             "step_s": round(record.seconds, 4), "samples_per_s": samples / record.seconds,
             "attempts": record.attempts, "shares": record.shares, "devices": devices,
             "rejected": record.outcome.rejected, "failed": record.outcome.missing})
-        if record.step % log_every == 0 or record.step == total_steps - 1:
+        if samples and (record.step % log_every == 0 or record.step == total_steps - 1):
             shares = "/".join(str(n) for n in record.shares.values())
             logger.info("step %4d/%d  loss %.4f  acc %.3f  %.1f samples/s  shares %s", record.step + 1,
                         total_steps, loss, correct / max(samples, 1), samples / record.seconds, shares)

@@ -27,7 +27,7 @@ from edgetrain.data import make_batch
 from edgetrain.sampling import batch_indices, epoch_of
 from edgetrain.split import SpeedEstimate, predicted_step_seconds, split_equal, split_proportional
 from edgetrain.tensors import pack
-from edgetrain.training import evaluate, make_lr_scheduler, make_optimizer, state_tensors
+from edgetrain.training import evaluate, make_optimizer, set_learning_rate, state_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +61,11 @@ class DataParallelTrainer:
         self.run_dir = run_dir
         self.stop = stop or threading.Event()
         self.optimizer = make_optimizer(model, job.optimizer)
-        self.scheduler = make_lr_scheduler(self.optimizer, job.training.steps, job.optimizer)
         self.metrics = MetricsLog(run_dir / "metrics.jsonl")
         self.start_step = 0
         self.train_seconds = 0.0
         self.samples_done = 0
+        self.lr = 0.0
 
     def resume_if_possible(self) -> None:
         """Continue from the run directory's checkpoint, if there is one."""
@@ -74,8 +74,6 @@ class DataParallelTrainer:
         state = load_checkpoint(self.run_dir, self.model, self.optimizer)
         self.start_step = state["next_step"]
         self.train_seconds, self.samples_done = state["train_seconds"], state["samples_done"]
-        for _ in range(self.start_step):
-            self.scheduler.step()
         logger.info("[Coordinator.Trainer] resumed from checkpoint at step %d", self.start_step)
 
     def run(self) -> dict:
@@ -132,7 +130,7 @@ class DataParallelTrainer:
                            "the remaining devices", step, attempt, ", ".join(outcome.missing))
         else:
             raise JobAborted(f"step {step} failed on all {cfg.max_attempts} attempts")
-        self._apply(outcome)
+        self._apply(step, outcome)
         seconds = time.monotonic() - started
         return StepRecord(step, attempt + 1, seconds, outcome, {d: len(a.indices) for d, a in assignments.items()})
 
@@ -154,13 +152,13 @@ class DataParallelTrainer:
         configured = self.job.training.step_timeout_s
         return configured if configured > 0 else 3 * predicted_step_seconds(shares, speeds) + 10.0
 
-    def _apply(self, outcome: AttemptOutcome) -> None:
+    def _apply(self, step: int, outcome: AttemptOutcome) -> None:
         accepted = list(outcome.accepted.values())
+        self.lr = set_learning_rate(self.optimizer, step, self.job.training.steps, self.job.optimizer)
         if accepted:
             apply_update(self.model, self.optimizer, combine(accepted))
         else:
             logger.error("[Coordinator.Trainer] every contribution was rejected: no update this step")
-        self.scheduler.step()
         for c in accepted:
             self.registry.observe_step(c.device_id, c.samples, c.compute_s, c.download_s + c.upload_s)
 
@@ -168,7 +166,7 @@ class DataParallelTrainer:
         samples = sum(c.samples for c in record.outcome.accepted.values())
         self.samples_done += samples
         self.train_seconds += record.seconds
-        self.metrics.train_step(record, lr=self.scheduler.get_last_lr()[0],
+        self.metrics.train_step(record, lr=self.lr,
                                 epoch=epoch_of(record.step, self.job.training.global_batch, self.train_size),
                                 total_steps=self.job.training.steps, log_every=self.job.training.log_every)
 

@@ -144,12 +144,16 @@ def _build(cls: type, data: Any, where: str) -> Any:
     kwargs = {}
     for key, value in data.items():
         if key not in fields:
-            raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(fields)})")
+            raise ConfigError(f"{where + ': ' if where else ''}unknown key {key!r} (known: {', '.join(fields)})")
         kwargs[key] = _coerce(hints[key], value, f"{where}.{key}" if where else key)
+    missing = [f.name for f in fields.values() if f.name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{where or 'job'}: missing required key {missing[0]!r}")
     try:
         return cls(**kwargs)
     except (ConfigError, ValueError) as e:
-        raise ConfigError(f"{where or 'job'}: {e}") from None
+        raise ConfigError(f"{where}: {e}" if where else str(e)) from None
 
 
 def _coerce(hint: Any, value: Any, where: str) -> Any:
@@ -186,7 +190,10 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobCo
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    data = apply_overrides(data if data is not None else {}, overrides or {})
+    try:
+        data = apply_overrides(data if data is not None else {}, overrides or {})
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     return job_from_dict(data, source=str(path))
 
 
@@ -198,8 +205,11 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
     for dotted, value in overrides.items():
         *parents, leaf = dotted.split(".")
         node = out
-        for key in parents:
+        for depth, key in enumerate(parents):
             node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                where = ".".join(parents[: depth + 1])
+                raise ConfigError(f"override {dotted}: {where} is {node!r}, not a section")
         node[leaf] = value
     return out
 
@@ -209,7 +219,13 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {text!r}: expected key=value, e.g. training.steps=20")
-    return key.strip(), yaml.safe_load(raw)
+    value = yaml.safe_load(raw)
+    if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string; users mean a number
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    return key.strip(), value
 
 
 def job_to_dict(job: JobConfig) -> dict[str, Any]:

@@ -74,7 +74,7 @@ def compute_shard(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> ShardRe
         else:
             tensors[wire_name] = ref.detach()
     correct = int((logits.argmax(dim=1) == y).sum())
-    return ShardResult(loss=float(loss), correct=correct, samples=int(y.numel()), tensors=tensors)
+    return ShardResult(loss=float(loss.detach()), correct=correct, samples=int(y.numel()), tensors=tensors)
 
 
 def make_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.SGD:
@@ -95,10 +95,16 @@ def lr_factor(step: int, total_steps: int, cfg: OptimizerConfig) -> float:
     return 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def make_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int,
-                      cfg: OptimizerConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """Per-step LR schedule for `optimizer`."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
+def set_learning_rate(optimizer: torch.optim.Optimizer, step: int, total_steps: int,
+                      cfg: OptimizerConfig) -> float:
+    """Set the LR for `step` (0-based) on every parameter group; returns it.
+
+    Stateless by design: a resumed or redone step gets exactly the LR of an uninterrupted run.
+    """
+    lr = cfg.lr * lr_factor(step, total_steps, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
 
 
 @torch.no_grad()

@@ -142,9 +142,6 @@ def test_missing_file_names_the_file(tmp_path: Path) -> None:
     assert str(caught.value).startswith(f"{path}: cannot read")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: load_job calls apply_overrides outside its path prefix, so a YAML document that is not "
-    "a mapping fails with 'expected a mapping at the top level, got str' without the file name"))
 @pytest.mark.parametrize("text", ["just some words\n", "- a\n- b\n"], ids=["scalar", "list"])
 def test_top_level_not_a_mapping_names_the_file(tmp_path: Path, text: str) -> None:
     # Prepare
@@ -158,10 +155,6 @@ def test_top_level_not_a_mapping_names_the_file(tmp_path: Path, text: str) -> No
     assert str(caught.value).startswith(f"{path}: ")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: DatasetSpec.name has no default, and _build only catches ConfigError/ValueError from "
-    "cls(**kwargs), so a dataset section without 'name' escapes as TypeError 'missing 1 required "
-    "keyword-only argument' without the file name"))
 def test_dataset_section_without_name_is_a_config_error(tmp_path: Path) -> None:
     # Prepare
     path = _write(tmp_path, "dataset: {train_size: 100}\n")
@@ -236,9 +229,6 @@ def test_bad_override_names_file_key_and_value(tmp_path: Path) -> None:
     assert "training.steps" in message and "'many'" in message
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: apply_overrides descends into a non-mapping value with node[leaf] = value and raises "
-    "TypeError ('str' object does not support item assignment) instead of a ConfigError"))
 def test_override_below_a_scalar_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="model"):
         apply_overrides({"model": "small_cnn"}, {"model.depth": 3})
