@@ -107,7 +107,7 @@ class DeviceRegistry:
         with self._lock:
             record = self._devices[device_id]
             if record.speed is not None:
-                record.speed = refine_speed(record.speed, samples, compute_s)
+                record.speed = refine_speed(record.speed, samples, compute_s, comm_s)
             for key, value in (("samples", samples), ("compute_s", compute_s), ("comm_s", comm_s),
                                ("steps", 1)):
                 record.stats[key] += value

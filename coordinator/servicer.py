@@ -131,7 +131,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         metas, _ = serde.header_from_proto(header.bundle)
         report = {"samples": header.report.samples, "loss": header.report.loss,
                   "correct": header.report.correct, "compute_s": header.report.compute_s,
-                  "download_s": header.report.download_s}
+                  "download_s": header.report.download_s, "encode_s": header.report.encode_s}
         assembler = self._board.begin_upload(header.device_id, header.step, header.attempt, metas,
                                              report, header.resume_offset)
         for message in request_iterator:

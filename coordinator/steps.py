@@ -68,8 +68,14 @@ class Contribution:
     correct: int
     compute_s: float
     download_s: float
+    encode_s: float
     upload_s: float
     tensors: dict[str, torch.Tensor]
+
+    @property
+    def comm_s(self) -> float:
+        """Seconds this device spent moving parameters and gradients this step."""
+        return self.download_s + self.encode_s + self.upload_s
 
 
 @dataclass

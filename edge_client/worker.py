@@ -9,7 +9,9 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import psutil
@@ -27,6 +29,7 @@ from edgetrain.training import compute_shard, load_state_tensors
 from protos import coordinator_pb2 as pb
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -61,6 +64,16 @@ def device_info(options: ClientOptions) -> pb.RegisterRequest:
         protocol_version=edgetrain.PROTOCOL_VERSION)
 
 
+def _rejoin_if_forgotten(call: Callable[[], T]) -> T:
+    """Run an RPC; NOT_FOUND (the coordinator dropped this device) becomes Rejoin."""
+    try:
+        return call()
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.NOT_FOUND:
+            raise Rejoin() from e
+        raise
+
+
 class DataParallelWorker:
     """Runs one board's part of a data-parallel job until the coordinator says it is finished."""
 
@@ -79,28 +92,29 @@ class DataParallelWorker:
     def run(self) -> str:
         """Work until the job finishes; returns the coordinator's reason."""
         while True:
-            self._join()
+            reply = self.conn.register(device_info(self.options))
+            self.device_id, self._lost = reply.device_id, threading.Event()
             stop_beat = threading.Event()
-            beat = threading.Thread(target=self._heartbeats, args=(stop_beat,), daemon=True)
-            beat.start()
+            threading.Thread(target=self._heartbeats, daemon=True,
+                             args=(reply.job.heartbeat_interval_s, stop_beat)).start()
             try:
+                self._prepare(reply.job)
                 return self._work_loop()
             except Rejoin:
                 logger.warning("[Client] coordinator forgot %s; joining again", self.device_id)
             finally:
                 stop_beat.set()
 
-    def _join(self) -> None:
-        reply = self.conn.register(device_info(self.options))
-        self.device_id, self._lost = reply.device_id, threading.Event()
-        if self._job is None or self._job.SerializeToString() != reply.job.SerializeToString():
-            self._setup(reply.job)
+    def _prepare(self, job: pb.JobSpec) -> None:
+        """Set up the job's model and data (once per job), profile, and report the profile."""
+        if self._job is None or self._job.SerializeToString() != job.SerializeToString():
+            self._setup(job)
         report = pb.ProfileReport(device_id=self.device_id, timings=[
             pb.BatchTiming(batch_size=b, seconds=s) for b, s in self._timings])
         report.memory_total_bytes, report.memory_available_bytes, report.peak_rss_bytes = self._memory
-        self.conn.report_profile(report)
-        logger.info("[Client] %s joined job %s (%s); profile %s", self.device_id, reply.job.job_id,
-                    reply.job.model, ", ".join(f"b={b}: {s * 1000:.0f} ms" for b, s in self._timings))
+        _rejoin_if_forgotten(lambda: self.conn.report_profile(report))
+        logger.info("[Client] %s joined job %s (%s); profile %s", self.device_id, job.job_id, job.model,
+                    ", ".join(f"b={b}: {s * 1000:.0f} ms" for b, s in self._timings))
 
     def _setup(self, job: pb.JobSpec) -> None:
         self._job, self._version = job, -1
@@ -113,8 +127,8 @@ class DataParallelWorker:
         self._timings = profile.timings
         self._memory = (profile.memory_total_bytes, profile.memory_available_bytes, profile.peak_rss_bytes)
 
-    def _heartbeats(self, stop: threading.Event) -> None:
-        while not stop.wait(self._job.heartbeat_interval_s):
+    def _heartbeats(self, interval_s: float, stop: threading.Event) -> None:
+        while not stop.wait(interval_s):
             try:
                 self.conn.heartbeat(self.device_id)
             except grpc.RpcError as e:
@@ -127,12 +141,7 @@ class DataParallelWorker:
         while True:
             if self._lost.is_set():
                 raise Rejoin()
-            try:
-                work = self.conn.get_work(self.device_id, self.options.poll_s)
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.NOT_FOUND:
-                    raise Rejoin() from e
-                raise
+            work = _rejoin_if_forgotten(lambda: self.conn.get_work(self.device_id, self.options.poll_s))
             kind = work.WhichOneof("work")
             if kind == "finished":
                 logger.info("[Client] job finished: %s", work.finished.reason)
@@ -155,9 +164,11 @@ class DataParallelWorker:
         compute_s = time.perf_counter() - started
         if self._has_running_stats:  # the forward pass moved BN running stats off the served version
             self._version = -1
+        started = time.perf_counter()
         metas, payload = pack(result.tensors)
         report = pb.StepReport(samples=result.samples, loss=result.loss, correct=result.correct,
-                               compute_s=compute_s, download_s=download_s)
+                               compute_s=compute_s, download_s=download_s,
+                               encode_s=time.perf_counter() - started)
         header = upload_header(self.device_id, work.step, work.attempt, metas, report)
         try:
             self.conn.upload_gradient(header, payload, self._job.chunk_bytes)

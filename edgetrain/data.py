@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
-from torchvision import datasets
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ _MAX_SHIFT = 3
 _CONTRAST_SIXTEENTHS = (8, 24)
 _MAX_BRIGHTNESS = 24
 _NOISE_TERMS = 3
-_NOISE_HALF_WIDTH = 40
+_NOISE_HALF_WIDTH = 64
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -138,7 +137,8 @@ class SyntheticCIFAR10(Dataset):
 
     Each class has a smooth random colour pattern; an item is its class pattern with a random
     contrast, a circular shift of up to 3 pixels, a random brightness and strong pixel noise.
-    A small CNN learns it well above chance within a few hundred SGD steps, but not instantly.
+    Learnable but not instantly: ``small_cnn`` reaches roughly 60-90% test accuracy after 150
+    SGD steps of batch 32, MobileNetV2 over 90% after about 75 steps of batch 64.
     Item ``i`` is a pure function of ``(seed, train/test, i)``, computed with integer arithmetic
     and per-item generators, so it is identical in every process and on every machine; train
     and test share the class patterns but not the items. Labels are exactly balanced in every
@@ -161,15 +161,14 @@ class SyntheticCIFAR10(Dataset):
         index = int(index)
         if not 0 <= index < self.size:
             raise IndexError(f"index {index} out of range for {self.size} items")
-        label = self.label(index)
-        return normalize(self.pixels(index, label)), label
+        return normalize(self.pixels(index)), self.label(index)
 
     def label(self, index: int) -> int:
         """Label of item ``index``: each aligned block of 10 indices holds every class once."""
         block, position = divmod(index, NUM_CLASSES)
         return (position + _mix(_LABEL_STREAM, self.seed, self._split, block)) % NUM_CLASSES
 
-    def pixels(self, index: int, label: int) -> torch.Tensor:
+    def pixels(self, index: int) -> torch.Tensor:
         """The uint8 (3, 32, 32) image of item ``index``, before normalisation."""
         draw = _mix(_ITEM_STREAM, self.seed, self._split, index)
         span = 2 * _MAX_SHIFT + 1
@@ -184,7 +183,7 @@ class SyntheticCIFAR10(Dataset):
             generator=_generator(_NOISE_STREAM, self.seed, self._split, index),
             dtype=torch.int32,
         ).sum(dim=0)
-        pattern = torch.roll(self._templates[label], shifts=shifts, dims=(1, 2))
+        pattern = torch.roll(self._templates[self.label(index)], shifts=shifts, dims=(1, 2))
         pixels = 128 + brightness + contrast * pattern // 16 + noise
         return pixels.clamp_(0, 255).to(torch.uint8)
 
@@ -194,7 +193,9 @@ class InMemoryImages(Dataset):
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != 3:
-            raise ValueError(f"images must be uint8 (N, 3, H, W), got {images.dtype} {images.shape}")
+            raise ValueError(
+                f"images must be uint8 (N, 3, H, W), got {images.dtype} {images.shape}"
+            )
         if labels.shape != (images.shape[0],):
             raise ValueError(f"need one label per image, got {labels.shape} for {images.shape}")
         self.images = images
@@ -223,6 +224,8 @@ def load_dataset(spec: DatasetSpec, *, train: bool) -> Dataset:
 def _load_cifar10(spec: DatasetSpec, *, train: bool, size: int) -> InMemoryImages:
     """Real CIFAR-10 from ``spec.data_dir`` (downloaded first if ``spec.download``)."""
     try:
+        from torchvision import datasets  # imported on use: it adds ~1 s to start-up
+
         source = datasets.CIFAR10(root=spec.data_dir, train=train, download=spec.download)
     except RuntimeError as e:
         raise FileNotFoundError(
@@ -231,7 +234,9 @@ def _load_cifar10(spec: DatasetSpec, *, train: bool, size: int) -> InMemoryImage
         ) from e
     if size > len(source):
         split = "train" if train else "test"
-        raise ValueError(f"requested {size} samples but the CIFAR-10 {split} split has {len(source)}")
+        raise ValueError(
+            f"requested {size} samples but the CIFAR-10 {split} split has {len(source)}"
+        )
     images = torch.from_numpy(source.data[:size]).permute(0, 3, 1, 2).contiguous()
     logger.info("[Data] loaded CIFAR-10 %s split: %d images", "train" if train else "test", size)
     return InMemoryImages(images, torch.tensor(source.targets[:size]))

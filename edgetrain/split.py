@@ -1,8 +1,10 @@
 """How a global batch is divided across devices, and how device speed is estimated.
 
-A device's time for a local batch of b samples is modelled as `overhead_s + b / samples_per_s`
-(fixed per-step cost plus per-sample cost), fitted from its join-time profile and refreshed from
-the compute times it reports each step. The proportional split gives each device the share that
+A device's time for a local batch of b samples is modelled as
+`comm_s + overhead_s + b / samples_per_s`: its communication per step (parameters down,
+gradients up — on a slow board mostly CPU spent copying and checksumming), a fixed compute cost
+per step, and a per-sample cost. The compute part is fitted from the join-time profile; all of
+it is refreshed from the timings the device reports each step. The proportional split gives each device the share that
 makes all devices finish together (LB-BSP / seed 000: b_i proportional to speed once overheads
 are accounted for); the equal split is the framework-default baseline.
 """
@@ -16,16 +18,18 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SpeedEstimate:
-    """Affine model of one device's compute time per step: overhead_s + samples / samples_per_s."""
+    """Affine model of one device's time per step: comm_s + overhead_s + samples / samples_per_s."""
 
     overhead_s: float
-    """Fixed per-step cost, seconds."""
+    """Fixed compute cost per step, seconds."""
     samples_per_s: float
-    """Marginal throughput, samples per second."""
+    """Marginal compute throughput, samples per second."""
+    comm_s: float = 0.0
+    """Communication time per step (observed; 0 until the first step)."""
 
     def seconds(self, samples: int) -> float:
-        """Predicted compute time for a local batch of `samples`."""
-        return self.overhead_s + samples / self.samples_per_s if samples else 0.0
+        """Predicted time for a local batch of `samples` (0 when it gets none)."""
+        return self.comm_s + self.overhead_s + samples / self.samples_per_s if samples else 0.0
 
 
 def fit_speed(timings: Sequence[tuple[int, float]]) -> SpeedEstimate:
@@ -37,8 +41,7 @@ def fit_speed(timings: Sequence[tuple[int, float]]) -> SpeedEstimate:
     points = [(b, s) for b, s in timings if b > 0 and s > 0]
     if not points:
         raise ValueError(f"no usable timings in {list(timings)}")
-    sizes = {b for b, _ in points}
-    if len(sizes) >= 2:
+    if len({b for b, _ in points}) >= 2:
         n = len(points)
         mean_b = sum(b for b, _ in points) / n
         mean_s = sum(s for _, s in points) / n
@@ -52,15 +55,15 @@ def fit_speed(timings: Sequence[tuple[int, float]]) -> SpeedEstimate:
     return SpeedEstimate(overhead_s=0.0, samples_per_s=total_b / total_s)
 
 
-def refine_speed(estimate: SpeedEstimate, samples: int, seconds: float,
+def refine_speed(estimate: SpeedEstimate, samples: int, compute_s: float, comm_s: float,
                  weight: float = 0.3) -> SpeedEstimate:
-    """Blend one observed step (samples in seconds) into the estimate's throughput (EMA)."""
-    work_s = seconds - estimate.overhead_s
-    if samples <= 0 or work_s <= 0:
-        return estimate
-    observed = samples / work_s
-    blended = (1 - weight) * estimate.samples_per_s + weight * observed
-    return SpeedEstimate(overhead_s=estimate.overhead_s, samples_per_s=blended)
+    """Blend one observed step into the estimate (EMA of throughput and of communication time)."""
+    comm = (1 - weight) * estimate.comm_s + weight * comm_s if comm_s > 0 else estimate.comm_s
+    work_s = compute_s - estimate.overhead_s
+    rate = estimate.samples_per_s
+    if samples > 0 and work_s > 0:
+        rate = (1 - weight) * rate + weight * samples / work_s
+    return SpeedEstimate(overhead_s=estimate.overhead_s, samples_per_s=rate, comm_s=comm)
 
 
 def split_proportional(total: int, speeds: Mapping[str, SpeedEstimate]) -> dict[str, int]:

@@ -68,24 +68,27 @@ def bundle_metas(tensors: Mapping[str, torch.Tensor]) -> list[TensorMeta]:
 
 
 def pack(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorMeta], memoryview]:
-    """Header and payload (raw bytes of all tensors, in order) for `tensors`."""
+    """Header and payload (raw bytes of all tensors, in order) for `tensors`: one copy."""
     metas = bundle_metas(tensors)
-    payload = bytearray(sum(m.nbytes for m in metas))
-    view = memoryview(payload)
-    for meta, tensor in zip(metas, tensors.values()):
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        view[meta.offset : meta.offset + meta.nbytes] = flat.numpy().tobytes()
-    return metas, view
+    if not metas:
+        return metas, memoryview(bytearray())
+    flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()])
+    return metas, memoryview(flat.numpy()).cast("B")
 
 
 def unpack(metas: Sequence[TensorMeta], payload: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
-    """Tensors from a payload described by `metas` (each tensor is a copy)."""
+    """Tensors described by `metas`, viewing the payload when it is writable (no copy)."""
     out: dict[str, torch.Tensor] = {}
     view = memoryview(payload)
+    if view.readonly:
+        view = memoryview(bytearray(view))
     for meta in metas:
-        raw = view[meta.offset : meta.offset + meta.nbytes]
-        tensor = torch.frombuffer(bytearray(raw), dtype=DTYPES[meta.dtype]) if meta.nbytes else (
-            torch.empty(0, dtype=DTYPES[meta.dtype]))
+        dtype = DTYPES[meta.dtype]
+        if meta.nbytes:
+            tensor = torch.frombuffer(view, dtype=dtype, offset=meta.offset,
+                                      count=meta.nbytes // torch.empty(0, dtype=dtype).element_size())
+        else:
+            tensor = torch.empty(0, dtype=dtype)
         out[meta.name] = tensor.reshape(meta.shape)
     return out
 

@@ -186,18 +186,20 @@ class ParameterMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[_tensor_pb2.BundleHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("samples", "loss", "correct", "compute_s", "download_s")
+    __slots__ = ("samples", "loss", "correct", "compute_s", "download_s", "encode_s")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     CORRECT_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     DOWNLOAD_S_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_S_FIELD_NUMBER: _ClassVar[int]
     samples: int
     loss: float
     correct: int
     compute_s: float
     download_s: float
-    def __init__(self, samples: _Optional[int] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., compute_s: _Optional[float] = ..., download_s: _Optional[float] = ...) -> None: ...
+    encode_s: float
+    def __init__(self, samples: _Optional[int] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., compute_s: _Optional[float] = ..., download_s: _Optional[float] = ..., encode_s: _Optional[float] = ...) -> None: ...
 
 class UploadHeader(_message.Message):
     __slots__ = ("device_id", "step", "attempt", "bundle", "report", "resume_offset")

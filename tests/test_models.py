@@ -152,7 +152,7 @@ def test_block_costs_scale_linearly_with_batch(models, name):
     batch = block_costs(models[name], batch_size=8)
 
     # Assert
-    for one, eight in zip(single, batch):
+    for one, eight in zip(single, batch, strict=True):
         assert one.forward_flops > 0
         assert eight.forward_flops == 8 * one.forward_flops
         assert eight.output_shape == (8, *one.output_shape[1:])

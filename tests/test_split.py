@@ -112,7 +112,7 @@ def test_split_equal_needs_a_device() -> None:
 
 # --- fit_speed / refine_speed ------------------------------------------------------------------
 
-@pytest.mark.parametrize(("overhead", "rate"), [(0.0, 40.0), (0.05, 120.0), (1.5, 3.0)])
+@pytest.mark.parametrize(("overhead", "rate"), [(0.0, 40.0), (0.05, 120.0), (0.3, 3.0)])
 def test_fit_speed_recovers_affine_model(overhead: float, rate: float) -> None:
     # Prepare
     timings = [(b, overhead + b / rate) for b in (3, 12, 24, 12)]
@@ -152,19 +152,20 @@ def test_refine_speed_moves_towards_observation(observed_rate: float) -> None:
     estimate = SpeedEstimate(overhead_s=0.1, samples_per_s=100.0)
 
     # Execute
-    refined = refine_speed(estimate, samples=40, seconds=0.1 + 40 / observed_rate)
+    refined = refine_speed(estimate, samples=40, compute_s=0.1 + 40 / observed_rate, comm_s=0.2)
 
     # Assert
     assert refined.overhead_s == estimate.overhead_s
     low, high = sorted((estimate.samples_per_s, observed_rate))
     assert low < refined.samples_per_s < high
     assert refined.samples_per_s == pytest.approx(0.7 * 100.0 + 0.3 * observed_rate)
+    assert refined.comm_s == pytest.approx(0.3 * 0.2)
 
 
 @pytest.mark.parametrize(("samples", "seconds"), [(0, 1.0), (10, 0.1), (10, 0.05)])
 def test_refine_speed_ignores_unusable_observations(samples: int, seconds: float) -> None:
     estimate = SpeedEstimate(overhead_s=0.1, samples_per_s=100.0)
-    assert refine_speed(estimate, samples=samples, seconds=seconds) == estimate
+    assert refine_speed(estimate, samples=samples, compute_s=seconds, comm_s=0.0) == estimate
 
 
 # --- predicted_step_seconds --------------------------------------------------------------------
@@ -183,3 +184,4 @@ def test_predicted_step_seconds_is_the_slowest_busy_device() -> None:
     assert predicted_step_seconds({}, speeds) == 0.0
     assert predicted_step_seconds({"idle": 0}, speeds) == 0.0
     assert speeds["a"].seconds(0) == 0.0
+
