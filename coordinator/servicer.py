@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -61,6 +62,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._job = job
         self._registry = registry
         self._board = board
+        self._cache_lock = threading.Lock()
+        self._cache_version = -1
+        self._cache_messages: list[pb.ParameterMessage] = []
         self._job_spec = pb.JobSpec(
             job_id=job.name, model=job.model, num_classes=10,
             dataset=serde.dataset_to_proto(job.dataset), profile_batch_sizes=profile_batch_sizes,
@@ -115,11 +119,26 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @_guarded("DownloadParameters")
     def DownloadParameters(self, request: pb.ParameterRequest, context) -> Iterator[pb.ParameterMessage]:
         self._registry.get(request.device_id)
+        messages = self._parameter_messages(request.version)
+        total = messages[0].header.total_bytes
+        if request.offset > total:
+            raise TransferError("out_of_range", f"offset {request.offset} is past the {total} bytes")
+        if request.offset % self._job.training.chunk_bytes == 0:  # a fresh or chunk-aligned resume
+            first = 1 + request.offset // self._job.training.chunk_bytes
+            return iter([messages[0], *messages[first:]])
         metas, payload = self._board.parameters(request.version)
-        if request.offset > len(payload):
-            raise TransferError("out_of_range", f"offset {request.offset} is past the {len(payload)} bytes")
         chunks = iter_chunks(payload, start=request.offset, chunk_bytes=self._job.training.chunk_bytes)
         return serde.parameter_stream(metas, chunks)
+
+    def _parameter_messages(self, version: int) -> list[pb.ParameterMessage]:
+        """The header and chunk messages of `version`, encoded once and served to every device."""
+        metas, payload = self._board.parameters(version)  # refuses a version no longer served
+        with self._cache_lock:
+            if self._cache_version != version:
+                chunks = iter_chunks(payload, chunk_bytes=self._job.training.chunk_bytes)
+                self._cache_messages = list(serde.parameter_stream(metas, chunks))
+                self._cache_version = version
+            return self._cache_messages
 
     @_guarded("UploadGradient")
     def UploadGradient(self, request_iterator: Iterator[pb.UploadMessage], context) -> pb.UploadReply:

@@ -4,7 +4,11 @@ Four emulated boards (0.5, 0.3, 0.2, 0.1 of a core; cgroup quota as root, duty-c
 train MobileNetV2 with a global batch of 64 on SYNTHETIC CIFAR-shaped data, once with the equal
 split and once with the proportional split, in the same run. Each board's standalone training
 throughput under its own emulated speed is measured first, one at a time; their sum is the
-fleet's ideal throughput. The last line printed is one JSON object with the figures.
+fleet's ideal throughput. Because small batches are much less efficient per sample on a CPU
+(MobileNetV2 here: ~22 ms for 1 sample, ~104 ms for 8, ~238 ms for 32), the benchmark also times
+each board standalone at several batch sizes and reports the best any split of the global batch
+could do if communication were free (`compute_bound_samples_per_s`): the tighter bound for this
+batch size. The last line printed is one JSON object with the figures.
 
     python scripts/bench_dp.py [--steps 40] [--warmup 5] [--standalone-batch 32]
 """
@@ -23,28 +27,52 @@ import yaml
 from edgetrain.launch import DEMO_JOB, LocalRun, run_local
 
 SPEEDS = (0.5, 0.3, 0.2, 0.1)
+PROFILE_BATCHES = (2, 4, 8, 16, 32)
 
 
 def standalone(speed: float, model: str, batch: int) -> None:
     """Child mode: this process limits itself to `speed` and prints its training throughput."""
     import torch
 
-    from edge_client.profiler import training_throughput
+    from edge_client.profiler import time_training_step
     from edgetrain.data import DatasetSpec, load_dataset
     from edgetrain.models import build_model
     from edgetrain.throttle import limit_cpu
 
     torch.set_num_threads(1)
     dataset = load_dataset(DatasetSpec(name="synthetic", train_size=512), train=True)
+    net = build_model(model, seed=0)
     with limit_cpu(speed, name=f"bench-{speed:g}") as limiter:
-        value = training_throughput(build_model(model, seed=0), dataset, batch, limiter, repeats=5)
-        print(json.dumps({"speed": speed, "mode": limiter.mode, "samples_per_s": value}))
+        seconds = {b: time_training_step(net, dataset, b, limiter, repeats=3) for b in PROFILE_BATCHES}
+        print(json.dumps({"speed": speed, "mode": limiter.mode, "samples_per_s": batch / seconds[batch],
+                          "seconds": seconds}))
+
+
+def interpolated_seconds(seconds: dict[int, float], samples: int) -> float:
+    """Step time at `samples` from measured points (linear between them, 0 at 0, extrapolated)."""
+    points = [(0, 0.0)] + sorted(seconds.items())
+    for (b0, t0), (b1, t1) in zip(points, points[1:]):
+        if samples <= b1:
+            return t0 + (t1 - t0) * (samples - b0) / (b1 - b0)
+    (b0, t0), (b1, t1) = points[-2], points[-1]
+    return t1 + (t1 - t0) * (samples - b1) / (b1 - b0)
+
+
+def compute_bound(alone: list[dict], batch: int) -> float:
+    """Samples/s of the best split of `batch` with free communication (greedy min-max)."""
+    shares = [0] * len(alone)
+    for _ in range(batch):
+        cost = [interpolated_seconds(a["seconds"], n + 1) for a, n in zip(alone, shares)]
+        shares[cost.index(min(cost))] += 1
+    return batch / max(interpolated_seconds(a["seconds"], n) for a, n in zip(alone, shares) if n)
 
 
 def measure_standalone(speed: float, model: str, batch: int) -> dict:
     out = subprocess.run([sys.executable, __file__, "--standalone", str(speed), "--model", model,
                           "--standalone-batch", str(batch)], check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["seconds"] = {int(b): s for b, s in result["seconds"].items()}
+    return result
 
 
 def fleet_throughput(split: str, args: argparse.Namespace, workdir: Path) -> dict:
@@ -87,10 +115,12 @@ def main() -> None:
     for a in alone:
         print(f"standalone speed {a['speed']:.1f} ({a['mode']}): {a['samples_per_s']:.1f} samples/s", flush=True)
     ideal = sum(a["samples_per_s"] for a in alone)
+    bound = compute_bound(alone, args.batch)
     with tempfile.TemporaryDirectory(prefix="bench_dp_") as tmp:
         equal = fleet_throughput("equal", args, Path(tmp))
         proportional = fleet_throughput("proportional", args, Path(tmp))
-    print(f"ideal (sum of standalone): {ideal:.1f} samples/s")
+    print(f"ideal (sum of standalone at batch {args.standalone_batch}): {ideal:.1f} samples/s; best split of "
+          f"{args.batch} with free communication: {bound:.1f} samples/s")
     for name, result in (("equal", equal), ("proportional", proportional)):
         print(f"{name:>13}: {result['samples_per_s']:.1f} samples/s = {result['samples_per_s'] / ideal:.2f} x ideal; "
               f"shares {result['shares']}")
@@ -100,6 +130,8 @@ def main() -> None:
         "throttle": alone[0]["mode"], "standalone_batch": args.standalone_batch,
         "standalone_samples_per_s": [round(a["samples_per_s"], 2) for a in alone],
         "ideal_samples_per_s": round(ideal, 2),
+        "compute_bound_samples_per_s": round(bound, 2),
+        "proportional_fraction_of_compute_bound": round(proportional["samples_per_s"] / bound, 3),
         "equal_samples_per_s": round(equal["samples_per_s"], 2),
         "proportional_samples_per_s": round(proportional["samples_per_s"], 2),
         "proportional_fraction_of_ideal": round(proportional["samples_per_s"] / ideal, 3),
