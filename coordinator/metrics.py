@@ -31,7 +31,8 @@ class MetricsLog:
         correct = sum(c.correct for c in accepted.values())
         devices = {
             d: {"samples": c.samples, "compute_s": round(c.compute_s, 4), "download_s": round(c.download_s, 4),
-                "encode_s": round(c.encode_s, 4), "upload_s": round(c.upload_s, 4), "comm_s": round(c.comm_s, 4)}
+                "encode_s": round(c.encode_s, 4), "upload_s": round(c.upload_s, 4), "comm_s": round(c.comm_s, 4),
+                "energy_j": None if c.energy_j is None else round(c.energy_j, 4)}
             for d, c in accepted.items()}
         self.write({
             "kind": "train", "step": record.step, "epoch": round(epoch, 4), "loss": loss,

@@ -6,9 +6,14 @@ import itertools
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 from edgetrain.split import SpeedEstimate, fit_speed, refine_speed
+from edgetrain.telemetry import TelemetrySample
+
+TELEMETRY_WINDOW = 120
+"""Samples kept per device (two minutes at the default 1 s interval)."""
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +53,20 @@ class DeviceRecord:
     speed: SpeedEstimate | None = None
     alive: bool = True
     left_reason: str = ""
-    stats: dict = field(default_factory=lambda: {"samples": 0, "compute_s": 0.0, "comm_s": 0.0, "steps": 0})
+    stats: dict = field(default_factory=lambda: {"samples": 0, "compute_s": 0.0, "comm_s": 0.0, "steps": 0,
+                                                 "energy_j": 0.0, "energy_samples": 0})
+    telemetry: deque = field(default_factory=lambda: deque(maxlen=TELEMETRY_WINDOW))
+    """Rolling window of (coordinator receive time, TelemetrySample)."""
+
+    @property
+    def latest_telemetry(self) -> TelemetrySample | None:
+        """The newest sample, if any arrived."""
+        return self.telemetry[-1][1] if self.telemetry else None
+
+    @property
+    def state(self) -> str:
+        """registered (not yet profiled), ready, or gone."""
+        return "gone" if not self.alive else "ready" if self.speed is not None else "registered"
 
     @property
     def ready(self) -> bool:
@@ -97,17 +115,29 @@ class DeviceRegistry:
             self.changed.notify_all()
         return speed
 
-    def heartbeat(self, device_id: str) -> None:
-        """Mark the device as seen now."""
+    def heartbeat(self, device_id: str, telemetry: TelemetrySample | None = None) -> None:
+        """Mark the device as seen now and keep its telemetry sample, if any."""
         with self._lock:
-            self._live(device_id).last_seen = self._clock()
+            record = self._live(device_id)
+            record.last_seen = self._clock()
+            if telemetry is not None:
+                record.telemetry.append((record.last_seen, telemetry))
 
-    def observe_step(self, device_id: str, samples: int, compute_s: float, comm_s: float) -> None:
+    def telemetry_window(self, device_id: str) -> list[tuple[float, TelemetrySample]]:
+        """(receive time, sample) pairs of a device, oldest first — what planners read."""
+        with self._lock:
+            return list(self._devices[device_id].telemetry)
+
+    def observe_step(self, device_id: str, samples: int, compute_s: float, comm_s: float,
+                     energy_j: float | None = None) -> None:
         """Refine the device's speed from one step's timings and accumulate its stats."""
         with self._lock:
             record = self._devices[device_id]
             if record.speed is not None:
                 record.speed = refine_speed(record.speed, samples, compute_s, comm_s)
+            if energy_j is not None:
+                record.stats["energy_j"] += energy_j
+                record.stats["energy_samples"] += samples
             for key, value in (("samples", samples), ("compute_s", compute_s), ("comm_s", comm_s),
                                ("steps", 1)):
                 record.stats[key] += value
@@ -143,7 +173,8 @@ class DeviceRegistry:
     def snapshot(self) -> list[DeviceRecord]:
         """Copies of all records, live and gone."""
         with self._lock:
-            return [replace(r, stats=dict(r.stats)) for r in self._devices.values()]
+            return [replace(r, stats=dict(r.stats), telemetry=deque(r.telemetry, maxlen=TELEMETRY_WINDOW))
+                    for r in self._devices.values()]
 
     def _live(self, device_id: str) -> DeviceRecord:
         record = self._devices.get(device_id)

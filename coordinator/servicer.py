@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
 
 import edgetrain
-from coordinator.registry import DeviceProfile, DeviceRegistry, UnknownDevice
+from coordinator.registry import DeviceProfile, DeviceRecord, DeviceRegistry, UnknownDevice
 from coordinator.steps import Assignment, Finished, StepBoard, StepError
 from edgetrain import serde
 from edgetrain.config import JobConfig
@@ -54,12 +55,25 @@ def _guarded(rpc: str):
     return wrap
 
 
+def _device_view(record: DeviceRecord, now: float) -> pb.DeviceView:
+    stats = record.stats
+    view = pb.DeviceView(
+        device_id=record.device_id, info=pb.DeviceInfo(**record.info), state=record.state,
+        left_reason=record.left_reason, seconds_since_seen=now - record.last_seen,
+        samples_per_s=record.speed.samples_per_s if record.speed else 0.0, samples_done=stats["samples"],
+        energy_per_sample_j=stats["energy_j"] / stats["energy_samples"] if stats["energy_samples"] else 0.0)
+    if record.latest_telemetry is not None:
+        view.telemetry.CopyFrom(serde.telemetry_to_proto(record.latest_telemetry))
+    return view
+
+
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     """Admits devices and serves the data-parallel training loop's work and transfers."""
 
     def __init__(self, job: JobConfig, registry: DeviceRegistry, board: StepBoard,
-                 profile_batch_sizes: list[int]) -> None:
+                 profile_batch_sizes: list[int], *, cluster: str = "edgetrain") -> None:
         self._job = job
+        self._cluster = cluster
         self._registry = registry
         self._board = board
         self._cache_lock = threading.Lock()
@@ -99,8 +113,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_guarded("Heartbeat")
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
-        self._registry.heartbeat(request.device_id)
+        sample = serde.telemetry_from_proto(request.telemetry) if request.HasField("telemetry") else None
+        self._registry.heartbeat(request.device_id, sample)
         return pb.HeartbeatReply()
+
+    @_guarded("Probe")
+    def Probe(self, request: pb.ProbeRequest, context) -> pb.ProbeReply:
+        self._registry.get(request.device_id)
+        return pb.ProbeReply(received_bytes=len(request.payload))
+
+    @_guarded("ListDevices")
+    def ListDevices(self, request: pb.ListDevicesRequest, context) -> pb.ListDevicesReply:
+        now = time.monotonic()
+        return pb.ListDevicesReply(job_id=self._job.name, cluster=self._cluster,
+                                   devices=[_device_view(r, now) for r in self._registry.snapshot()])
 
     @_guarded("GetWork")
     def GetWork(self, request: pb.WorkRequest, context) -> pb.WorkAssignment:
@@ -150,7 +176,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         metas, _ = serde.header_from_proto(header.bundle)
         report = {"samples": header.report.samples, "loss": header.report.loss,
                   "correct": header.report.correct, "compute_s": header.report.compute_s,
-                  "download_s": header.report.download_s, "encode_s": header.report.encode_s}
+                  "download_s": header.report.download_s, "encode_s": header.report.encode_s,
+                  "energy_j": header.report.energy_j if header.report.HasField("energy_j") else None}
         assembler = self._board.begin_upload(header.device_id, header.step, header.attempt, metas,
                                              report, header.resume_offset)
         for message in request_iterator:

@@ -71,6 +71,8 @@ class Contribution:
     encode_s: float
     upload_s: float
     tensors: dict[str, torch.Tensor]
+    energy_j: float | None = None
+    """Energy the device used for this step; None when it cannot tell."""
 
     @property
     def comm_s(self) -> float:

@@ -160,7 +160,7 @@ class DataParallelTrainer:
         else:
             logger.error("[Coordinator.Trainer] every contribution was rejected: no update this step")
         for c in accepted:
-            self.registry.observe_step(c.device_id, c.samples, c.compute_s, c.comm_s)
+            self.registry.observe_step(c.device_id, c.samples, c.compute_s, c.comm_s, c.energy_j)
 
     def _log_step(self, record: StepRecord) -> None:
         samples = sum(c.samples for c in record.outcome.accepted.values())

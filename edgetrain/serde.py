@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from edgetrain.data import DatasetSpec
+from edgetrain.telemetry import TelemetrySample
 from edgetrain.tensors import DTYPES, RawChunk, TensorMeta, TransferError
 from protos import coordinator_pb2 as pb
 from protos import tensor_pb2 as tpb
@@ -67,3 +68,15 @@ def dataset_from_proto(msg: pb.DatasetSpec, *, data_dir: str, download: bool) ->
     return DatasetSpec(name=msg.name, seed=msg.seed, train_size=msg.train_size or None,
                        test_size=msg.test_size or None, augment=msg.augment, data_dir=data_dir,
                        download=download)
+
+
+def telemetry_to_proto(sample: TelemetrySample) -> pb.Telemetry:
+    """Telemetry message; unknown values stay unset."""
+    return pb.Telemetry(**sample.known())
+
+
+def telemetry_from_proto(msg: pb.Telemetry) -> TelemetrySample:
+    """Telemetry sample; unset fields become None (unknown)."""
+    known = {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields
+             if f.name != "timestamp" and msg.HasField(f.name)}
+    return TelemetrySample(timestamp=msg.timestamp, **known)

@@ -113,11 +113,45 @@ class ProfileAck(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class Telemetry(_message.Message):
+    __slots__ = ("timestamp", "cpu_percent", "memory_used_bytes", "memory_total_bytes", "battery_percent", "battery_charging", "temperature_c", "cpu_freq_mhz", "link_mbit_per_s", "rtt_ms", "energy_j", "step_compute_s", "step_comm_s", "plugged")
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BATTERY_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    BATTERY_CHARGING_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_C_FIELD_NUMBER: _ClassVar[int]
+    CPU_FREQ_MHZ_FIELD_NUMBER: _ClassVar[int]
+    LINK_MBIT_PER_S_FIELD_NUMBER: _ClassVar[int]
+    RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    ENERGY_J_FIELD_NUMBER: _ClassVar[int]
+    STEP_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_COMM_S_FIELD_NUMBER: _ClassVar[int]
+    PLUGGED_FIELD_NUMBER: _ClassVar[int]
+    timestamp: float
+    cpu_percent: float
+    memory_used_bytes: int
+    memory_total_bytes: int
+    battery_percent: float
+    battery_charging: bool
+    temperature_c: float
+    cpu_freq_mhz: float
+    link_mbit_per_s: float
+    rtt_ms: float
+    energy_j: float
+    step_compute_s: float
+    step_comm_s: float
+    plugged: bool
+    def __init__(self, timestamp: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., battery_percent: _Optional[float] = ..., battery_charging: _Optional[bool] = ..., temperature_c: _Optional[float] = ..., cpu_freq_mhz: _Optional[float] = ..., link_mbit_per_s: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., energy_j: _Optional[float] = ..., step_compute_s: _Optional[float] = ..., step_comm_s: _Optional[float] = ..., plugged: _Optional[bool] = ...) -> None: ...
+
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("device_id",)
+    __slots__ = ("device_id", "telemetry")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    TELEMETRY_FIELD_NUMBER: _ClassVar[int]
     device_id: str
-    def __init__(self, device_id: _Optional[str] = ...) -> None: ...
+    telemetry: Telemetry
+    def __init__(self, device_id: _Optional[str] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ()
@@ -186,20 +220,22 @@ class ParameterMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[_tensor_pb2.BundleHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("samples", "loss", "correct", "compute_s", "download_s", "encode_s")
+    __slots__ = ("samples", "loss", "correct", "compute_s", "download_s", "encode_s", "energy_j")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     CORRECT_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     DOWNLOAD_S_FIELD_NUMBER: _ClassVar[int]
     ENCODE_S_FIELD_NUMBER: _ClassVar[int]
+    ENERGY_J_FIELD_NUMBER: _ClassVar[int]
     samples: int
     loss: float
     correct: int
     compute_s: float
     download_s: float
     encode_s: float
-    def __init__(self, samples: _Optional[int] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., compute_s: _Optional[float] = ..., download_s: _Optional[float] = ..., encode_s: _Optional[float] = ...) -> None: ...
+    energy_j: float
+    def __init__(self, samples: _Optional[int] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., compute_s: _Optional[float] = ..., download_s: _Optional[float] = ..., encode_s: _Optional[float] = ..., energy_j: _Optional[float] = ...) -> None: ...
 
 class UploadHeader(_message.Message):
     __slots__ = ("device_id", "step", "attempt", "bundle", "report", "resume_offset")
@@ -248,3 +284,53 @@ class UploadStatus(_message.Message):
     received_bytes: int
     total_bytes: int
     def __init__(self, received_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("device_id", "payload")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    payload: bytes
+    def __init__(self, device_id: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class ProbeReply(_message.Message):
+    __slots__ = ("received_bytes",)
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
+
+class ListDevicesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeviceView(_message.Message):
+    __slots__ = ("device_id", "info", "state", "left_reason", "seconds_since_seen", "telemetry", "samples_per_s", "samples_done", "energy_per_sample_j")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LEFT_REASON_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_SEEN_FIELD_NUMBER: _ClassVar[int]
+    TELEMETRY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_DONE_FIELD_NUMBER: _ClassVar[int]
+    ENERGY_PER_SAMPLE_J_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    info: DeviceInfo
+    state: str
+    left_reason: str
+    seconds_since_seen: float
+    telemetry: Telemetry
+    samples_per_s: float
+    samples_done: int
+    energy_per_sample_j: float
+    def __init__(self, device_id: _Optional[str] = ..., info: _Optional[_Union[DeviceInfo, _Mapping]] = ..., state: _Optional[str] = ..., left_reason: _Optional[str] = ..., seconds_since_seen: _Optional[float] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., samples_per_s: _Optional[float] = ..., samples_done: _Optional[int] = ..., energy_per_sample_j: _Optional[float] = ...) -> None: ...
+
+class ListDevicesReply(_message.Message):
+    __slots__ = ("job_id", "cluster", "devices")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    cluster: str
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceView]
+    def __init__(self, job_id: _Optional[str] = ..., cluster: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceView, _Mapping]]] = ...) -> None: ...

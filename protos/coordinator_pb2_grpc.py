@@ -69,6 +69,16 @@ class CoordinatorStub:
                 request_serializer=protos_dot_coordinator__pb2.UploadStatusRequest.SerializeToString,
                 response_deserializer=protos_dot_coordinator__pb2.UploadStatus.FromString,
                 _registered_method=True)
+        self.Probe = channel.unary_unary(
+                '/edgetrain.v1.Coordinator/Probe',
+                request_serializer=protos_dot_coordinator__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=protos_dot_coordinator__pb2.ProbeReply.FromString,
+                _registered_method=True)
+        self.ListDevices = channel.unary_unary(
+                '/edgetrain.v1.Coordinator/ListDevices',
+                request_serializer=protos_dot_coordinator__pb2.ListDevicesRequest.SerializeToString,
+                response_deserializer=protos_dot_coordinator__pb2.ListDevicesReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -123,6 +133,20 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Probe(self, request, context):
+        """Link probe: the board sends `payload` and times the call (bandwidth and RTT to here).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListDevices(self, request, context):
+        """The registered boards with their latest telemetry (for `edgetrain devices` and planners).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +184,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetUploadStatus,
                     request_deserializer=protos_dot_coordinator__pb2.UploadStatusRequest.FromString,
                     response_serializer=protos_dot_coordinator__pb2.UploadStatus.SerializeToString,
+            ),
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=protos_dot_coordinator__pb2.ProbeRequest.FromString,
+                    response_serializer=protos_dot_coordinator__pb2.ProbeReply.SerializeToString,
+            ),
+            'ListDevices': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDevices,
+                    request_deserializer=protos_dot_coordinator__pb2.ListDevicesRequest.FromString,
+                    response_serializer=protos_dot_coordinator__pb2.ListDevicesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +385,60 @@ class Coordinator:
             '/edgetrain.v1.Coordinator/GetUploadStatus',
             protos_dot_coordinator__pb2.UploadStatusRequest.SerializeToString,
             protos_dot_coordinator__pb2.UploadStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/edgetrain.v1.Coordinator/Probe',
+            protos_dot_coordinator__pb2.ProbeRequest.SerializeToString,
+            protos_dot_coordinator__pb2.ProbeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDevices(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/edgetrain.v1.Coordinator/ListDevices',
+            protos_dot_coordinator__pb2.ListDevicesRequest.SerializeToString,
+            protos_dot_coordinator__pb2.ListDevicesReply.FromString,
             options,
             channel_credentials,
             insecure,
