@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+import edgetrain
+from coordinator.discovery import Advertisement, DiscoveryAdvertiser
 from coordinator.registry import DeviceRegistry
 from coordinator.report import summarize, summary_table
 from coordinator.servicer import CoordinatorServicer, create_server
@@ -38,8 +40,13 @@ def _watch_heartbeats(registry: DeviceRegistry, board: StepBoard, timeout_s: flo
 
 def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str = "data",
                     runs_dir: str = "runs", port_file: str | None = None, resume: bool = False,
-                    stop: threading.Event | None = None) -> dict:
-    """Serve and train `job` to completion; returns the run summary (also under runs/<name>/)."""
+                    stop: threading.Event | None = None, cluster: str = "edgetrain",
+                    advertise: list[str] | None = None) -> dict:
+    """Serve and train `job` to completion; returns the run summary (also under runs/<name>/).
+
+    With `advertise` (IPv4 addresses of interfaces), the coordinator announces itself over mDNS
+    on those interfaces, so boards find it without an address.
+    """
     stop = stop or threading.Event()
     job = replace(job, dataset=replace(job.dataset, data_dir=data_dir))
     run_dir = Path(runs_dir) / job.name
@@ -53,10 +60,12 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
         logger.info("[Coordinator] dataset: SYNTHETIC CIFAR-shaped data (seed %d), not CIFAR-10", job.dataset.seed)
     registry = DeviceRegistry()
     board = StepBoard(bundle_metas(dict(shard_tensor_names(model))))
-    servicer = CoordinatorServicer(job, registry, board, profile_batch_sizes(job.training.global_batch))
+    servicer = CoordinatorServicer(job, registry, board, profile_batch_sizes(job.training.global_batch),
+                                   cluster=cluster)
     server, port = create_server(bind, servicer)
     host = bind.rsplit(":", 1)[0]
     logger.info("[Coordinator] serving job %r on %s:%d", job.name, host, port)
+    advertiser = _advertise(cluster, host, port, advertise) if advertise else None
     if port_file:
         Path(port_file).write_text(f"{host}:{port}\n")
     watcher = threading.Thread(target=_watch_heartbeats, daemon=True,
@@ -74,4 +83,16 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
     finally:
         stop.set()
         trainer.metrics.close()
+        if advertiser:
+            advertiser.close()
         server.stop(grace=2.0).wait()
+
+
+def _advertise(cluster: str, host: str, port: int, interfaces: list[str]) -> DiscoveryAdvertiser:
+    """Announce the coordinator over mDNS; a wildcard bind advertises the first interface's address."""
+    address = interfaces[0] if host in ("0.0.0.0", "", "[::]") else host
+    advertiser = DiscoveryAdvertiser(Advertisement(cluster=cluster, host=address, port=port,
+                                                   protocol_version=edgetrain.PROTOCOL_VERSION),
+                                     interfaces=interfaces)
+    advertiser.start()
+    return advertiser

@@ -9,14 +9,17 @@ bytes it holds and continue from there.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import grpc
 
+from edge_client.telemetry import LinkMeter
 from edgetrain import serde
 from edgetrain.grpc_options import CHANNEL_OPTIONS
+from edgetrain.shaping import LinkShaper
 from edgetrain.tensors import ChunkAssembler, TensorMeta, TransferError, iter_chunks
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
@@ -36,10 +39,16 @@ class CoordinatorUnreachable(ConnectionError):
 class CoordinatorConnection:
     """A channel to one coordinator with typed, retrying calls."""
 
-    def __init__(self, address: str, *, retry_budget_s: float = 60.0, transfer_attempts: int = 5) -> None:
+    def __init__(self, address: str, *, retry_budget_s: float = 60.0, transfer_attempts: int = 5,
+                 shaper: LinkShaper | None = None, link: LinkMeter | None = None) -> None:
         self.address = address
         self.retry_budget_s = retry_budget_s
         self.transfer_attempts = transfer_attempts
+        self.shaper = shaper
+        """Application-level link emulation (rate, delay, loss), or None for the real link."""
+        self.link = link or LinkMeter()
+        """Bandwidth and RTT measured on this connection."""
+        self._rng = random.Random()
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
@@ -70,9 +79,27 @@ class CoordinatorConnection:
         """Send the join-time profile."""
         self._retrying(lambda: self._stub.ReportProfile(report, timeout=30))
 
-    def heartbeat(self, device_id: str) -> None:
-        """One liveness ping (no retry: the next one follows soon)."""
-        self._stub.Heartbeat(pb.HeartbeatRequest(device_id=device_id), timeout=10)
+    def heartbeat(self, device_id: str, telemetry: pb.Telemetry | None = None) -> None:
+        """One liveness ping with a telemetry sample (no retry: the next one follows soon)."""
+        self._delay()
+        started = time.perf_counter()
+        self._stub.Heartbeat(pb.HeartbeatRequest(device_id=device_id, telemetry=telemetry), timeout=10)
+        self.link.observe_rtt(time.perf_counter() - started)
+
+    def probe(self, device_id: str, payload: bytes) -> None:
+        """Send `payload` to the coordinator and wait for the acknowledgement (a link probe)."""
+        self._delay()
+        if self.shaper:
+            self.shaper.before_send(len(payload))
+        self._stub.Probe(pb.ProbeRequest(device_id=device_id, payload=payload), timeout=60)
+
+    def list_devices(self) -> pb.ListDevicesReply:
+        """The coordinator's view of its boards."""
+        return self._retrying(lambda: self._stub.ListDevices(pb.ListDevicesRequest(), timeout=10))
+
+    def _delay(self) -> None:
+        if self.shaper:
+            self.shaper.rpc_delay()
 
     def get_work(self, device_id: str, max_wait_s: float) -> pb.WorkAssignment:
         """Long-poll for work."""
@@ -83,18 +110,21 @@ class CoordinatorConnection:
         """Parameters of `version`, resuming an interrupted stream from the last good byte."""
         assembler: ChunkAssembler | None = None
         metas: list[TensorMeta] = []
+        started = time.perf_counter()
         for attempt in range(self.transfer_attempts):
             offset = assembler.received if assembler else 0
             request = pb.ParameterRequest(device_id=device_id, version=version, offset=offset)
             try:
+                self._delay()
                 for message in self._stub.DownloadParameters(request, timeout=600):
                     if message.WhichOneof("kind") == "header":
                         metas, total = serde.header_from_proto(message.header)
                         assembler = assembler or ChunkAssembler(total)
                     else:
-                        chunk = message.chunk
-                        assembler.add(chunk.offset, chunk.data, chunk.crc32)
-                return metas, assembler.payload()
+                        self._receive_chunk(assembler, message.chunk)
+                payload = assembler.payload()
+                self.link.observe_transfer(len(payload), time.perf_counter() - started)
+                return metas, payload
             except (grpc.RpcError, TransferError) as e:
                 if isinstance(e, grpc.RpcError) and e.code() not in TRANSFER_RETRY_CODES:
                     raise
@@ -107,11 +137,13 @@ class CoordinatorConnection:
         """Upload one step's tensors, resuming from what the coordinator already holds."""
         status_request = pb.UploadStatusRequest(device_id=header.device_id, step=header.step,
                                                 attempt=header.attempt)
-        start = 0
+        start, started = 0, time.perf_counter()
         for attempt in range(self.transfer_attempts):
             header.resume_offset = start
             try:
-                self._stub.UploadGradient(_upload_messages(header, payload, start, chunk_bytes), timeout=600)
+                self._delay()
+                self._stub.UploadGradient(self._upload_messages(header, payload, start, chunk_bytes), timeout=600)
+                self.link.observe_transfer(len(payload) - start, time.perf_counter() - started)
                 return
             except grpc.RpcError as e:
                 if e.code() not in TRANSFER_RETRY_CODES:
@@ -119,14 +151,25 @@ class CoordinatorConnection:
                 logger.info("[Client.Upload] step %d interrupted (%s); resuming", header.step, e.details())
                 time.sleep(min(0.2 * 2**attempt, 5.0))
                 start = self._retrying(lambda: self._stub.GetUploadStatus(status_request, timeout=30)).received_bytes
+                started = time.perf_counter()
         raise CoordinatorUnreachable(f"upload for step {header.step} failed {self.transfer_attempts} times")
 
+    def _receive_chunk(self, assembler: ChunkAssembler, chunk) -> None:
+        if self.shaper:
+            self.shaper.after_receive(len(chunk.data))
+            if self.shaper.lost(self._rng):
+                raise TransferError("data_loss", f"emulated loss of the chunk at byte {chunk.offset}")
+        assembler.add(chunk.offset, chunk.data, chunk.crc32)
 
-def _upload_messages(header: pb.UploadHeader, payload: memoryview, start: int,
-                     chunk_bytes: int) -> Iterator[pb.UploadMessage]:
-    yield pb.UploadMessage(header=header)
-    for chunk in iter_chunks(payload, start=start, chunk_bytes=chunk_bytes):
-        yield pb.UploadMessage(chunk=serde.chunk_to_proto(chunk))
+    def _upload_messages(self, header: pb.UploadHeader, payload: memoryview, start: int,
+                         chunk_bytes: int) -> Iterator[pb.UploadMessage]:
+        yield pb.UploadMessage(header=header)
+        for chunk in iter_chunks(payload, start=start, chunk_bytes=chunk_bytes):
+            if self.shaper:
+                self.shaper.before_send(len(chunk.data))
+                if self.shaper.lost(self._rng):  # the stream breaks; the retry resumes from the last good byte
+                    return
+            yield pb.UploadMessage(chunk=serde.chunk_to_proto(chunk))
 
 
 def upload_header(device_id: str, step: int, attempt: int, metas: Sequence[TensorMeta],

@@ -1,26 +1,61 @@
-"""Edge client entry point: limit CPU as emulated, connect, work, always clean up."""
+"""Edge client entry point: emulate if asked, find the coordinator, work, always clean up."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
-from edge_client.connection import CoordinatorConnection
+import edgetrain
+from edge_client.connection import CoordinatorConnection, CoordinatorUnreachable
+from edge_client.discovery import default_interfaces, find_coordinator
+from edge_client.emulation import BoardEmulation
 from edge_client.profiler import set_threads, torch_threads_for
-from edge_client.worker import ClientOptions, DataParallelWorker
+from edge_client.telemetry import LinkMeter
+from edge_client.worker import BATTERY_EMPTY, ClientOptions, DataParallelWorker
 from edgetrain.throttle import limit_cpu
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["BATTERY_EMPTY", "run_client"]
 
-def run_client(address: str, options: ClientOptions, *, threads: int | None = None) -> str:
-    """Join the coordinator at `address` and work until its job finishes; returns the reason."""
+
+def _discover(cluster: str | None, interfaces: list[str] | None) -> str:
+    record = find_coordinator(interfaces=interfaces or default_interfaces(), cluster=cluster, timeout_s=30,
+                              protocol_version=edgetrain.PROTOCOL_VERSION)
+    logger.info("[Client] found coordinator %s (cluster %s) at %s over mDNS", record.instance, record.cluster,
+                record.address)
+    return record.address
+
+
+def run_client(address: str | None, options: ClientOptions, *, threads: int | None = None,
+               cluster: str | None = None, interfaces: list[str] | None = None) -> str:
+    """Work for the coordinator at `address` (found over mDNS when None) until its job ends.
+
+    Without an explicit address, a coordinator that stays unreachable is looked up again over
+    mDNS (it may have restarted elsewhere). Returns the coordinator's reason for finishing, or
+    BATTERY_EMPTY when an emulated battery ran flat.
+    """
+    emulation = BoardEmulation.from_file(options.board_file)
+    if emulation.board:
+        options = replace(options, emulated_speed=emulation.board.speed)
     set_threads(threads or torch_threads_for(options.emulated_speed))
+    link = LinkMeter()
     with limit_cpu(options.emulated_speed, name=options.name) as limiter:
         if options.emulated_speed:
             logger.info("[Client] %s emulates %.2f of a core (%s)", options.name, options.emulated_speed,
                         limiter.mode)
-        conn = CoordinatorConnection(address)
-        try:
-            return DataParallelWorker(conn, options, limiter).run()
-        finally:
-            conn.close()
+        worker: DataParallelWorker | None = None
+        while True:
+            conn = CoordinatorConnection(address or _discover(cluster, interfaces), shaper=emulation.shaper,
+                                         link=link)
+            if worker is None:
+                worker = DataParallelWorker(conn, options, limiter, emulation)
+            worker.conn = conn
+            try:
+                return worker.run()
+            except CoordinatorUnreachable:
+                if address:
+                    raise
+                logger.warning("[Client] lost the coordinator at %s; looking for it again", conn.address)
+            finally:
+                conn.close()

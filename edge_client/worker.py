@@ -19,7 +19,9 @@ import torch
 
 import edgetrain
 from edge_client.connection import CoordinatorConnection, upload_header
+from edge_client.emulation import BoardEmulation
 from edge_client.profiler import profile_device
+from edge_client.telemetry import TelemetryCollector, probe_link
 from edgetrain import serde
 from edgetrain.data import load_dataset, make_batch
 from edgetrain.models import build_model
@@ -46,10 +48,22 @@ class ClientOptions:
     """Fraction of one core this board emulates (None: a real board at full speed)."""
     poll_s: float = 10.0
     """Longest a work poll waits on the coordinator."""
+    board_file: str | None = None
+    """Board file of an emulated board (speed, link, battery), written by `edgetrain fleet`."""
+    probe_interval_s: float = 30.0
+    """How often the link is probed when no large transfer measured it recently."""
+
+
+class BatteryEmpty(Exception):
+    """The emulated battery is flat."""
 
 
 class Rejoin(Exception):
     """The coordinator no longer knows this device: register and profile again."""
+
+
+BATTERY_EMPTY = "battery empty"
+"""What `run` returns when the emulated battery ran flat and the board shut down."""
 
 
 def device_info(options: ClientOptions) -> pb.RegisterRequest:
@@ -77,10 +91,14 @@ def _rejoin_if_forgotten(call: Callable[[], T]) -> T:
 class DataParallelWorker:
     """Runs one board's part of a data-parallel job until the coordinator says it is finished."""
 
-    def __init__(self, conn: CoordinatorConnection, options: ClientOptions, limiter: CpuLimiter) -> None:
+    def __init__(self, conn: CoordinatorConnection, options: ClientOptions, limiter: CpuLimiter,
+                 emulation: BoardEmulation) -> None:
         self.conn = conn
         self.options = options
         self.limiter = limiter
+        self.emulation = emulation
+        self.telemetry = TelemetryCollector(link=conn.link, emulated_speed=options.emulated_speed,
+                                            battery=emulation.read_battery, energy_j=emulation.energy.energy_j)
         self.device_id = ""
         self._job: pb.JobSpec | None = None
         self._model: torch.nn.Module | None = None
@@ -100,6 +118,9 @@ class DataParallelWorker:
             try:
                 self._prepare(reply.job)
                 return self._work_loop()
+            except BatteryEmpty:
+                logger.error("[Client] %s: battery empty; the board shuts down", self.device_id)
+                return BATTERY_EMPTY
             except Rejoin:
                 logger.warning("[Client] coordinator forgot %s; joining again", self.device_id)
             finally:
@@ -128,9 +149,14 @@ class DataParallelWorker:
         self._memory = (profile.memory_total_bytes, profile.memory_available_bytes, profile.peak_rss_bytes)
 
     def _heartbeats(self, interval_s: float, stop: threading.Event) -> None:
+        last_probe = 0.0
         while not stop.wait(interval_s):
             try:
-                self.conn.heartbeat(self.device_id)
+                self.emulation.refresh()
+                if time.monotonic() - last_probe > self.options.probe_interval_s:
+                    probe_link(lambda payload: self.conn.probe(self.device_id, payload), self.conn.link)
+                    last_probe = time.monotonic()
+                self.conn.heartbeat(self.device_id, serde.telemetry_to_proto(self.telemetry.sample()))
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     self._lost.set()
@@ -141,6 +167,8 @@ class DataParallelWorker:
         while True:
             if self._lost.is_set():
                 raise Rejoin()
+            if self.emulation.battery_empty:
+                raise BatteryEmpty()
             work = _rejoin_if_forgotten(lambda: self.conn.get_work(self.device_id, self.options.poll_s))
             kind = work.WhichOneof("work")
             if kind == "finished":
@@ -150,6 +178,23 @@ class DataParallelWorker:
                 self._do_step(work.step)
 
     def _do_step(self, work: pb.StepWork) -> None:
+        energy_before = self.emulation.energy.energy_j()
+        with self.emulation.energy.busy():
+            header, payload = self._compute_step(work)
+        energy_after = self.emulation.energy.energy_j()
+        if energy_before is not None and energy_after is not None:
+            header.report.energy_j = energy_after - energy_before
+        self.telemetry.last_step = (header.report.compute_s, header.report.download_s + header.report.encode_s)
+        try:
+            with self.emulation.energy.busy():
+                self.conn.upload_gradient(header, payload, self._job.chunk_bytes)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND and "unknown device" in (e.details() or ""):
+                raise Rejoin() from e
+            logger.warning("[Client.Upload] step %d refused: %s %s", work.step, e.code().name, e.details())
+
+    def _compute_step(self, work: pb.StepWork) -> tuple[pb.UploadHeader, memoryview]:
+        """Download parameters if needed, compute the shard's gradients, encode them."""
         started = time.perf_counter()
         if work.param_version != self._version:
             metas, payload = self.conn.download_parameters(self.device_id, work.param_version)
@@ -169,10 +214,4 @@ class DataParallelWorker:
         report = pb.StepReport(samples=result.samples, loss=result.loss, correct=result.correct,
                                compute_s=compute_s, download_s=download_s,
                                encode_s=time.perf_counter() - started)
-        header = upload_header(self.device_id, work.step, work.attempt, metas, report)
-        try:
-            self.conn.upload_gradient(header, payload, self._job.chunk_bytes)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND and "unknown device" in (e.details() or ""):
-                raise Rejoin() from e
-            logger.warning("[Client.Upload] step %d refused: %s %s", work.step, e.code().name, e.details())
+        return upload_header(self.device_id, work.step, work.attempt, metas, report), payload

@@ -1,9 +1,11 @@
 """The `edgetrain` command: the one face above both roles.
 
   edgetrain coordinator --config JOB.yaml      serve a job and drive its training
-  edgetrain client --coordinator HOST:PORT     run this board's part of the job
+  edgetrain client [--coordinator HOST:PORT]   run this board's part of the job (mDNS finds it)
+  edgetrain devices [--json]                   advertised coordinators and their boards
   edgetrain local JOB.yaml --speeds 0.5,0.3    coordinator + emulated boards on this machine
   edgetrain demo                               the demo job on 4 emulated boards
+  edgetrain fleet up FLEET.yaml | down NAME    an emulated fleet (namespaces, links, batteries)
 """
 
 from __future__ import annotations
@@ -38,15 +40,42 @@ def _parser() -> argparse.ArgumentParser:
     coord.add_argument("--data-dir", default="data", help="dataset directory (for evaluation)")
     coord.add_argument("--runs-dir", default="runs", help="results go to RUNS_DIR/<job name>/")
     coord.add_argument("--resume", action="store_true", help="continue from the run's checkpoint")
+    coord.add_argument("--cluster", default="edgetrain", help="cluster name advertised over mDNS")
+    coord.add_argument("--advertise", action="append", default=None, metavar="IP",
+                       help="advertise over mDNS on this interface address (repeatable; default: the bind "
+                            "address, or every LAN interface for a wildcard bind)")
+    coord.add_argument("--no-advertise", action="store_true", help="do not advertise over mDNS")
 
     client = sub.add_parser("client", help="run this board's part of a job")
-    client.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="coordinator address")
+    client.add_argument("--coordinator", metavar="HOST:PORT",
+                        help="coordinator address (default: find it over mDNS)")
+    client.add_argument("--cluster", help="with several advertised coordinators, join this cluster")
+    client.add_argument("--interface", action="append", default=None, metavar="IP",
+                        help="browse mDNS on this interface address (repeatable; default: all LAN interfaces)")
+    client.add_argument("--emulate", type=Path, metavar="BOARD.yaml",
+                        help="emulate a board: speed, link, battery (written by `edgetrain fleet`)")
+    client.add_argument("--probe-interval", type=float, default=30.0, metavar="S",
+                        help="probe the link this often when no large transfer measured it")
     client.add_argument("--name", default=None, help="device name (default: the hostname)")
     client.add_argument("--speed", type=float, default=None,
                         help="emulate a board with this fraction of one core (cgroup quota as root)")
     client.add_argument("--threads", type=int, default=None, help="torch threads (default: all, or per --speed)")
     client.add_argument("--data-dir", default="data", help="dataset directory")
     client.add_argument("--download", action="store_true", help="download CIFAR-10 if missing (needs internet)")
+
+    devices = sub.add_parser("devices", help="advertised coordinators and their registered boards")
+    devices.add_argument("--coordinator", metavar="HOST:PORT", help="ask this coordinator (default: all found)")
+    devices.add_argument("--interface", action="append", default=None, metavar="IP", help="mDNS interface")
+    devices.add_argument("--json", action="store_true", help="machine-readable output")
+
+    fleet = sub.add_parser("fleet", help="emulated fleets on this machine")
+    fleet_sub = fleet.add_subparsers(dest="fleet_command", required=True)
+    for name in ("up", "down", "supervise"):
+        cmd = fleet_sub.add_parser(name, help=argparse.SUPPRESS if name == "supervise" else f"fleet {name}")
+        cmd.add_argument("fleet", help="fleet YAML (up) or fleet name / YAML (down)")
+        cmd.add_argument("--state-dir", type=Path, default=Path(".fleet"), help="where fleet state is kept")
+        cmd.add_argument("--runs-dir", type=Path, default=Path("runs"), help="results directory")
+        cmd.add_argument("--data-dir", type=Path, default=Path("data"), help="dataset directory")
 
     for name, help_text in (("local", "a job on emulated boards on this machine"),
                             ("demo", "the demo job on 4 emulated boards")):
@@ -63,23 +92,30 @@ def _parser() -> argparse.ArgumentParser:
 
 def _coordinator(args: argparse.Namespace) -> int:
     from coordinator.main import run_coordinator
+    from edge_client.discovery import default_interfaces
 
     job = load_job(args.config, dict(parse_override(o) for o in args.set))
+    host = args.bind.rsplit(":", 1)[0]
+    advertise = None if args.no_advertise else (
+        args.advertise or (default_interfaces() if host in ("0.0.0.0", "") else [host]))
     run_coordinator(job, bind=args.bind, data_dir=args.data_dir, runs_dir=args.runs_dir,
-                    port_file=args.port_file, resume=args.resume)
+                    port_file=args.port_file, resume=args.resume, cluster=args.cluster, advertise=advertise)
     return 0
 
 
 def _client(args: argparse.Namespace) -> int:
     import socket
 
-    from edge_client.main import run_client
+    from edge_client.main import BATTERY_EMPTY, run_client
     from edge_client.worker import ClientOptions
 
     options = ClientOptions(name=args.name or socket.gethostname(), data_dir=args.data_dir,
-                            download=args.download, emulated_speed=args.speed)
-    run_client(args.coordinator, options, threads=args.threads)
-    return 0
+                            download=args.download, emulated_speed=args.speed,
+                            board_file=str(args.emulate) if args.emulate else None,
+                            probe_interval_s=args.probe_interval)
+    reason = run_client(args.coordinator, options, threads=args.threads, cluster=args.cluster,
+                        interfaces=args.interface)
+    return 3 if reason == BATTERY_EMPTY else 0
 
 
 def _local(args: argparse.Namespace) -> int:
@@ -93,12 +129,40 @@ def _local(args: argparse.Namespace) -> int:
     return code
 
 
+def _devices(args: argparse.Namespace) -> int:
+    from edge_client.devices import devices_report
+
+    print(devices_report(coordinator=args.coordinator, interfaces=args.interface, as_json=args.json))
+    return 0
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    from edgetrain.fleet import fleet_down, fleet_up, supervise
+    from edgetrain.fleet_config import load_fleet
+
+    if args.fleet_command == "supervise":
+        return supervise(Path(args.fleet), args.state_dir / f"{load_fleet(args.fleet).name}.json",
+                         args.runs_dir, args.data_dir)
+    if args.fleet_command == "up":
+        state = fleet_up(Path(args.fleet), state_dir=args.state_dir, runs_dir=args.runs_dir,
+                         data_dir=args.data_dir)
+        print(f"fleet {state['name']} is up ({state['mode']} network): coordinator {state['coordinator']}, "
+              f"{len(state['pids']) - 1} boards; `edgetrain devices` shows them, "
+              f"`edgetrain fleet down {state['name']}` stops it")
+        return 0
+    name = load_fleet(args.fleet).name if args.fleet.endswith((".yaml", ".yml")) else args.fleet
+    removed = fleet_down(name, state_dir=args.state_dir)
+    print(f"fleet {name}: " + ("removed " + ", ".join(removed) if removed else "nothing was running"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `edgetrain` console script."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    handlers = {"coordinator": _coordinator, "client": _client, "local": _local, "demo": _local}
+    handlers = {"coordinator": _coordinator, "client": _client, "local": _local, "demo": _local,
+                "devices": _devices, "fleet": _fleet}
     try:
         return handlers[args.command](args)
     except (ConfigError, FileNotFoundError) as e:

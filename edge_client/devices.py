@@ -1,0 +1,72 @@
+"""`edgetrain devices`: the coordinators advertised on the LAN and the boards each one knows."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from edge_client.discovery import browse, default_interfaces
+from edgetrain.grpc_options import CHANNEL_OPTIONS
+from protos import coordinator_pb2 as pb
+from protos import coordinator_pb2_grpc as pb_grpc
+
+UNKNOWN = "?"
+
+
+def _fetch(address: str) -> pb.ListDevicesReply:
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        return pb_grpc.CoordinatorStub(channel).ListDevices(pb.ListDevicesRequest(), timeout=10)
+
+
+def _fmt(telemetry: pb.Telemetry, name: str, spec: str, scale: float = 1.0) -> str:
+    return format(getattr(telemetry, name) * scale, spec) if telemetry.HasField(name) else UNKNOWN
+
+
+def _row(view: pb.DeviceView) -> str:
+    t = view.telemetry
+    battery = UNKNOWN
+    if t.HasField("battery_percent"):
+        battery = f"{t.battery_percent:.1f}%" + ("+" if t.battery_charging else "")
+    memory = f"{t.memory_used_bytes / 2**30:.1f}/{t.memory_total_bytes / 2**30:.1f}G" if t.HasField(
+        "memory_total_bytes") else UNKNOWN
+    energy = f"{view.energy_per_sample_j:.2f}" if view.energy_per_sample_j else UNKNOWN
+    return (f"{view.device_id:<16}{view.state:<11}{view.seconds_since_seen:>6.1f}{_fmt(t, 'cpu_percent', '.0f'):>6}"
+            f"{memory:>12}{battery:>9}{_fmt(t, 'temperature_c', '.0f'):>6}{_fmt(t, 'link_mbit_per_s', '.1f'):>9}"
+            f"{_fmt(t, 'rtt_ms', '.1f'):>8}{view.samples_per_s:>10.1f}{view.samples_done:>9}{energy:>9}")
+
+
+HEADER = (f"{'device':<16}{'state':<11}{'seen':>6}{'cpu%':>6}{'memory':>12}{'battery':>9}{'temp':>6}"
+          f"{'Mbit/s':>9}{'rtt ms':>8}{'samples/s':>10}{'samples':>9}{'J/sample':>9}")
+
+
+def devices_report(*, coordinator: str | None = None, interfaces: list[str] | None = None,
+                   as_json: bool = False) -> str:
+    """A table (or JSON) of every coordinator found and the boards it has admitted."""
+    if coordinator:
+        targets = [(coordinator, None)]
+    else:
+        targets = [(r.address, r) for r in browse(interfaces=interfaces or default_interfaces())]
+    results = []
+    for address, record in targets:
+        try:
+            results.append((address, record, _fetch(address), None))
+        except grpc.RpcError as e:
+            results.append((address, record, None, f"{e.code().name}: {e.details()}"))
+    if as_json:
+        return json.dumps([{"address": a, "cluster": reply.cluster if reply else (r.cluster if r else None),
+                            "job": reply.job_id if reply else None, "error": err,
+                            "devices": [MessageToDict(d, preserving_proto_field_name=True) for d in reply.devices]
+                            if reply else []} for a, r, reply, err in results], indent=2)
+    if not results:
+        return "no coordinator advertised on " + ", ".join(interfaces or default_interfaces())
+    lines = []
+    for address, _, reply, error in results:
+        if reply is None:
+            lines += [f"coordinator {address}: unreachable ({error})", ""]
+            continue
+        lines += [f"coordinator {address}  cluster {reply.cluster}  job {reply.job_id}  "
+                  f"({len(reply.devices)} boards; ? = the board cannot report it)", HEADER]
+        lines += [_row(view) for view in reply.devices] + [""]
+    return "\n".join(lines).rstrip()

@@ -1,0 +1,187 @@
+"""What an emulated fleet is: boards (CPU speed, link, battery), the job, scripted events.
+
+```yaml
+name: lab
+cluster: lab                     # mDNS cluster name the coordinator advertises
+job: {model: mobilenet_v2, training: {steps: 200}}   # a job mapping (see config.py), or
+job_file: jobs/demo.yaml         # a job file, relative to this file
+network: auto                    # auto: namespaces when root, else loopback + app-level shaping
+boards:
+  - {name: nano, count: 2, speed: 0.5, link: {mbit_per_s: 100},
+     battery: {capacity_wh: 37, idle_w: 1.3, busy_w: 7.5, plugged: true}}
+events:
+  - {at_s: 60, board: nano-1, link: {mbit_per_s: 5}}
+  - {at_s: 90, board: nano-2, action: leave}
+  - {at_s: 120, board: nano-2, action: join}
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from edgetrain.battery import BatterySpec
+from edgetrain.config import ConfigError, JobConfig, job_from_dict, load_job
+from edgetrain.shaping import LinkSpec
+
+NETWORK_MODES = ("auto", "namespaces", "loopback")
+EVENT_ACTIONS = ("link", "leave", "join")
+
+
+@dataclass(kw_only=True, frozen=True)
+class BoardSpec:
+    """One emulated board: what the client process emulates."""
+
+    name: str
+    """Board name (unique in the fleet)."""
+    speed: float
+    """CPU speed as a fraction of one core."""
+    link: LinkSpec | None = None
+    """Its link to the LAN; None: unshaped."""
+    battery: BatterySpec | None = None
+    """Its battery; None: mains powered with no battery."""
+    idle_w: float | None = None
+    """Power draw when idle, W (energy accounting for a board without a battery)."""
+    busy_w: float | None = None
+    """Power draw when training, W."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class FleetEvent:
+    """A scripted change at `at_s` seconds after the fleet is up."""
+
+    at_s: float
+    board: str
+    action: str
+    """link (its rate/delay/loss change), leave (its process stops) or join (it starts again)."""
+    link: LinkSpec | None = None
+
+
+@dataclass(kw_only=True, frozen=True)
+class FleetSpec:
+    """A coordinator, its job and the boards to emulate."""
+
+    name: str
+    cluster: str
+    job: JobConfig
+    network: str = "auto"
+    probe_interval_s: float = 30.0
+    """How often each board probes its link when no large transfer measured it."""
+    boards: tuple[BoardSpec, ...] = field(default_factory=tuple)
+    events: tuple[FleetEvent, ...] = field(default_factory=tuple)
+
+
+def _mapping(value: Any, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _make(cls: type, data: Any, where: str):
+    data = _mapping(data, where)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    try:
+        return cls(**data)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _boards(entries: Any, where: str) -> list[BoardSpec]:
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(f"{where}: expected a non-empty list of boards")
+    boards = []
+    for i, entry in enumerate(entries):
+        entry = dict(_mapping(entry, f"{where}[{i}]"))
+        count = entry.pop("count", 1)
+        if not isinstance(count, int) or count < 1:
+            raise ConfigError(f"{where}[{i}].count: expected an integer >= 1, got {count!r}")
+        if "link" in entry:
+            entry["link"] = _make(LinkSpec, entry["link"], f"{where}[{i}].link")
+        if "battery" in entry:
+            entry["battery"] = _make(BatterySpec, entry["battery"], f"{where}[{i}].battery")
+        base = entry.get("name", f"board{i}")
+        for k in range(count):
+            named = {**entry, "name": f"{base}-{k + 1}" if count > 1 else base}
+            boards.append(_make(BoardSpec, named, f"{where}[{i}]"))
+    names = [b.name for b in boards]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{where}: board names must be unique, got {names}")
+    return boards
+
+
+def _events(entries: Any, names: set[str], where: str) -> list[FleetEvent]:
+    events = []
+    for i, entry in enumerate(entries or []):
+        entry = dict(_mapping(entry, f"{where}[{i}]"))
+        if "link" in entry:
+            entry["link"] = _make(LinkSpec, entry["link"], f"{where}[{i}].link")
+            entry.setdefault("action", "link")
+        event = _make(FleetEvent, entry, f"{where}[{i}]")
+        if event.action not in EVENT_ACTIONS:
+            raise ConfigError(f"{where}[{i}].action: {event.action!r} is not one of {EVENT_ACTIONS}")
+        if event.board not in names:
+            raise ConfigError(f"{where}[{i}].board: unknown board {event.board!r} (boards: {sorted(names)})")
+        events.append(event)
+    return sorted(events, key=lambda e: e.at_s)
+
+
+def load_fleet(path: str | Path) -> FleetSpec:
+    """Load and validate a fleet file; errors name the file, the key and the bad value."""
+    path = Path(path)
+    try:
+        data = _mapping(yaml.safe_load(path.read_text()), str(path))
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    unknown = sorted(set(data) - {"name", "cluster", "job", "job_file", "network", "probe_interval_s", "boards",
+                                  "events"})
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r}")
+    if "job_file" in data:
+        job = load_job(path.parent / data["job_file"])
+    else:
+        job = job_from_dict(data.get("job", {}), source=f"{path}: job")
+    network = data.get("network", "auto")
+    if network not in NETWORK_MODES:
+        raise ConfigError(f"{path}: network: {network!r} is not one of {NETWORK_MODES}")
+    boards = _boards(data.get("boards"), f"{path}: boards")
+    events = _events(data.get("events"), {b.name for b in boards}, f"{path}: events")
+    name = str(data.get("name", path.stem))
+    probe = data.get("probe_interval_s", 30.0)
+    if not isinstance(probe, (int, float)) or probe <= 0:
+        raise ConfigError(f"{path}: probe_interval_s: expected a number > 0, got {probe!r}")
+    return FleetSpec(name=name, cluster=str(data.get("cluster", name)), job=job, network=network,
+                     probe_interval_s=float(probe), boards=tuple(boards), events=tuple(events))
+
+
+def board_to_dict(board: BoardSpec) -> dict:
+    """Plain data for a board (what the client reads from its --emulate file)."""
+    return dataclasses.asdict(board)
+
+
+def board_from_dict(data: dict, where: str = "board") -> BoardSpec:
+    """A board from plain data."""
+    data = dict(_mapping(data, where))
+    if data.get("link"):
+        data["link"] = _make(LinkSpec, data["link"], f"{where}.link")
+    if data.get("battery"):
+        data["battery"] = _make(BatterySpec, data["battery"], f"{where}.battery")
+    return _make(BoardSpec, data, where)
+
+
+def load_board(path: str | Path) -> BoardSpec:
+    """The board an emulated client is (its --emulate file, YAML or JSON)."""
+    path = Path(path)
+    try:
+        return board_from_dict(yaml.safe_load(path.read_text()), str(path))
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
