@@ -81,8 +81,8 @@ class CoordinatorConnection:
 
     def heartbeat(self, device_id: str, telemetry: pb.Telemetry | None = None) -> None:
         """One liveness ping with a telemetry sample (no retry: the next one follows soon)."""
-        self._delay()
         started = time.perf_counter()
+        self._delay()
         self._stub.Heartbeat(pb.HeartbeatRequest(device_id=device_id, telemetry=telemetry), timeout=10)
         self.link.observe_rtt(time.perf_counter() - started)
 

@@ -44,6 +44,9 @@ second more (RFC 6762 section 14), e.g. just after it announced itself."""
 RESOLVE_TIMEOUT_S = 1.5
 """Upper bound for resolving one announced instance to its address and TXT record."""
 
+_Changes = queue.SimpleQueue[tuple[str, ServiceStateChange]]
+"""Browser events (instance name, change), handed from zeroconf's thread to the caller's."""
+
 
 class CoordinatorNotFound(LookupError):
     """No single coordinator matched within the time allowed; the message lists what was seen."""
@@ -138,45 +141,57 @@ def _browse(
     """Browse until ``enough(records)`` holds and the network went quiet, or until the deadline."""
     if not interfaces:
         raise ValueError("interfaces must name at least one IPv4 address")
-    changes: queue.SimpleQueue[tuple[str, ServiceStateChange]] = queue.SimpleQueue()
+    deadline = time.monotonic() + timeout_s
+    changes: _Changes = queue.SimpleQueue()
 
     def on_change(*, name: str, state_change: ServiceStateChange, **_: object) -> None:
         changes.put((name, state_change))
 
-    deadline = time.monotonic() + timeout_s
     zc = Zeroconf(interfaces=interfaces, ip_version=IPVersion.V4Only)
-    browser = ServiceBrowser(zc, SERVICE_TYPE, handlers=[on_change], question_type=DNSQuestionType.QM)
     try:
-        records: dict[str, CoordinatorRecord] = {}
-        pending: set[str] = set()
-        last_new = time.monotonic()
-        while (now := time.monotonic()) < deadline:
-            try:
-                name, change = changes.get(timeout=min(0.05, deadline - now))
-            except queue.Empty:
-                pass
-            else:
-                if change is ServiceStateChange.Removed:
-                    records.pop(name, None)
-                    pending.discard(name)
-                else:
-                    last_new = time.monotonic() if name not in records else last_new
-                    pending.add(name)
-                continue
-            for name in sorted(pending):
-                info = _resolve(zc, name, deadline)
-                if info is None:
-                    continue
-                pending.discard(name)
-                if (record := _record_from_info(info)) is not None:
-                    records[name] = record
-            seen = list(records.values())
-            if seen and not pending and enough(seen) and time.monotonic() - last_new >= QUIET_S:
-                break
-        return sorted(records.values(), key=lambda r: r.instance)
+        browser = ServiceBrowser(zc, SERVICE_TYPE, handlers=[on_change],
+                                 question_type=DNSQuestionType.QM)
+        try:
+            return _collect(zc, changes, deadline, enough)
+        finally:
+            browser.cancel()
     finally:
-        browser.cancel()
         zc.close()
+
+
+def _collect(
+    zc: Zeroconf,
+    changes: _Changes,
+    deadline: float,
+    enough: Callable[[list[CoordinatorRecord]], bool],
+) -> list[CoordinatorRecord]:
+    """Apply browser events and resolve new names until done or the deadline."""
+    records: dict[str, CoordinatorRecord] = {}
+    pending: set[str] = set()
+    last_new = time.monotonic()
+    while (now := time.monotonic()) < deadline:
+        try:
+            name, change = changes.get(timeout=min(0.05, deadline - now))
+        except queue.Empty:
+            pass
+        else:
+            if change is ServiceStateChange.Removed:
+                records.pop(name, None)
+                pending.discard(name)
+            else:
+                last_new = time.monotonic() if name not in records else last_new
+                pending.add(name)
+            continue
+        for name in sorted(pending):
+            if (info := _resolve(zc, name, deadline)) is None:
+                continue
+            pending.discard(name)
+            if (record := _record_from_info(info)) is not None:
+                records[name] = record
+        seen = list(records.values())
+        if seen and not pending and enough(seen) and time.monotonic() - last_new >= QUIET_S:
+            break
+    return sorted(records.values(), key=lambda r: r.instance)
 
 
 def _resolve(zc: Zeroconf, name: str, deadline: float) -> ServiceInfo | None:

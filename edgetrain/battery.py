@@ -1,16 +1,21 @@
 """Batteries: an emulated one that drains with the board's work, and the board's real one.
 
-Both are read as a `BatteryReading`, so telemetry treats emulated and real boards alike.
+Both are read as a :class:`BatteryReading`, the fields psutil gives for a real battery plus
+the energy used, so telemetry treats emulated and real boards alike. A board without a battery
+but with known power figures gets its energy from :func:`energy_j`.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
+
+_J_PER_WH = 3600.0
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -20,91 +25,133 @@ class BatterySpec:
     capacity_wh: float
     """Usable capacity, watt-hours."""
     idle_w: float
-    """Power draw while idle, watts."""
+    """Power draw while not training, watts."""
     busy_w: float
     """Power draw while training, watts."""
     initial_percent: float = 100.0
     """Charge when the board starts."""
     plugged: bool = False
-    """On mains power: the battery neither drains nor reports discharging."""
+    """On mains power: the board's draw comes from the mains and the battery does not drain."""
     charge_w: float = 0.0
-    """Charging power while plugged, watts (0: plugged keeps the charge level)."""
+    """Net charging power into the battery while plugged, watts (0: the charge level stays)."""
 
     def __post_init__(self) -> None:
-        for name in ("capacity_wh", "idle_w", "busy_w"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.capacity_wh) and self.capacity_wh > 0):
+            raise ValueError(f"capacity_wh must be a finite number > 0, got {self.capacity_wh}")
+        for name in ("idle_w", "busy_w", "charge_w"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         if self.busy_w < self.idle_w:
             raise ValueError(f"busy_w ({self.busy_w}) must be >= idle_w ({self.idle_w})")
         if not 0 <= self.initial_percent <= 100:
             raise ValueError(f"initial_percent must be in [0, 100], got {self.initial_percent}")
-        if self.charge_w < 0:
-            raise ValueError(f"charge_w must be >= 0, got {self.charge_w}")
 
 
 @dataclass(frozen=True)
 class BatteryReading:
-    """A battery's state, the way psutil reports a real one (plus energy when known)."""
+    """A battery's state as psutil reports a real one, plus the energy used when known."""
 
     percent: float
+    """Charge left, 0-100."""
     charging: bool
+    """On external power (psutil's ``power_plugged``): the charge is not falling."""
     energy_j: float | None = None
     """Energy the board used since it started, joules; None when unknown (a real battery)."""
 
 
-class EmulatedBattery:
-    """Drains at busy_w while the board trains and idle_w otherwise (unless plugged)."""
+def energy_j(*, busy_s: float, idle_s: float, idle_w: float, busy_w: float) -> float:
+    """Energy a board used, in joules, from its configured power draw: busy_w while training
+    for ``busy_s`` seconds and idle_w for ``idle_s`` seconds."""
+    if busy_s < 0 or idle_s < 0:
+        raise ValueError(f"durations must be >= 0, got busy_s={busy_s} idle_s={idle_s}")
+    return busy_s * busy_w + idle_s * idle_w
 
-    def __init__(self, spec: BatterySpec, clock: Callable[[], float] = time.monotonic) -> None:
+
+class EmulatedBattery:
+    """A battery drained by the board's work: busy_w while training, idle_w otherwise.
+
+    Time is integrated on ``clock``: the client marks compute bursts with :meth:`set_busy`.
+    A caller that measures its own durations passes ``clock=None`` and reports them with
+    :meth:`account` (with a clock, accounted time is charged on top of clock time).
+    Unplugged, the battery drains by the energy used; plugged, it gains ``charge_w`` (up to
+    full) and the draw comes from the mains. :meth:`energy_j` counts the board's use either
+    way, so energy per step is the difference of two readings. Thread-safe.
+    """
+
+    def __init__(self, spec: BatterySpec, clock: Callable[[], float] | None = time.monotonic) -> None:
         self.spec = spec
         self._clock = clock
         self._lock = threading.Lock()
-        self._last = clock()
+        self._last = clock() if clock else 0.0
         self._busy = False
-        self._energy_j = 0.0
-        self._charge_j = spec.capacity_wh * 3600 * spec.initial_percent / 100
-
-    def _advance(self) -> None:
-        now = self._clock()
-        elapsed, self._last = now - self._last, now
-        used = elapsed * (self.spec.busy_w if self._busy else self.spec.idle_w)
-        self._energy_j += used
-        capacity = self.spec.capacity_wh * 3600
-        if self.spec.plugged:
-            self._charge_j = min(capacity, self._charge_j + elapsed * self.spec.charge_w)
-        else:
-            self._charge_j = max(0.0, self._charge_j - used)
+        self._used_j = 0.0
+        self._capacity_j = spec.capacity_wh * _J_PER_WH
+        self._charge_j = self._capacity_j * spec.initial_percent / 100
 
     def set_busy(self, busy: bool) -> None:
-        """The board starts (True) or stops (False) training."""
+        """The board starts (True) or stops (False) a compute burst."""
         with self._lock:
             self._advance()
             self._busy = busy
 
-    def read(self) -> BatteryReading:
-        """Current charge, charging state and energy used so far."""
+    def account(self, busy_seconds: float, idle_seconds: float) -> None:
+        """Charge the battery for ``busy_seconds`` of training and ``idle_seconds`` of idling."""
         with self._lock:
             self._advance()
-            percent = 100 * self._charge_j / (self.spec.capacity_wh * 3600)
-            return BatteryReading(percent=percent, charging=self.spec.plugged, energy_j=self._energy_j)
+            self._apply(busy_seconds, idle_seconds)
+
+    def percent(self) -> float:
+        """Charge left, 0-100."""
+        return self.read().percent
+
+    def energy_j(self) -> float:
+        """Joules the board used since it started."""
+        with self._lock:
+            self._advance()
+            return self._used_j
+
+    @property
+    def charging(self) -> bool:
+        """On external power, as psutil's ``power_plugged`` says of a real battery."""
+        return self.spec.plugged
 
     @property
     def empty(self) -> bool:
-        """True once the charge is gone (a real board would switch off)."""
-        return self.read().percent <= 0.0
+        """The charge is gone on battery power: a real board would switch off."""
+        return not self.spec.plugged and self.percent() <= 0.0
+
+    def read(self) -> BatteryReading:
+        """Charge, charging state and energy used, at one instant."""
+        with self._lock:
+            self._advance()
+            percent = 100 * self._charge_j / self._capacity_j
+            return BatteryReading(percent=percent, charging=self.spec.plugged, energy_j=self._used_j)
+
+    def _advance(self) -> None:
+        if self._clock is None:
+            return
+        now = self._clock()
+        elapsed, self._last = max(0.0, now - self._last), now
+        self._apply(elapsed if self._busy else 0.0, 0.0 if self._busy else elapsed)
+
+    def _apply(self, busy_s: float, idle_s: float) -> None:
+        spec = self.spec
+        used = energy_j(busy_s=busy_s, idle_s=idle_s, idle_w=spec.idle_w, busy_w=spec.busy_w)
+        self._used_j += used
+        if spec.plugged:
+            gained = (busy_s + idle_s) * spec.charge_w
+            self._charge_j = min(self._capacity_j, self._charge_j + gained)
+        else:
+            self._charge_j = max(0.0, self._charge_j - used)
 
 
 def real_battery() -> BatteryReading | None:
     """The board's own battery from psutil, or None when it has none (energy is unknown)."""
     try:
         battery = psutil.sensors_battery()
-    except (AttributeError, OSError, NotImplementedError):
+    except (AttributeError, NotImplementedError, OSError):
         return None
     if battery is None:
         return None
     return BatteryReading(percent=float(battery.percent), charging=bool(battery.power_plugged))
-
-
-def energy_j(*, busy_s: float, idle_s: float, idle_w: float, busy_w: float) -> float:
-    """Energy from configured power figures: busy_w while training, idle_w otherwise."""
-    return busy_s * busy_w + idle_s * idle_w

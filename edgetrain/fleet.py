@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +57,7 @@ class Supervisor:
         self.spec = spec
         self.state_file = state_file
         self.work_dir = state_file.with_suffix("")
+        self.log_dir = runs_dir / spec.name / "fleet-logs"
         self.runs_dir = runs_dir
         self.data_dir = data_dir
         self.lan: VirtualLan | None = None
@@ -80,6 +82,8 @@ class Supervisor:
     def start(self) -> None:
         """Build the network, start the coordinator and every board."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.state["work_dir"] = str(self.work_dir)
         self.state["mode"] = "namespaces" if self._use_namespaces() else "loopback"
         gateway = "127.0.0.1"
         if self.state["mode"] == "namespaces":
@@ -105,7 +109,7 @@ class Supervisor:
         job_file.write_text(yaml.safe_dump(job_to_dict(self.spec.job)))
         address_file = self.work_dir / "coordinator.address"
         address_file.unlink(missing_ok=True)
-        log = (self.work_dir / "coordinator.log").open("a")
+        log = (self.log_dir / "coordinator.log").open("a")
         self.procs["coordinator"] = subprocess.Popen(_edgetrain(
             "coordinator", "--config", str(job_file), "--bind", f"{self.gateway}:0", "--port-file",
             str(address_file), "--cluster", self.spec.cluster, "--advertise", self.gateway, "--runs-dir",
@@ -113,7 +117,7 @@ class Supervisor:
         deadline = time.monotonic() + 120
         while not (address_file.exists() and address_file.read_text().strip()):
             if self.procs["coordinator"].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the coordinator did not start; see {self.work_dir / 'coordinator.log'}")
+                raise RuntimeError(f"the coordinator did not start; see {self.log_dir / 'coordinator.log'}")
             time.sleep(0.1)
         self.state["coordinator"] = address_file.read_text().strip()
 
@@ -129,7 +133,7 @@ class Supervisor:
     def _start_board(self, board: BoardSpec) -> None:
         prefix, interface = ([], "127.0.0.1") if self.lan is None else (
             self.lan.exec_args(board.name), self.hosts[board.name].ip)
-        log = (self.work_dir / f"{board.name}.log").open("a")
+        log = (self.log_dir / f"{board.name}.log").open("a")
         self.procs[board.name] = subprocess.Popen([*prefix, *_edgetrain(
             "client", "--name", board.name, "--emulate", str(self._board_file(board)), "--cluster",
             self.spec.cluster, "--interface", interface, "--data-dir", str(self.data_dir), "--threads", "1",
@@ -184,6 +188,7 @@ class Supervisor:
         if self.lan is not None:
             self.lan.destroy()
         remove_stale_cgroups()
+        shutil.rmtree(self.work_dir, ignore_errors=True)
         self.state_file.unlink(missing_ok=True)
 
 
@@ -216,7 +221,8 @@ def fleet_up(spec_file: Path, *, state_dir: Path, runs_dir: Path, data_dir: Path
     path = state_path(state_dir, spec.name)
     if path.exists():
         raise RuntimeError(f"fleet {spec.name!r} is already up (state in {path}); run `edgetrain fleet down` first")
-    log = (state_dir / f"{spec.name}.supervisor.log").open("a")
+    (runs_dir / spec.name).mkdir(parents=True, exist_ok=True)
+    log = (runs_dir / spec.name / "fleet-supervisor.log").open("a")
     proc = subprocess.Popen(_edgetrain("fleet", "supervise", str(spec_file.resolve()), "--state-dir",
                                        str(state_dir.resolve()), "--runs-dir", str(runs_dir.resolve()),
                                        "--data-dir", str(data_dir.resolve())),
@@ -265,5 +271,8 @@ def fleet_down(name: str, *, state_dir: Path, timeout_s: float = 30) -> list[str
         destroy_resources(state["network"])
         removed.append("network namespaces and bridge")
     removed += [f"cgroup {p}" for p in remove_stale_cgroups()]
+    if state.get("work_dir") and Path(state["work_dir"]).exists():
+        shutil.rmtree(state["work_dir"], ignore_errors=True)
+        removed.append(f"files in {state['work_dir']}")
     path.unlink(missing_ok=True)
     return removed

@@ -1,103 +1,175 @@
-"""Application-level link emulation: rate (token buckets), one-way delay and chunk loss.
+"""Application-level link emulation: rate, delay and loss applied by the client itself.
 
-Used for a board's link when network namespaces are unavailable (not root), and for delay and
-loss always (this kernel has no netem). The client calls `before_send` per upload chunk,
-`after_receive` per download chunk and `rpc_delay` per call; a lost chunk breaks the transfer,
-which then resumes from the last acknowledged byte.
+Used for the rate when the fleet cannot use network namespaces (not root), and for delay and
+loss always, since the kernel here has no netem. The client calls
+:meth:`LinkShaper.before_send` per upload chunk, :meth:`LinkShaper.after_receive` per download
+chunk and :meth:`LinkShaper.rpc_delay` per unary call, and draws :meth:`LinkShaper.lost` per
+chunk, resuming a lost transfer from the last acknowledged byte.
 """
 
 from __future__ import annotations
 
-import random
+import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
+
+_MAX_SLEEP_S = 0.05
+"""A waiting consumer re-checks the rate this often, so a live rate change applies within it."""
+
+_MIN_BURST_S = 0.01
+"""A shaper's bucket holds this much time at the link rate (and at least 16 KiB): the little
+that may pass at once after an idle spell, like the queue of a real link."""
 
 
 @dataclass(kw_only=True, frozen=True)
 class LinkSpec:
-    """An emulated link between a board and the LAN."""
+    """An emulated link between a board and the LAN, the same in both directions."""
 
     mbit_per_s: float
-    """Link rate, Mbit/s (each direction)."""
+    """Link rate in Mbit/s (10^6 bit/s)."""
     delay_ms: float = 0.0
-    """One-way delay added to every call, milliseconds."""
+    """One-way delay; an RPC waits twice this."""
     loss: float = 0.0
-    """Probability that a transfer chunk is lost (the transfer then resumes), in [0, 1)."""
+    """Probability that a transfer chunk is lost and must be resent, in [0, 1)."""
 
     def __post_init__(self) -> None:
-        if not self.mbit_per_s > 0:
-            raise ValueError(f"mbit_per_s must be > 0, got {self.mbit_per_s}")
-        if self.delay_ms < 0:
-            raise ValueError(f"delay_ms must be >= 0, got {self.delay_ms}")
+        if not (math.isfinite(self.mbit_per_s) and self.mbit_per_s > 0):
+            raise ValueError(f"mbit_per_s must be a finite number > 0, got {self.mbit_per_s}")
+        if not (math.isfinite(self.delay_ms) and self.delay_ms >= 0):
+            raise ValueError(f"delay_ms must be a finite number >= 0, got {self.delay_ms}")
         if not 0 <= self.loss < 1:
             raise ValueError(f"loss must be in [0, 1), got {self.loss}")
 
+    @property
+    def bytes_per_s(self) -> float:
+        """The rate in bytes per second."""
+        return self.mbit_per_s * 1e6 / 8
+
 
 class TokenBucket:
-    """Lets bytes through at `rate` per second with bursts up to `burst_bytes` (thread-safe)."""
+    """Lets bytes through at ``rate_bytes_per_s`` with bursts up to ``burst_bytes``; thread-safe.
 
-    def __init__(self, rate_bytes_per_s: float, burst_bytes: int) -> None:
-        self._lock = threading.Lock()
-        self._rate = rate_bytes_per_s
+    A request larger than the bucket is allowed and paid for afterwards: the caller waits until
+    the bucket is back at zero, so chunks of any size average out to the rate. Callers are
+    served in the order they asked.
+    """
+
+    def __init__(self, rate_bytes_per_s: float, burst_bytes: int, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        _check_rate(rate_bytes_per_s)
+        if burst_bytes <= 0:
+            raise ValueError(f"burst_bytes must be > 0, got {burst_bytes}")
+        self._rate = float(rate_bytes_per_s)
         self._burst = burst_bytes
+        self._clock, self._sleep = clock, sleep
+        self._lock = threading.Lock()
         self._tokens = float(burst_bytes)
-        self._last = time.monotonic()
+        self._credited = 0.0
+        """Bytes the rate has paid in since construction, uncapped: a waiter's finish line."""
+        self._last = clock()
+
+    @property
+    def rate(self) -> float:
+        """Current rate in bytes per second."""
+        return self._rate
+
+    def consume(self, n: int) -> None:
+        """Block until ``n`` more bytes may pass."""
+        if n < 0:
+            raise ValueError(f"cannot consume a negative byte count ({n})")
+        with self._lock:
+            self._refill()
+            self._tokens -= n
+            finish = self._credited + max(0.0, -self._tokens)
+        while True:
+            with self._lock:
+                self._refill()
+                owed, rate = finish - self._credited, self._rate
+            if owed <= 0:
+                return
+            self._sleep(min(owed / rate, _MAX_SLEEP_S))
 
     def set_rate(self, rate_bytes_per_s: float) -> None:
-        """Change the rate from now on."""
+        """Change the rate from now on, also for callers already waiting."""
+        _check_rate(rate_bytes_per_s)
         with self._lock:
             self._refill()
-            self._rate = rate_bytes_per_s
+            self._rate = float(rate_bytes_per_s)
 
     def _refill(self) -> None:
-        now = time.monotonic()
-        self._tokens = min(self._burst, self._tokens + (now - self._last) * self._rate)
+        now = self._clock()
+        earned = (now - self._last) * self._rate
         self._last = now
-
-    def consume(self, nbytes: int) -> None:
-        """Block until `nbytes` may pass (debt is allowed, so large chunks pass at the rate)."""
-        with self._lock:
-            self._refill()
-            self._tokens -= nbytes
-            wait = -self._tokens / self._rate if self._tokens < 0 else 0.0
-        if wait > 0:
-            time.sleep(wait)
+        self._credited += earned
+        self._tokens = min(float(self._burst), self._tokens + earned)
 
 
-def _bucket(spec: LinkSpec) -> TokenBucket:
-    rate = spec.mbit_per_s * 1e6 / 8
-    return TokenBucket(rate, burst_bytes=max(64 * 1024, int(rate * 0.01)))
+class _Random(Protocol):
+    def random(self) -> float: ...
 
 
 class LinkShaper:
-    """Rate, delay and loss of one board's link, changeable while the board runs."""
+    """Holds a client's traffic to a :class:`LinkSpec`; ``None`` leaves it unshaped (and free).
 
-    def __init__(self, spec: LinkSpec) -> None:
-        self.spec = spec
-        self._up = _bucket(spec)
-        self._down = _bucket(spec)
+    Each direction has its own bucket, so an upload does not slow a concurrent download.
+    """
 
-    def set_link(self, spec: LinkSpec) -> None:
-        """Apply a new link (a scripted change)."""
-        self.spec = spec
-        rate = spec.mbit_per_s * 1e6 / 8
-        self._up.set_rate(rate)
-        self._down.set_rate(rate)
+    def __init__(self, spec: LinkSpec | None = None, *,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._spec: LinkSpec | None = None
+        self._up: TokenBucket | None = None
+        self._down: TokenBucket | None = None
+        self.set_link(spec)
+
+    @property
+    def spec(self) -> LinkSpec | None:
+        """The link being emulated, or None."""
+        return self._spec
 
     def before_send(self, nbytes: int) -> None:
-        """Pace an upload of `nbytes`."""
-        self._up.consume(nbytes)
+        """Wait until ``nbytes`` may go out on the link (call before sending each chunk)."""
+        bucket = self._up
+        if bucket is not None:
+            bucket.consume(nbytes)
 
     def after_receive(self, nbytes: int) -> None:
-        """Pace a download of `nbytes`."""
-        self._down.consume(nbytes)
+        """Wait as long as ``nbytes`` would take to arrive (call after receiving each chunk)."""
+        bucket = self._down
+        if bucket is not None:
+            bucket.consume(nbytes)
 
     def rpc_delay(self) -> None:
-        """The round trip's added delay."""
-        if self.spec.delay_ms:
-            time.sleep(2 * self.spec.delay_ms / 1000)
+        """Wait one round trip, 2 x delay_ms (call once per unary RPC)."""
+        spec = self._spec
+        if spec is not None and spec.delay_ms > 0:
+            self._sleep(2 * spec.delay_ms / 1000)
 
-    def lost(self, rng: random.Random) -> bool:
-        """Whether the next chunk is lost."""
-        return self.spec.loss > 0 and rng.random() < self.spec.loss
+    def lost(self, rng: _Random) -> bool:
+        """Draw whether a chunk is lost, with the link's loss probability."""
+        spec = self._spec
+        return spec is not None and spec.loss > 0 and rng.random() < spec.loss
+
+    def set_link(self, spec: LinkSpec | None) -> None:
+        """Switch to another link (or to unshaped) from now on, e.g. for scripted link changes."""
+        with self._lock:
+            if spec is None:
+                self._up = self._down = None
+            elif self._up is not None and self._down is not None:
+                self._up.set_rate(spec.bytes_per_s)
+                self._down.set_rate(spec.bytes_per_s)
+            else:
+                burst = max(16 * 1024, int(spec.bytes_per_s * _MIN_BURST_S))
+                self._up = TokenBucket(spec.bytes_per_s, burst)
+                self._down = TokenBucket(spec.bytes_per_s, burst)
+            self._spec = spec
+
+
+def _check_rate(rate_bytes_per_s: float) -> None:
+    if not (math.isfinite(rate_bytes_per_s) and rate_bytes_per_s > 0):
+        raise ValueError(f"rate_bytes_per_s must be a finite number > 0, got {rate_bytes_per_s}")
