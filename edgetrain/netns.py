@@ -21,12 +21,9 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-IFNAMSIZ = 15
-"""Longest Linux interface name (IFNAMSIZ - 1)."""
-
 MAX_LAN_NAME = 10
-"""Longest LAN name: the veth names ``{name}-r{index}`` / ``{name}-n{index}`` must fit IFNAMSIZ
-for index up to 253."""
+"""Longest LAN name: Linux interface names are at most 15 characters, and the veth names
+``{name}-r{index}`` / ``{name}-n{index}`` must fit for index up to 253."""
 
 MAX_NAMESPACE_NAME = 64
 """Namespace names are files under /run/netns; keep them readable in ``ip netns list``."""

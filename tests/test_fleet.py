@@ -1,0 +1,121 @@
+"""An emulated fleet end to end: `fleet up`, live telemetry (battery, link), events, `fleet down`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+
+from edgetrain.fleet import fleet_down, fleet_up
+from edgetrain.netns import netns_available
+from protos import coordinator_pb2 as pb
+from protos import coordinator_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+RATE_MBIT, NEW_RATE_MBIT, CHANGE_AT_S = 20.0, 8.0, 25
+
+
+def fleet_yaml(tmp_path: Path, network: str) -> Path:
+    name = f"t{uuid.uuid4().hex[:6]}"
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(f"""
+name: {name}
+cluster: {name}
+network: {network}
+probe_interval_s: 2
+job:
+  name: {name}
+  model: small_cnn
+  dataset: {{name: synthetic, train_size: 1000, test_size: 100, augment: false}}
+  training: {{global_batch: 32, steps: 1000000, min_clients: 2, eval_every: 0, log_every: 1000}}
+boards:
+  - {{name: battery, speed: 0.2, battery: {{capacity_wh: 2.0, idle_w: 2, busy_w: 20, initial_percent: 90}}}}
+  - {{name: wifi, speed: 0.2, link: {{mbit_per_s: {RATE_MBIT}, delay_ms: 1}}}}
+events:
+  - {{at_s: {CHANGE_AT_S}, board: wifi, link: {{mbit_per_s: {NEW_RATE_MBIT}, delay_ms: 1}}}}
+""")
+    return path
+
+
+def devices(address: str) -> dict[str, pb.DeviceView]:
+    with grpc.insecure_channel(address) as channel:
+        reply = pb_grpc.CoordinatorStub(channel).ListDevices(pb.ListDevicesRequest(), timeout=10)
+    return {d.info.name: d for d in reply.devices if d.state != "gone"}
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def link_rate(address: str) -> float | None:
+    view = devices(address).get("wifi")
+    return view.telemetry.link_mbit_per_s if view and view.telemetry.HasField("link_mbit_per_s") else None
+
+
+def within(value: float | None, target: float, tolerance: float = 0.15) -> bool:
+    return value is not None and abs(value - target) <= tolerance * target
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("network", [
+    pytest.param("namespaces", marks=[pytest.mark.root, pytest.mark.skipif(
+        not netns_available()[0], reason=f"network namespaces unavailable: {netns_available()[1]}")]),
+    "loopback",
+])
+def test_fleet_up_shows_live_telemetry_and_down_leaves_nothing(tmp_path: Path, network: str) -> None:
+    # Prepare
+    spec = fleet_yaml(tmp_path, network)
+    state_dir, runs_dir = tmp_path / "state", tmp_path / "runs"
+    state = fleet_up(spec, state_dir=state_dir, runs_dir=runs_dir, data_dir=tmp_path / "data")
+    try:
+        address = state["coordinator"]
+        assert state["mode"] == network
+
+        # Execute + Assert: every board reports telemetry; the battery drains; the link is measured
+        boards = wait_for(lambda: (d := devices(address)) and len(d) == 2 and all(
+            v.telemetry.HasField("battery_percent") or v.info.name == "wifi" for v in d.values()) and d,
+            120, "both boards with telemetry")
+        first = boards["battery"].telemetry.battery_percent
+        assert not boards["wifi"].telemetry.HasField("battery_percent")  # no battery: unknown, not 0
+        wait_for(lambda: devices(address)["battery"].telemetry.battery_percent < first - 0.5, 60,
+                 "the emulated battery to drain")
+        assert wait_for(lambda: within(link_rate(address), RATE_MBIT), 60, f"a probe near {RATE_MBIT} Mbit/s")
+        assert wait_for(lambda: within(link_rate(address), NEW_RATE_MBIT), 90,
+                        f"the probe to follow the scripted change to {NEW_RATE_MBIT} Mbit/s")
+        energy = devices(address)["battery"].energy_per_sample_j
+        assert energy > 0
+    finally:
+        removed = fleet_down(state["name"], state_dir=state_dir)
+
+    # Assert: nothing is left behind
+    assert removed
+    assert not (state_dir / f"{state['name']}.json").exists()
+    assert not any(alive(pid) for pid in state["pids"].values())
+    for board in ("battery", "wifi"):
+        assert not Path(f"/sys/fs/cgroup/cpu/edgetrain/{board}-{state['pids'][board]}").exists()
+    if state["network"]:
+        namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        for name in state["network"].get("namespaces", []):
+            assert name not in namespaces
+        assert state["network"].get("bridge", "?") not in links
