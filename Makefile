@@ -25,6 +25,7 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_dp.py
+	$(PY) scripts/bench_links.py
 
 protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto

@@ -20,6 +20,8 @@ def summarize(job: JobConfig, final_eval: dict, trainer, devices) -> dict:
             "samples_per_s_estimate": round(record.speed.samples_per_s, 2) if record.speed else None,
             "samples": stats["samples"], "share": stats["samples"] / total, "steps": stats["steps"],
             "compute_s": round(stats["compute_s"], 2), "comm_s": round(stats["comm_s"], 2),
+            "energy_j": round(stats["energy_j"], 1) if stats["energy_samples"] else None,
+            "energy_per_sample_j": stats["energy_j"] / stats["energy_samples"] if stats["energy_samples"] else None,
             "alive_at_end": record.alive,
         })
     return {
@@ -30,6 +32,7 @@ def summarize(job: JobConfig, final_eval: dict, trainer, devices) -> dict:
         "train_samples": trainer.samples_done, "train_seconds": round(trainer.train_seconds, 2),
         "samples_per_s": trainer.samples_done / trainer.train_seconds if trainer.train_seconds else 0.0,
         "devices": rows,
+        "energy_j": sum(r["energy_j"] for r in rows if r["energy_j"] is not None) or None,
     }
 
 
@@ -44,11 +47,13 @@ def summary_table(summary: dict) -> str:
         f"throughput {summary['samples_per_s']:.1f} samples/s ({summary['train_samples']} samples in "
         f"{summary['train_seconds']:.1f} s of training)",
         "",
-        f"{'device':<18}{'speed':>7}{'est. samples/s':>16}{'samples':>9}{'share':>8}{'compute s':>11}{'comm s':>9}",
+        f"{'device':<18}{'speed':>7}{'est. samples/s':>16}{'samples':>9}{'share':>8}{'compute s':>11}{'comm s':>9}"
+        f"{'energy J':>10}",
     ]
     for row in summary["devices"]:
         speed = f"{row['emulated_speed']:.2f}" if row["emulated_speed"] else "native"
         est = row["samples_per_s_estimate"]
         lines.append(f"{row['device']:<18}{speed:>7}{est if est is not None else '-':>16}{row['samples']:>9}"
-                     f"{row['share']:>8.1%}{row['compute_s']:>11.1f}{row['comm_s']:>9.1f}")
+                     f"{row['share']:>8.1%}{row['compute_s']:>11.1f}{row['comm_s']:>9.1f}"
+                     f"{row['energy_j'] if row['energy_j'] is not None else '?':>10}")
     return "\n".join(lines)

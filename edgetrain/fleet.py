@@ -267,6 +267,9 @@ def fleet_down(name: str, *, state_dir: Path, timeout_s: float = 30) -> list[str
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
             removed.append(f"{role} process {pid}")
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in state.get("pids", {}).values()) and time.monotonic() < deadline:
+        time.sleep(0.1)  # a cgroup can only be removed once its processes are gone
     if state.get("network"):
         destroy_resources(state["network"])
         removed.append("network namespaces and bridge")

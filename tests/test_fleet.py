@@ -119,3 +119,30 @@ def test_fleet_up_shows_live_telemetry_and_down_leaves_nothing(tmp_path: Path, n
         for name in state["network"].get("namespaces", []):
             assert name not in namespaces
         assert state["network"].get("bridge", "?") not in links
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.root
+@pytest.mark.skipif(not netns_available()[0], reason=f"network namespaces unavailable: {netns_available()[1]}")
+def test_fleet_down_cleans_up_after_the_supervisor_crashed(tmp_path: Path) -> None:
+    # Prepare: a fleet whose supervisor dies without cleaning up
+    spec = fleet_yaml(tmp_path, "namespaces")
+    state_dir = tmp_path / "state"
+    state = fleet_up(spec, state_dir=state_dir, runs_dir=tmp_path / "runs", data_dir=tmp_path / "data")
+    os.kill(state["supervisor_pid"], 9)
+    time.sleep(0.5)
+    assert all(alive(pid) for pid in state["pids"].values()), "children should outlive the crashed supervisor"
+
+    # Execute
+    removed = fleet_down(state["name"], state_dir=state_dir)
+
+    # Assert: processes, namespaces, bridge, cgroups and files are gone
+    assert any("process" in r for r in removed)
+    wait_for(lambda: not any(alive(pid) for pid in state["pids"].values()), 10, "processes to die")
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert not any(ns in namespaces for ns in state["network"]["namespaces"])
+    assert state["network"]["bridge"] not in links
+    for board in ("battery", "wifi"):
+        assert not Path(f"/sys/fs/cgroup/cpu/edgetrain/{board}-{state['pids'][board]}").exists()
+    assert not (state_dir / f"{state['name']}.json").exists()
