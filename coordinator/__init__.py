@@ -1,7 +1,8 @@
 """The gateway role: admits boards and drives training.
 
 - ``servicer.py``   the Coordinator gRPC service (thin handlers -> status codes) and server factory.
-- ``registry.py``   admitted devices: profile, speed estimate, liveness.
+- ``registry.py``   admitted devices: profile, speed estimate, liveness, telemetry window.
+- ``discovery.py``  mDNS advertiser (``_edgetrain._tcp.local.``).
 - ``steps.py``      the step board shared by handlers and driver: work, uploads, contributions.
 - ``trainer.py``    the synchronous data-parallel driver (split, wait, redo, update).
 - ``aggregate.py``  sample-weighted combination and the optimizer step.

@@ -9,7 +9,14 @@
 - ``config.py``    job configuration (keyword-only dataclasses) and YAML loading.
 - ``split.py``     how a global batch is divided across devices (proportional / equal).
 - ``training.py``  the gradient computation both roles (and the reference tests) share.
+- ``sampling.py``  which sample indices make up each step (every sample once per epoch).
+- ``serde.py``     conversions between plain data and the wire messages.
+- ``telemetry.py`` a board's telemetry sample (None = unknown).
 - ``throttle.py``  emulated CPU speed: cgroup v1 quota as root, duty-cycle throttle otherwise.
+- ``shaping.py``   application-level link emulation (rate, delay, loss).
+- ``battery.py``   emulated battery draining with work; the real battery through psutil.
+- ``netns.py``     a virtual LAN of network namespaces on a bridge with tc tbf links (root).
+- ``fleet_config.py``, ``fleet.py``  emulated fleets: YAML, supervisor, `fleet up/down`.
 - ``launch.py``    starts coordinator and client processes for local runs (never imports a role).
 - ``cli.py``       the ``edgetrain`` command; the only module here that imports a role.
 """
