@@ -69,18 +69,19 @@ class RunningCoordinator:
         return self.result["summary"]
 
 
-def start_coordinator(job: JobConfig, tmp_path: Path) -> RunningCoordinator:
+def start_coordinator(job: JobConfig, tmp_path: Path, *, resume: bool = False) -> RunningCoordinator:
     """Run `job` on a real gRPC server bound to 127.0.0.1:0; returns once it serves."""
     from coordinator.main import run_coordinator
 
     port_file = tmp_path / "address"
+    port_file.unlink(missing_ok=True)
     stop = threading.Event()
     result: dict = {}
 
     def serve() -> None:
         try:
             result["summary"] = run_coordinator(job, bind="127.0.0.1:0", runs_dir=str(tmp_path / "runs"),
-                                                port_file=str(port_file), stop=stop)
+                                                port_file=str(port_file), stop=stop, resume=resume)
         except BaseException as e:  # surfaced by RunningCoordinator.wait
             result["error"] = e
 

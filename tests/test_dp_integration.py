@@ -72,3 +72,27 @@ def test_killed_client_step_is_redone_without_loss_or_double_update(coordinator_
     assert not any(d.startswith("victim") for d in steps[-1]["devices"])
     diff = max_abs_difference(checkpoint_state(coordinator.run_dir), reference_state(job))
     assert diff < TOLERANCE, f"parameters differ from the reference by {diff}"
+
+
+@pytest.mark.timeout(240)
+def test_resume_from_checkpoint_continues_exactly(tmp_path, client_factory):
+    from conftest import start_coordinator
+
+    # Prepare: 4 steps, checkpointed; then the same job extended to 8 steps, resumed
+    short = small_job(training={"steps": 4, "min_clients": 2}, optimizer={"schedule": "constant", "warmup_steps": 0})
+    first = start_coordinator(short, tmp_path)
+    client_factory(first.address, "a", 0.5)
+    client_factory(first.address, "b", 0.3)
+    first.wait(timeout=200)
+    long = small_job(training={"steps": 8, "min_clients": 1}, optimizer={"schedule": "constant", "warmup_steps": 0})
+
+    # Execute
+    second = start_coordinator(long, tmp_path, resume=True)
+    client_factory(second.address, "c", 0.5)
+    second.wait(timeout=200)
+
+    # Assert: steps 4..7 were run once more, and the result equals 8 uninterrupted steps
+    steps = [s["step"] for s in read_metrics(second.run_dir)]
+    assert steps == list(range(8))
+    diff = max_abs_difference(checkpoint_state(second.run_dir), reference_state(long))
+    assert diff < TOLERANCE, f"resumed run differs from the reference by {diff}"
