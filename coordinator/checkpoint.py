@@ -16,18 +16,22 @@ STATE_FILE = "checkpoint.json"
 
 
 def save_checkpoint(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Write the checkpoint atomically enough: tensors first, the JSON that names the step last."""
+    """Write every file to a temporary name first, then swap them in, the JSON naming the step last.
+
+    A crash mid-save leaves the previous checkpoint's files in place (or, between two swaps, a
+    newer model with the older JSON, which a resume then redoes the steps of — never the reverse).
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, run_dir / MODEL_FILE)
     momentum = {}
     for name, param in model.named_parameters():
         buf = optimizer.state.get(param, {}).get("momentum_buffer")
         if buf is not None:
             momentum[name] = buf.contiguous()
-    save_file(momentum, run_dir / OPTIMIZER_FILE)
-    tmp = run_dir / (STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(state, indent=2))
-    os.replace(tmp, run_dir / STATE_FILE)
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, run_dir / (MODEL_FILE + ".tmp"))
+    save_file(momentum, run_dir / (OPTIMIZER_FILE + ".tmp"))
+    (run_dir / (STATE_FILE + ".tmp")).write_text(json.dumps(state, indent=2))
+    for name in (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE):
+        os.replace(run_dir / (name + ".tmp"), run_dir / name)
 
 
 def load_checkpoint(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:

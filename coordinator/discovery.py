@@ -43,7 +43,8 @@ class Advertisement:
     protocol_version: int
     """Wire protocol version; boards skip coordinators that speak another one."""
     token_required: bool = False
-    """Whether the coordinator admits only boards presenting a join token."""
+    """Whether the coordinator admits only boards presenting a join token (reserved: join tokens
+    are not implemented yet, so EdgeTrain always advertises False)."""
     instance: str | None = None
     """DNS-SD instance name; defaults to "<cluster>-<hostname>-<port>" reduced to a DNS label."""
 

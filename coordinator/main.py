@@ -62,17 +62,17 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
     board = StepBoard(bundle_metas(dict(shard_tensor_names(model))))
     servicer = CoordinatorServicer(job, registry, board, profile_batch_sizes(job.training.global_batch),
                                    cluster=cluster)
-    server, port = create_server(bind, servicer)
-    host = bind.rsplit(":", 1)[0]
-    logger.info("[Coordinator] serving job %r on %s:%d", job.name, host, port)
-    advertiser = _advertise(cluster, host, port, advertise) if advertise else None
-    if port_file:
-        Path(port_file).write_text(f"{host}:{port}\n")
-    watcher = threading.Thread(target=_watch_heartbeats, daemon=True,
-                               args=(registry, board, job.training.heartbeat_timeout_s, stop))
-    watcher.start()
     trainer = DataParallelTrainer(job, registry, board, model, train_size, test_set, run_dir, stop)
+    server, port = create_server(bind, servicer)
+    advertiser = None
     try:
+        host = bind.rsplit(":", 1)[0]
+        logger.info("[Coordinator] serving job %r on %s:%d", job.name, host, port)
+        advertiser = _advertise(cluster, host, port, advertise) if advertise else None
+        if port_file:
+            Path(port_file).write_text(f"{host}:{port}\n")
+        threading.Thread(target=_watch_heartbeats, daemon=True,
+                         args=(registry, board, job.training.heartbeat_timeout_s, stop)).start()
         if resume:
             trainer.resume_if_possible()
         final = trainer.run()

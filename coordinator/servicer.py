@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -59,9 +60,9 @@ def _device_view(record: DeviceRecord, now: float) -> pb.DeviceView:
     stats = record.stats
     view = pb.DeviceView(
         device_id=record.device_id, info=pb.DeviceInfo(**record.info), state=record.state,
-        left_reason=record.left_reason, seconds_since_seen=now - record.last_seen,
-        samples_per_s=record.speed.samples_per_s if record.speed else 0.0, samples_done=stats["samples"],
-        energy_per_sample_j=stats["energy_j"] / stats["energy_samples"] if stats["energy_samples"] else 0.0)
+        left_reason=record.left_reason, seconds_since_seen=now - record.last_seen, samples_done=stats["samples"],
+        samples_per_s=record.speed.samples_per_s if record.speed else None,
+        energy_per_sample_j=stats["energy_j"] / stats["energy_samples"] if stats["energy_samples"] else None)
     if record.latest_telemetry is not None:
         view.telemetry.CopyFrom(serde.telemetry_to_proto(record.latest_telemetry))
     return view
@@ -102,8 +103,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @_guarded("ReportProfile")
     def ReportProfile(self, request: pb.ProfileReport, context) -> pb.ProfileAck:
         timings = tuple((t.batch_size, t.seconds) for t in request.timings)
-        if not timings or any(b == 0 or not s > 0 for b, s in timings):
-            raise ValueError(f"profile needs timings with batch_size > 0 and seconds > 0, got {timings}")
+        if not timings or any(b == 0 or not (s > 0 and math.isfinite(s)) for b, s in timings):
+            raise ValueError(f"profile needs timings with batch_size > 0 and finite seconds > 0, got {timings}")
         profile = DeviceProfile(timings, request.memory_total_bytes, request.memory_available_bytes,
                                 request.peak_rss_bytes)
         speed = self._registry.set_profile(request.device_id, profile)
@@ -131,6 +132,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @_guarded("GetWork")
     def GetWork(self, request: pb.WorkRequest, context) -> pb.WorkAssignment:
         self._registry.heartbeat(request.device_id)
+        if not math.isfinite(request.max_wait_s):
+            raise ValueError(f"max_wait_s must be a finite number of seconds, got {request.max_wait_s}")
         wait = min(max(request.max_wait_s, 0.0), MAX_POLL_S)
         work = self._board.next_work(request.device_id, wait)
         self._registry.get(request.device_id)  # it may have been dropped while waiting
@@ -174,6 +177,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         header = first.header
         self._registry.get(header.device_id)
         metas, _ = serde.header_from_proto(header.bundle)
+        timings = (header.report.compute_s, header.report.download_s, header.report.encode_s)
+        if not all(math.isfinite(t) and t >= 0 for t in timings):
+            raise ValueError(f"step report timings must be finite and >= 0, got {timings}")
         report = {"samples": header.report.samples, "loss": header.report.loss,
                   "correct": header.report.correct, "compute_s": header.report.compute_s,
                   "download_s": header.report.download_s, "encode_s": header.report.encode_s,
@@ -195,7 +201,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.UploadStatus(received_bytes=held, total_bytes=total)
 
 
-def create_server(address: str, servicer: CoordinatorServicer, *, max_workers: int = 32) -> tuple[grpc.Server, int]:
+def create_server(address: str, servicer: CoordinatorServicer, *, max_workers: int = 128) -> tuple[grpc.Server, int]:
     """A started gRPC server for `servicer` bound to `address` ("host:0" picks a port)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server)

@@ -110,9 +110,11 @@ class CoordinatorConnection:
         """Parameters of `version`, resuming an interrupted stream from the last good byte."""
         assembler: ChunkAssembler | None = None
         metas: list[TensorMeta] = []
-        started = time.perf_counter()
-        for attempt in range(self.transfer_attempts):
+        started, failures, progress = time.perf_counter(), 0, -1
+        while failures < self.transfer_attempts:
             offset = assembler.received if assembler else 0
+            failures = 0 if offset > progress else failures  # an interruption after progress is not a failure
+            progress = offset
             request = pb.ParameterRequest(device_id=device_id, version=version, offset=offset)
             try:
                 self._delay()
@@ -130,15 +132,18 @@ class CoordinatorConnection:
                     raise
                 logger.info("[Client.Download] version %d interrupted at byte %d (%s); resuming", version,
                             assembler.received if assembler else 0, e)
-                time.sleep(min(0.2 * 2**attempt, 5.0))
+                failures += 1
+                time.sleep(min(0.2 * 2**failures, 5.0))
         raise CoordinatorUnreachable(f"download of version {version} failed {self.transfer_attempts} times")
 
     def upload_gradient(self, header: pb.UploadHeader, payload: memoryview, chunk_bytes: int) -> None:
         """Upload one step's tensors, resuming from what the coordinator already holds."""
         status_request = pb.UploadStatusRequest(device_id=header.device_id, step=header.step,
                                                 attempt=header.attempt)
-        start, started = 0, time.perf_counter()
-        for attempt in range(self.transfer_attempts):
+        start, started, failures, progress = 0, time.perf_counter(), 0, 0
+        while failures < self.transfer_attempts:
+            failures = 0 if start > progress else failures  # an interruption after progress is not a failure
+            progress = start
             header.resume_offset = start
             try:
                 self._delay()
@@ -149,7 +154,8 @@ class CoordinatorConnection:
                 if e.code() not in TRANSFER_RETRY_CODES:
                     raise
                 logger.info("[Client.Upload] step %d interrupted (%s); resuming", header.step, e.details())
-                time.sleep(min(0.2 * 2**attempt, 5.0))
+                failures += 1
+                time.sleep(min(0.2 * 2**failures, 5.0))
                 start = self._retrying(lambda: self._stub.GetUploadStatus(status_request, timeout=30)).received_bytes
                 started = time.perf_counter()
         raise CoordinatorUnreachable(f"upload for step {header.step} failed {self.transfer_attempts} times")

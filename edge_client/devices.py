@@ -31,10 +31,11 @@ def _row(view: pb.DeviceView) -> str:
         battery = f"{t.battery_percent:.1f}%" + ("+" if t.battery_charging else "")
     memory = f"{t.memory_used_bytes / 2**30:.1f}/{t.memory_total_bytes / 2**30:.1f}G" if t.HasField(
         "memory_total_bytes") else UNKNOWN
-    energy = f"{view.energy_per_sample_j:.2f}" if view.energy_per_sample_j else UNKNOWN
+    energy = f"{view.energy_per_sample_j:.2f}" if view.HasField("energy_per_sample_j") else UNKNOWN
+    speed = f"{view.samples_per_s:.1f}" if view.HasField("samples_per_s") else UNKNOWN
     return (f"{view.device_id:<16}{view.state:<11}{view.seconds_since_seen:>6.1f}{_fmt(t, 'cpu_percent', '.0f'):>6}"
             f"{memory:>12}{battery:>9}{_fmt(t, 'temperature_c', '.0f'):>6}{_fmt(t, 'link_mbit_per_s', '.1f'):>9}"
-            f"{_fmt(t, 'rtt_ms', '.1f'):>8}{view.samples_per_s:>10.1f}{view.samples_done:>9}{energy:>9}")
+            f"{_fmt(t, 'rtt_ms', '.1f'):>8}{speed:>10}{view.samples_done:>9}{energy:>9}")
 
 
 HEADER = (f"{'device':<16}{'state':<11}{'seen':>6}{'cpu%':>6}{'memory':>12}{'battery':>9}{'temp':>6}"

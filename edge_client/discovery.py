@@ -210,7 +210,7 @@ def _resolve(zc: Zeroconf, name: str, deadline: float) -> ServiceInfo | None:
 def _record_from_info(info: ServiceInfo) -> CoordinatorRecord | None:
     """The record an advertisement describes, or None if it is not one of ours."""
     addresses = info.parsed_addresses(IPVersion.V4Only)
-    txt = {k.decode(): (v or b"").decode() for k, v in info.properties.items()}
+    txt = {k.decode(errors="replace"): (v or b"").decode(errors="replace") for k, v in info.properties.items()}
     try:
         protocol_version = int(txt["proto"])
         cluster = txt["cluster"]

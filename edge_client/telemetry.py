@@ -36,6 +36,7 @@ class LinkMeter:
         self._lock = threading.Lock()
         self._mbit: deque[float] = deque(maxlen=window)
         self._rtt_s: deque[float] = deque(maxlen=2 * window)
+        self._measured_at = float("-inf")
 
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
         """A transfer of `nbytes` took `seconds` (ignored when too small to say much)."""
@@ -46,6 +47,12 @@ class LinkMeter:
         """One bandwidth measurement."""
         with self._lock:
             self._mbit.append(mbit_per_s)
+            self._measured_at = time.monotonic()
+
+    def age_s(self) -> float:
+        """Seconds since the last bandwidth measurement (inf before the first)."""
+        with self._lock:
+            return time.monotonic() - self._measured_at
 
     def observe_rtt(self, seconds: float) -> None:
         """One round-trip measurement (a small unary call)."""
@@ -78,7 +85,9 @@ def probe_link(send: Callable[[bytes], None], meter: LinkMeter, *, small: int = 
         elapsed = time.perf_counter() - started
         timings[size] = min(timings.get(size, elapsed), elapsed)
     meter.observe_rtt(timings[small])
-    mbit = (large - small) * 8 / max(timings[large] - timings[small], 1e-6) / 1e6
+    if timings[large] <= timings[small]:  # jitter swamped the difference: no estimate this time
+        return float("nan")
+    mbit = (large - small) * 8 / (timings[large] - timings[small]) / 1e6
     meter.observe_bandwidth(mbit)
     return mbit
 
@@ -139,6 +148,6 @@ class TelemetryCollector:
         return TelemetrySample(
             timestamp=time.time(), cpu_percent=self._cpu_percent(), memory_used_bytes=memory.total - memory.available,
             memory_total_bytes=memory.total, battery_percent=battery.percent if battery else None,
-            battery_charging=battery.charging if battery else None, temperature_c=read_temperature(),
+            battery_charging=battery.charging if battery and battery.charging is not None else None, temperature_c=read_temperature(),
             cpu_freq_mhz=read_cpu_freq(), link_mbit_per_s=self.link.mbit_per_s(), rtt_ms=self.link.rtt_ms(),
             energy_j=self._energy_j(), step_compute_s=compute_s, step_comm_s=comm_s, plugged=plugged)

@@ -105,6 +105,7 @@ class DataParallelWorker:
         self._dataset = None
         self._version = -1
         self._lost = threading.Event()
+        self._energy_mark: float | None = None
         self._timings: tuple[tuple[int, float], ...] = ()
 
     def run(self) -> str:
@@ -114,7 +115,7 @@ class DataParallelWorker:
             self.device_id, self._lost = reply.device_id, threading.Event()
             stop_beat = threading.Event()
             threading.Thread(target=self._heartbeats, daemon=True,
-                             args=(reply.job.heartbeat_interval_s, stop_beat)).start()
+                             args=(reply.job.heartbeat_interval_s, stop_beat, self._lost)).start()
             try:
                 self._prepare(reply.job)
                 return self._work_loop()
@@ -148,18 +149,20 @@ class DataParallelWorker:
         self._timings = profile.timings
         self._memory = (profile.memory_total_bytes, profile.memory_available_bytes, profile.peak_rss_bytes)
 
-    def _heartbeats(self, interval_s: float, stop: threading.Event) -> None:
+    def _heartbeats(self, interval_s: float, stop: threading.Event, lost: threading.Event) -> None:
+        """Heartbeats with telemetry for one registration; `lost` is set when it is forgotten."""
         last_probe = 0.0
         while not stop.wait(interval_s):
             try:
                 self.emulation.refresh()
-                if time.monotonic() - last_probe > self.options.probe_interval_s:
+                if self.conn.link.age_s() > self.options.probe_interval_s and (
+                        time.monotonic() - last_probe > self.options.probe_interval_s):
                     probe_link(lambda payload: self.conn.probe(self.device_id, payload), self.conn.link)
                     last_probe = time.monotonic()
                 self.conn.heartbeat(self.device_id, serde.telemetry_to_proto(self.telemetry.sample()))
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
-                    self._lost.set()
+                    lost.set()
                     return
                 logger.debug("[Client.Heartbeat] failed", exc_info=True)
 
@@ -178,20 +181,23 @@ class DataParallelWorker:
                 self._do_step(work.step)
 
     def _do_step(self, work: pb.StepWork) -> None:
-        energy_before = self.emulation.energy.energy_j()
-        with self.emulation.energy.busy():
-            header, payload = self._compute_step(work)
-        energy_after = self.emulation.energy.energy_j()
-        if energy_before is not None and energy_after is not None:
-            header.report.energy_j = energy_after - energy_before
-        self.telemetry.last_step = (header.report.compute_s, header.report.download_s + header.report.encode_s)
+        """One assignment; a refusal (stale version, closed step) only abandons this step."""
         try:
             with self.emulation.energy.busy():
+                header, payload = self._compute_step(work)
+                energy = self.emulation.energy.energy_j()
+                if energy is not None and self._energy_mark is not None:
+                    header.report.energy_j = energy - self._energy_mark
+                self._energy_mark = energy
+                started = time.perf_counter()
                 self.conn.upload_gradient(header, payload, self._job.chunk_bytes)
+            report = header.report
+            self.telemetry.last_step = (report.compute_s, report.download_s + report.encode_s
+                                        + time.perf_counter() - started)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND and "unknown device" in (e.details() or ""):
                 raise Rejoin() from e
-            logger.warning("[Client.Upload] step %d refused: %s %s", work.step, e.code().name, e.details())
+            logger.warning("[Client.Step] step %d abandoned: %s %s", work.step, e.code().name, e.details())
 
     def _compute_step(self, work: pb.StepWork) -> tuple[pb.UploadHeader, memoryview]:
         """Download parameters if needed, compute the shard's gradients, encode them."""

@@ -54,8 +54,8 @@ class BatteryReading:
 
     percent: float
     """Charge left, 0-100."""
-    charging: bool
-    """On external power (psutil's ``power_plugged``): the charge is not falling."""
+    charging: bool | None
+    """On external power (psutil's ``power_plugged``): the charge is not falling; None: unknown."""
     energy_j: float | None = None
     """Energy the board used since it started, joules; None when unknown (a real battery)."""
 
@@ -154,4 +154,5 @@ def real_battery() -> BatteryReading | None:
         return None
     if battery is None:
         return None
-    return BatteryReading(percent=float(battery.percent), charging=bool(battery.power_plugged))
+    plugged = battery.power_plugged  # psutil says None when it cannot tell: keep it unknown
+    return BatteryReading(percent=float(battery.percent), charging=None if plugged is None else bool(plugged))

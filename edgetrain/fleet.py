@@ -22,6 +22,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import psutil
 import yaml
 
 from edgetrain.config import job_to_dict
@@ -68,7 +69,9 @@ class Supervisor:
         self._stopping = False
 
     def _save(self) -> None:
-        self.state["pids"] = {k: p.pid for k, p in self.procs.items() if p.poll() is None}
+        live = {k: p.pid for k, p in self.procs.items() if p.poll() is None}
+        self.state["pids"] = live
+        self.state["created"] = {k: _create_time(pid) for k, pid in live.items()}
         _write_state(self.state_file, self.state)
 
     def _use_namespaces(self) -> bool:
@@ -88,13 +91,13 @@ class Supervisor:
         gateway = "127.0.0.1"
         if self.state["mode"] == "namespaces":
             self.lan = VirtualLan(name=f"et{os.getpid() % 10000}", subnet_prefix=f"10.77.{os.getpid() % 200 + 20}")
-            self.state["network"] = self.lan.resources()
+            self.state["network"] = {**self.lan.resources(), "bridge": self.lan.bridge}  # before it exists
             self._save()
             self.lan.create()
             gateway = self.lan.gateway_ip
             for index, board in enumerate(self.spec.boards, start=1):
                 self.hosts[board.name] = self.lan.add_host(board.name, index)
-                self.state["network"] = self.lan.resources()
+                self.state["network"] = {**self.lan.resources(), "bridge": self.lan.bridge}
                 self._save()
                 if board.link:
                     self.lan.set_rate(board.name, board.link.mbit_per_s)
@@ -114,6 +117,7 @@ class Supervisor:
             "coordinator", "--config", str(job_file), "--bind", f"{self.gateway}:0", "--port-file",
             str(address_file), "--cluster", self.spec.cluster, "--advertise", self.gateway, "--runs-dir",
             str(self.runs_dir), "--data-dir", str(self.data_dir)), stdout=log, stderr=subprocess.STDOUT)
+        self._save()
         deadline = time.monotonic() + 120
         while not (address_file.exists() and address_file.read_text().strip()):
             if self.procs["coordinator"].poll() is not None or time.monotonic() > deadline:
@@ -139,6 +143,7 @@ class Supervisor:
             self.spec.cluster, "--interface", interface, "--data-dir", str(self.data_dir), "--threads", "1",
             "--probe-interval", str(self.spec.probe_interval_s))],
             stdout=log, stderr=subprocess.STDOUT)
+        self._save()
 
     def apply(self, event: FleetEvent) -> None:
         """Play one scripted event."""
@@ -151,9 +156,10 @@ class Supervisor:
                 self.lan.set_rate(board.name, event.link.mbit_per_s)
             self._board_file(updated)
         elif event.action == "leave":
-            proc = self.procs.pop(board.name, None)
+            proc = self.procs.get(board.name)
             if proc and proc.poll() is None:
                 proc.terminate()
+                proc.wait(timeout=30)
         elif event.action == "join" and (board.name not in self.procs or self.procs[board.name].poll() is not None):
             self._start_board(board)
         self.state["events"].append({"at_s": event.at_s, "board": event.board, "action": event.action})
@@ -241,6 +247,13 @@ def fleet_up(spec_file: Path, *, state_dir: Path, runs_dir: Path, data_dir: Path
     raise TimeoutError(f"fleet {spec.name!r} did not come up within {timeout_s:.0f} s ({log.name})")
 
 
+def _create_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -263,8 +276,9 @@ def fleet_down(name: str, *, state_dir: Path, timeout_s: float = 30) -> list[str
         while _alive(supervisor) and time.monotonic() < deadline:
             time.sleep(0.1)
         removed.append(f"supervisor {supervisor}")
+    created = state.get("created", {})
     for role, pid in state.get("pids", {}).items():  # whatever a crashed supervisor left
-        if _alive(pid):
+        if _alive(pid) and _create_time(pid) == created.get(role):  # never a reused pid
             os.kill(pid, signal.SIGKILL)
             removed.append(f"{role} process {pid}")
     deadline = time.monotonic() + 10

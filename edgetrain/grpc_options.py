@@ -21,6 +21,9 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_permit_without_calls", 1),
     # Without this a second coordinator silently binds the same port.
     ("grpc.so_reuseport", 0),
+    # Ping idle peers too, so a board that lost power mid-upload frees its stream and thread.
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", 10_000),
 ]
 
 CHANNEL_OPTIONS: list[tuple[str, int]] = [

@@ -12,6 +12,7 @@ are accounted for); the equal split is the framework-default baseline.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ def fit_speed(timings: Sequence[tuple[int, float]]) -> SpeedEstimate:
     With a single batch size (or a fit that yields a negative overhead or throughput) it falls
     back to pure proportionality, which is never worse than ignoring the profile.
     """
-    points = [(b, s) for b, s in timings if b > 0 and s > 0]
+    points = [(b, s) for b, s in timings if b > 0 and s > 0 and math.isfinite(s)]
     if not points:
         raise ValueError(f"no usable timings in {list(timings)}")
     if len({b for b, _ in points}) >= 2:
@@ -58,6 +59,8 @@ def fit_speed(timings: Sequence[tuple[int, float]]) -> SpeedEstimate:
 def refine_speed(estimate: SpeedEstimate, samples: int, compute_s: float, comm_s: float,
                  weight: float = 0.3) -> SpeedEstimate:
     """Blend one observed step into the estimate (EMA of throughput and of communication time)."""
+    if not (math.isfinite(compute_s) and math.isfinite(comm_s)):
+        return estimate
     comm = (1 - weight) * estimate.comm_s + weight * comm_s if comm_s > 0 else estimate.comm_s
     work_s = compute_s - estimate.overhead_s
     rate = estimate.samples_per_s

@@ -562,6 +562,7 @@ def test_register_without_a_name_is_invalid_argument(coordinator):
     pytest.param([pb.BatchTiming(batch_size=0, seconds=0.1)], id="zero-batch"),
     pytest.param([pb.BatchTiming(batch_size=4, seconds=0.0)], id="zero-seconds"),
     pytest.param([pb.BatchTiming(batch_size=4, seconds=float("nan"))], id="nan-seconds"),
+    pytest.param([pb.BatchTiming(batch_size=4, seconds=float("inf"))], id="inf-seconds"),
 ])
 def test_report_profile_with_unusable_timings_is_invalid_argument(coordinator, timings):
     # Prepare
@@ -575,7 +576,19 @@ def test_report_profile_with_unusable_timings_is_invalid_argument(coordinator, t
 
     # Assert
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "profile needs timings with batch_size > 0 and seconds > 0" in error.details()
+    assert "profile needs timings with batch_size > 0 and finite seconds > 0" in error.details()
+    assert next_step(board).step == 0
+
+
+@pytest.mark.parametrize("wait", [float("nan"), float("inf")])
+def test_get_work_with_non_finite_wait_is_invalid_argument(coordinator, board, wait):
+    # Execute
+    error = refused(lambda: board.stub.GetWork(pb.WorkRequest(device_id=board.device_id, max_wait_s=wait),
+                                               timeout=RPC_TIMEOUT_S))
+
+    # Assert: refused at once, and the coordinator still hands out work
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_wait_s must be a finite number" in error.details()
     assert next_step(board).step == 0
 
 
