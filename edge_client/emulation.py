@@ -61,18 +61,24 @@ class EnergyMeter:
 class BoardEmulation:
     """What this client emulates (or, for a real board, what it can measure of itself)."""
 
-    def __init__(self, board: BoardSpec | None, board_file: Path | None = None) -> None:
+    def __init__(self, board: BoardSpec | None, board_file: Path | None = None,
+                 power_w: tuple[float, float] | None = None) -> None:
         self.board = board
         self.board_file = board_file
         self._mtime = board_file.stat().st_mtime if board_file else 0.0
         self.shaper = LinkShaper(board.link) if board and board.link else None
         self.battery = EmulatedBattery(board.battery) if board and board.battery else None
-        self.energy = EnergyMeter(self.battery, board.idle_w if board else None, board.busy_w if board else None)
+        idle_w, busy_w = power_w or ((board.idle_w, board.busy_w) if board else (None, None))
+        self.energy = EnergyMeter(self.battery, idle_w, busy_w)
 
     @classmethod
-    def from_file(cls, path: str | None) -> BoardEmulation:
-        """The emulation a board file describes; a real board when `path` is None."""
-        return cls(load_board(path), Path(path)) if path else cls(None)
+    def from_file(cls, path: str | None, power_w: tuple[float, float] | None = None) -> BoardEmulation:
+        """The emulation a board file describes; a real board when `path` is None.
+
+        `power_w` (idle, busy watts) overrides the file's figures: how a real board without a
+        readable battery energy counter accounts for its energy.
+        """
+        return cls(load_board(path), Path(path), power_w) if path else cls(None, power_w=power_w)
 
     def read_battery(self) -> BatteryReading | None:
         """The emulated battery, else the board's real one (None when it has none)."""

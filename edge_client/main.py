@@ -35,7 +35,7 @@ def run_client(address: str | None, options: ClientOptions, *, threads: int | No
     mDNS (it may have restarted elsewhere). Returns the coordinator's reason for finishing, or
     BATTERY_EMPTY when an emulated battery ran flat.
     """
-    emulation = BoardEmulation.from_file(options.board_file)
+    emulation = BoardEmulation.from_file(options.board_file, options.power_w)
     if emulation.board:
         options = replace(options, emulated_speed=emulation.board.speed)
     set_threads(threads or torch_threads_for(options.emulated_speed))

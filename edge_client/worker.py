@@ -52,6 +52,8 @@ class ClientOptions:
     """Board file of an emulated board (speed, link, battery), written by `edgetrain fleet`."""
     probe_interval_s: float = 30.0
     """How often the link is probed when no large transfer measured it recently."""
+    power_w: tuple[float, float] | None = None
+    """(idle, busy) power draw in watts, for energy accounting on a real board."""
 
 
 class BatteryEmpty(Exception):

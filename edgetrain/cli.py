@@ -54,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="browse mDNS on this interface address (repeatable; default: all LAN interfaces)")
     client.add_argument("--emulate", type=Path, metavar="BOARD.yaml",
                         help="emulate a board: speed, link, battery (written by `edgetrain fleet`)")
+    client.add_argument("--power-watts", type=float, nargs=2, metavar=("IDLE", "BUSY"),
+                        help="the board's power draw idle and training, W, for energy accounting")
     client.add_argument("--probe-interval", type=float, default=30.0, metavar="S",
                         help="probe the link this often when no large transfer measured it")
     client.add_argument("--name", default=None, help="device name (default: the hostname)")
@@ -112,7 +114,8 @@ def _client(args: argparse.Namespace) -> int:
     options = ClientOptions(name=args.name or socket.gethostname(), data_dir=args.data_dir,
                             download=args.download, emulated_speed=args.speed,
                             board_file=str(args.emulate) if args.emulate else None,
-                            probe_interval_s=args.probe_interval)
+                            probe_interval_s=args.probe_interval,
+                            power_w=tuple(args.power_watts) if args.power_watts else None)
     reason = run_client(args.coordinator, options, threads=args.threads, cluster=args.cluster,
                         interfaces=args.interface)
     return 3 if reason == BATTERY_EMPTY else 0

@@ -110,12 +110,14 @@ def coordinator_factory(tmp_path: Path) -> Iterator:
         running.thread.join(30)
 
 
-def spawn_client(address: str, name: str, *, speed: float | None = None, log_dir: Path) -> subprocess.Popen:
+def spawn_client(address: str, name: str, *, speed: float | None = None, log_dir: Path,
+                 extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """An edge client as a separate process (`python -m edgetrain client`)."""
     args = [sys.executable, "-m", "edgetrain", "client", "--coordinator", address, "--name", name,
             "--threads", "1"]
     if speed:
         args += ["--speed", str(speed)]
+    args += list(extra)
     log = (log_dir / f"{name}.log").open("w")
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
 
@@ -125,8 +127,8 @@ def client_factory(tmp_path: Path) -> Iterator:
     """Start client processes for a test; they are killed afterwards."""
     procs: list[subprocess.Popen] = []
 
-    def factory(address: str, name: str, speed: float | None = None) -> subprocess.Popen:
-        proc = spawn_client(address, name, speed=speed, log_dir=tmp_path)
+    def factory(address: str, name: str, speed: float | None = None, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+        proc = spawn_client(address, name, speed=speed, log_dir=tmp_path, extra=extra)
         procs.append(proc)
         return proc
 

@@ -30,7 +30,7 @@ def test_three_client_dp_equals_single_process_sgd(coordinator_factory, client_f
                     dataset={"augment": augment})
     coordinator = coordinator_factory(job)
     for name, speed in (("fast", 0.6), ("mid", 0.3), ("slow", 0.15)):
-        client_factory(coordinator.address, name, speed)
+        client_factory(coordinator.address, name, speed, extra=("--power-watts", "2", "6") if name == "fast" else ())
 
     # Execute
     coordinator.wait(timeout=200)
@@ -41,6 +41,10 @@ def test_three_client_dp_equals_single_process_sgd(coordinator_factory, client_f
     # the proportional split may leave out a board too slow to help in a step; equal never does
     assert all(len(s["devices"]) == (3 if split == "equal" else len(s["shares"])) for s in steps)
     assert all(len(s["devices"]) >= 2 for s in steps)
+    # energy per step from configured power figures; unknown (null) for boards without any
+    for s in steps[1:]:
+        for device, stats in s["devices"].items():
+            assert (stats["energy_j"] > 0) if device.startswith("fast") else stats["energy_j"] is None
     diff = max_abs_difference(checkpoint_state(coordinator.run_dir), reference_state(job))
     assert diff < TOLERANCE, f"distributed and single-process parameters differ by {diff}"
 
