@@ -14,6 +14,9 @@ from edgetrain.telemetry import TelemetrySample
 
 TELEMETRY_WINDOW = 120
 """Samples kept per device (two minutes at the default 1 s interval)."""
+GONE_KEPT = 64
+"""Records of departed devices kept for reports; older ones are forgotten (a crash-looping board
+must not grow the coordinator's memory without bound)."""
 
 logger = logging.getLogger(__name__)
 
@@ -126,13 +129,17 @@ class DeviceRegistry:
     def telemetry_window(self, device_id: str) -> list[tuple[float, TelemetrySample]]:
         """(receive time, sample) pairs of a device, oldest first — what planners read."""
         with self._lock:
+            if device_id not in self._devices:
+                raise UnknownDevice(device_id)
             return list(self._devices[device_id].telemetry)
 
     def observe_step(self, device_id: str, samples: int, compute_s: float, comm_s: float,
                      energy_j: float | None = None) -> None:
         """Refine the device's speed from one step's timings and accumulate its stats."""
         with self._lock:
-            record = self._devices[device_id]
+            record = self._devices.get(device_id)
+            if record is None:  # long gone and forgotten
+                return
             if record.speed is not None:
                 record.speed = refine_speed(record.speed, samples, compute_s, comm_s)
             if energy_j is not None:
@@ -185,4 +192,7 @@ class DeviceRegistry:
     def _drop(self, record: DeviceRecord, reason: str) -> None:
         record.alive, record.left_reason = False, reason
         logger.warning("[Coordinator.Registry] device %s dropped: %s", record.device_id, reason)
+        gone = [r.device_id for r in self._devices.values() if not r.alive]
+        for device_id in gone[: max(0, len(gone) - GONE_KEPT)]:
+            del self._devices[device_id]
         self.changed.notify_all()
