@@ -15,10 +15,9 @@ from types import TracebackType
 
 from zeroconf import IPVersion, ServiceInfo, Zeroconf
 
-logger = logging.getLogger(__name__)
+from edgetrain import SERVICE_TYPE
 
-SERVICE_TYPE = "_edgetrain._tcp.local."
-"""The DNS-SD service type; the browser in ``edge_client/discovery.py`` uses the same string."""
+logger = logging.getLogger(__name__)
 
 _MAX_LABEL_BYTES = 63
 _MAX_TXT_VALUE_BYTES = 254

@@ -32,10 +32,9 @@ from zeroconf import (
     Zeroconf,
 )
 
-logger = logging.getLogger(__name__)
+from edgetrain import SERVICE_TYPE
 
-SERVICE_TYPE = "_edgetrain._tcp.local."
-"""Must equal ``coordinator.discovery.SERVICE_TYPE`` (the roles do not import each other)."""
+logger = logging.getLogger(__name__)
 
 QUIET_S = 1.2
 """Browsing may stop early once nothing new has appeared for this long. A responder answers

@@ -25,3 +25,6 @@ __version__ = "0.1.0"
 
 PROTOCOL_VERSION = 1
 """Wire protocol version; the coordinator refuses clients that speak another."""
+
+SERVICE_TYPE = "_edgetrain._tcp.local."
+"""The DNS-SD (mDNS) service type a coordinator advertises and boards browse for."""

@@ -17,7 +17,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +26,7 @@ import yaml
 
 from edgetrain.config import job_to_dict
 from edgetrain.fleet_config import BoardSpec, FleetEvent, FleetSpec, board_to_dict, load_fleet
+from edgetrain.launch import edgetrain_command
 from edgetrain.netns import HostNetwork, VirtualLan, destroy_resources, netns_available
 from edgetrain.throttle import remove_stale_cgroups
 
@@ -45,10 +45,6 @@ def _write_state(path: Path, state: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(state, indent=2))
     os.replace(tmp, path)
-
-
-def _edgetrain(*args: str) -> list[str]:
-    return [sys.executable, "-m", "edgetrain", *args]
 
 
 class Supervisor:
@@ -113,7 +109,7 @@ class Supervisor:
         address_file = self.work_dir / "coordinator.address"
         address_file.unlink(missing_ok=True)
         log = (self.log_dir / "coordinator.log").open("a")
-        self.procs["coordinator"] = subprocess.Popen(_edgetrain(
+        self.procs["coordinator"] = subprocess.Popen(edgetrain_command(
             "coordinator", "--config", str(job_file), "--bind", f"{self.gateway}:0", "--port-file",
             str(address_file), "--cluster", self.spec.cluster, "--advertise", self.gateway, "--runs-dir",
             str(self.runs_dir), "--data-dir", str(self.data_dir)), stdout=log, stderr=subprocess.STDOUT)
@@ -138,7 +134,7 @@ class Supervisor:
         prefix, interface = ([], "127.0.0.1") if self.lan is None else (
             self.lan.exec_args(board.name), self.hosts[board.name].ip)
         log = (self.log_dir / f"{board.name}.log").open("a")
-        self.procs[board.name] = subprocess.Popen([*prefix, *_edgetrain(
+        self.procs[board.name] = subprocess.Popen([*prefix, *edgetrain_command(
             "client", "--name", board.name, "--emulate", str(self._board_file(board)), "--cluster",
             self.spec.cluster, "--interface", interface, "--data-dir", str(self.data_dir), "--threads", "1",
             "--probe-interval", str(self.spec.probe_interval_s))],
@@ -229,7 +225,7 @@ def fleet_up(spec_file: Path, *, state_dir: Path, runs_dir: Path, data_dir: Path
         raise RuntimeError(f"fleet {spec.name!r} is already up (state in {path}); run `edgetrain fleet down` first")
     (runs_dir / spec.name).mkdir(parents=True, exist_ok=True)
     log = (runs_dir / spec.name / "fleet-supervisor.log").open("a")
-    proc = subprocess.Popen(_edgetrain("fleet", "supervise", str(spec_file.resolve()), "--state-dir",
+    proc = subprocess.Popen(edgetrain_command("fleet", "supervise", str(spec_file.resolve()), "--state-dir",
                                        str(state_dir.resolve()), "--runs-dir", str(runs_dir.resolve()),
                                        "--data-dir", str(data_dir.resolve())),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -40,7 +40,8 @@ class LocalRun:
             raise ValueError(f"speeds must be a non-empty list of positive fractions, got {self.speeds}")
 
 
-def _edgetrain(*args: str) -> list[str]:
+def edgetrain_command(*args: str) -> list[str]:
+    """The command line that runs `edgetrain ARGS` with this interpreter (roles start as processes)."""
     return [sys.executable, "-m", "edgetrain", *args]
 
 
@@ -76,7 +77,7 @@ def run_local(run: LocalRun, *, job_name: str) -> int:
     port_file = run.runs_dir / job_name / "coordinator.address"
     port_file.unlink(missing_ok=True)
     overrides = [arg for o in run.overrides for arg in ("--set", o)]
-    coordinator = subprocess.Popen(_edgetrain(
+    coordinator = subprocess.Popen(edgetrain_command(
         "coordinator", "--config", str(run.job_file), *overrides, "--bind", "127.0.0.1:0",
         "--port-file", str(port_file), "--runs-dir", str(run.runs_dir), "--data-dir", str(run.data_dir)))
     clients: list[subprocess.Popen] = []
@@ -85,7 +86,7 @@ def run_local(run: LocalRun, *, job_name: str) -> int:
         for i, speed in enumerate(run.speeds):
             name = f"board{i}-{speed:g}"
             with (log_dir / f"{name}.log").open("w") as log:
-                clients.append(subprocess.Popen(_edgetrain(
+                clients.append(subprocess.Popen(edgetrain_command(
                     "client", "--coordinator", address, "--name", name, "--speed", f"{speed:g}",
                     "--data-dir", str(run.data_dir)), stdout=log, stderr=subprocess.STDOUT))
         logger.info("started %d emulated boards (speeds %s); their logs are in %s", len(clients),
