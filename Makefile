@@ -26,6 +26,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) scripts/bench_dp.py
 	$(PY) scripts/bench_links.py
+	$(PY) scripts/bench_aggregation.py
 
 protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto

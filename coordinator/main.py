@@ -12,6 +12,7 @@ import torch
 
 import edgetrain
 from coordinator.discovery import Advertisement, DiscoveryAdvertiser
+from coordinator.parameters import ParameterStore
 from coordinator.registry import DeviceRegistry
 from coordinator.report import summarize, summary_table
 from coordinator.servicer import CoordinatorServicer, create_server
@@ -20,8 +21,8 @@ from coordinator.trainer import DataParallelTrainer
 from edgetrain.config import JobConfig, job_to_dict
 from edgetrain.data import dataset_is_synthetic, load_dataset
 from edgetrain.models import build_model
-from edgetrain.tensors import bundle_metas
 from edgetrain.training import shard_tensor_names
+from edgetrain.updates import UpdateFormats
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +60,13 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
     if dataset_is_synthetic(job.dataset):
         logger.info("[Coordinator] dataset: SYNTHETIC CIFAR-shaped data (seed %d), not CIFAR-10", job.dataset.seed)
     registry = DeviceRegistry()
-    board = StepBoard(bundle_metas(dict(shard_tensor_names(model))))
-    servicer = CoordinatorServicer(job, registry, board, profile_batch_sizes(job.training.global_batch),
+    formats = UpdateFormats(shard_tensor_names(model))
+    board = StepBoard(formats)
+    store = ParameterStore(job.compression.downlink)
+    servicer = CoordinatorServicer(job, registry, board, store, profile_batch_sizes(job.training.global_batch),
                                    cluster=cluster)
-    trainer = DataParallelTrainer(job, registry, board, model, train_size, test_set, run_dir, stop)
+    trainer = DataParallelTrainer(job, registry, board, model, train_size, test_set, run_dir, stop,
+                                  store=store, formats=formats)
     server, port = create_server(bind, servicer)
     advertiser = None
     try:

@@ -25,25 +25,31 @@ class MetricsLog:
 
     def train_step(self, record, *, lr: float, epoch: float, total_steps: int, log_every: int) -> None:
         """Record one completed step (`record` is a trainer.StepRecord)."""
-        accepted = record.outcome.accepted
-        samples = sum(c.samples for c in accepted.values())
-        loss = sum(c.loss * c.samples for c in accepted.values()) / samples if samples else None
-        correct = sum(c.correct for c in accepted.values())
-        devices = {
-            d: {"samples": c.samples, "compute_s": round(c.compute_s, 4), "download_s": round(c.download_s, 4),
+        used = [w.contribution for w in record.used]
+        samples = sum(c.samples for c in used)
+        loss = sum(c.loss * c.samples for c in used) / samples if samples else None
+        correct = sum(c.correct for c in used)
+        devices = {}
+        for item in record.used:
+            c = item.contribution
+            devices[c.device_id] = {
+                "samples": c.samples, "compute_s": round(c.compute_s, 4), "download_s": round(c.download_s, 4),
                 "encode_s": round(c.encode_s, 4), "upload_s": round(c.upload_s, 4), "comm_s": round(c.comm_s, 4),
-                "energy_j": None if c.energy_j is None else round(c.energy_j, 4)}
-            for d, c in accepted.items()}
+                "energy_j": None if c.energy_j is None else round(c.energy_j, 4), "codec": c.codec,
+                "upload_bytes": c.wire_bytes, "staleness": item.staleness, "weight": round(item.factor, 4)}
         self.write({
             "kind": "train", "step": record.step, "epoch": round(epoch, 4), "loss": loss,
             "train_accuracy": correct / samples if samples else None, "lr": lr, "samples": samples,
             "step_s": round(record.seconds, 4), "samples_per_s": samples / record.seconds,
-            "attempts": record.attempts, "shares": record.shares, "devices": devices,
-            "rejected": record.outcome.rejected, "failed": record.outcome.missing})
+            "attempts": record.attempts, "shares": record.shares, "codecs": record.codecs, "devices": devices,
+            "rejected": record.rejected, "clipped": {d: round(n, 4) for d, n in record.clipped.items()},
+            "failed": record.outcome.missing, "late": record.outcome.late, "quarantined": record.quarantined})
         if samples and (record.step % log_every == 0 or record.step == total_steps - 1):
             shares = "/".join(str(n) for n in record.shares.values())
-            logger.info("step %4d/%d  loss %.4f  acc %.3f  %.1f samples/s  shares %s", record.step + 1,
-                        total_steps, loss, correct / max(samples, 1), samples / record.seconds, shares)
+            codecs = sorted(set(record.codecs.values()))
+            logger.info("step %4d/%d  loss %.4f  acc %.3f  %.1f samples/s  shares %s%s", record.step + 1,
+                        total_steps, loss, correct / max(samples, 1), samples / record.seconds, shares,
+                        "" if codecs == ["none"] else f"  codecs {'/'.join(record.codecs.values())}")
 
     def evaluation(self, step: int, loss: float, accuracy: float, samples: int, seconds: float) -> None:
         """Record a test-set evaluation after `step`."""

@@ -57,19 +57,33 @@ class DeviceRecord:
     alive: bool = True
     left_reason: str = ""
     stats: dict = field(default_factory=lambda: {"samples": 0, "compute_s": 0.0, "comm_s": 0.0, "steps": 0,
-                                                 "energy_j": 0.0, "energy_samples": 0})
+                                                 "energy_j": 0.0, "energy_samples": 0, "download_bytes": 0,
+                                                 "upload_bytes": 0})
     telemetry: deque = field(default_factory=lambda: deque(maxlen=TELEMETRY_WINDOW))
     """Rolling window of (coordinator receive time, TelemetrySample)."""
+    codec: str = ""
+    """The update codec the coordinator last chose for this board."""
+    rejections: list = field(default_factory=list)
+    """(step, reason) of every update the coordinator refused from this board."""
+    quarantined_until: int = -1
+    """The board gets no work before this step (a board that kept sending bad updates)."""
 
     @property
     def latest_telemetry(self) -> TelemetrySample | None:
         """The newest sample, if any arrived."""
         return self.telemetry[-1][1] if self.telemetry else None
 
+    quarantined: bool = False
+    """Set while the board is excluded for bad updates."""
+
     @property
     def state(self) -> str:
-        """registered (not yet profiled), ready, or gone."""
-        return "gone" if not self.alive else "ready" if self.speed is not None else "registered"
+        """registered (not yet profiled), ready, quarantined, or gone."""
+        if not self.alive:
+            return "gone"
+        if self.quarantined:
+            return "quarantined"
+        return "ready" if self.speed is not None else "registered"
 
     @property
     def ready(self) -> bool:
@@ -149,6 +163,58 @@ class DeviceRegistry:
                                ("steps", 1)):
                 record.stats[key] += value
 
+    def note_rejection(self, device_id: str, step: int, reason: str, *, limit: int, window: int,
+                       quarantine_steps: int) -> bool:
+        """Record a refused update; quarantine the board (returns True) when it had `limit`
+        refusals within the last `window` steps."""
+        with self._lock:
+            record = self._devices.get(device_id)
+            if record is None:
+                return False
+            record.rejections.append((step, reason))
+            del record.rejections[:-64]
+            recent = [s for s, _ in record.rejections if s > step - window]
+            if len(recent) >= limit and quarantine_steps > 0 and not record.quarantined:
+                record.quarantined, record.quarantined_until = True, step + 1 + quarantine_steps
+                logger.warning("[Coordinator.Registry] device %s quarantined until step %d: %d updates refused "
+                               "in %d steps (last: %s)", device_id, record.quarantined_until, len(recent), window,
+                               reason)
+                return True
+            return False
+
+    def release_quarantine(self, step: int) -> None:
+        """End the quarantine of boards whose term is over at `step`."""
+        with self._lock:
+            for record in self._devices.values():
+                if record.quarantined and step >= record.quarantined_until:
+                    record.quarantined = False
+                    record.rejections.clear()
+                    logger.info("[Coordinator.Registry] device %s back from quarantine", record.device_id)
+
+    def count_bytes(self, device_id: str, *, down: int = 0, up: int = 0) -> None:
+        """Payload bytes moved to (down) and from (up) the device."""
+        with self._lock:
+            record = self._devices.get(device_id)
+            if record is not None:
+                record.stats["download_bytes"] += down
+                record.stats["upload_bytes"] += up
+
+    def set_codec(self, device_id: str, codec: str) -> None:
+        """Remember the codec chosen for the board (shown by `edgetrain devices`)."""
+        with self._lock:
+            record = self._devices.get(device_id)
+            if record is not None:
+                record.codec = codec
+
+    def observe_late(self, device_id: str, samples: int, seconds: float) -> None:
+        """The device did not answer within `seconds`: it is at least that slow for `samples`."""
+        with self._lock:
+            record = self._devices.get(device_id)
+            if record is not None and record.speed is not None and samples:
+                observed = seconds - record.speed.comm_s
+                if observed > record.speed.seconds(samples) - record.speed.comm_s:
+                    record.speed = refine_speed(record.speed, samples, observed, 0.0, weight=0.5)
+
     def drop(self, device_id: str, reason: str) -> None:
         """Consider the device gone (it must register again to get work)."""
         with self._lock:
@@ -180,8 +246,8 @@ class DeviceRegistry:
     def snapshot(self) -> list[DeviceRecord]:
         """Copies of all records, live and gone."""
         with self._lock:
-            return [replace(r, stats=dict(r.stats), telemetry=deque(r.telemetry, maxlen=TELEMETRY_WINDOW))
-                    for r in self._devices.values()]
+            return [replace(r, stats=dict(r.stats), telemetry=deque(r.telemetry, maxlen=TELEMETRY_WINDOW),
+                            rejections=list(r.rejections)) for r in self._devices.values()]
 
     def _live(self, device_id: str) -> DeviceRecord:
         record = self._devices.get(device_id)

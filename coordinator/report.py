@@ -22,6 +22,8 @@ def summarize(job: JobConfig, final_eval: dict, trainer, devices) -> dict:
             "compute_s": round(stats["compute_s"], 2), "comm_s": round(stats["comm_s"], 2),
             "energy_j": round(stats["energy_j"], 1) if stats["energy_samples"] else None,
             "energy_per_sample_j": stats["energy_j"] / stats["energy_samples"] if stats["energy_samples"] else None,
+            "download_bytes": stats["download_bytes"], "upload_bytes": stats["upload_bytes"],
+            "codec": record.codec or "none", "rejected_updates": len(record.rejections),
             "alive_at_end": record.alive,
         })
     return {
@@ -31,6 +33,10 @@ def summarize(job: JobConfig, final_eval: dict, trainer, devices) -> dict:
         "test_accuracy": final_eval.get("test_accuracy"), "test_loss": final_eval.get("test_loss"),
         "train_samples": trainer.samples_done, "train_seconds": round(trainer.train_seconds, 2),
         "samples_per_s": trainer.samples_done / trainer.train_seconds if trainer.train_seconds else 0.0,
+        "aggregation": job.aggregation.rule, "uplink": job.compression.uplink,
+        "downlink": job.compression.downlink,
+        "bytes_per_sample": sum(r["download_bytes"] + r["upload_bytes"] for r in rows) / trainer.samples_done
+        if trainer.samples_done else None,
         "devices": rows,
         "energy_j": sum(r["energy_j"] for r in rows if r["energy_j"] is not None) or None,
     }
@@ -46,14 +52,17 @@ def summary_table(summary: dict) -> str:
         if acc is not None else "no evaluation",
         f"throughput {summary['samples_per_s']:.1f} samples/s ({summary['train_samples']} samples in "
         f"{summary['train_seconds']:.1f} s of training)",
+        f"aggregation {summary['aggregation']}, uplink {summary['uplink']}, downlink {summary['downlink']}: "
+        f"{(summary['bytes_per_sample'] or 0) / 1e3:.1f} kB on the wire per sample",
         "",
         f"{'device':<18}{'speed':>7}{'est. samples/s':>16}{'samples':>9}{'share':>8}{'compute s':>11}{'comm s':>9}"
-        f"{'energy J':>10}",
+        f"{'energy J':>10}{'MB down':>9}{'MB up':>8}  codec",
     ]
     for row in summary["devices"]:
         speed = f"{row['emulated_speed']:.2f}" if row["emulated_speed"] else "native"
         est = row["samples_per_s_estimate"]
         lines.append(f"{row['device']:<18}{speed:>7}{est if est is not None else '-':>16}{row['samples']:>9}"
                      f"{row['share']:>8.1%}{row['compute_s']:>11.1f}{row['comm_s']:>9.1f}"
-                     f"{row['energy_j'] if row['energy_j'] is not None else '?':>10}")
+                     f"{row['energy_j'] if row['energy_j'] is not None else '?':>10}"
+                     f"{row['download_bytes'] / 1e6:>9.1f}{row['upload_bytes'] / 1e6:>8.1f}  {row['codec']}")
     return "\n".join(lines)

@@ -12,6 +12,7 @@ from concurrent import futures
 import grpc
 
 import edgetrain
+from coordinator.parameters import ParameterStore
 from coordinator.registry import DeviceProfile, DeviceRecord, DeviceRegistry, UnknownDevice
 from coordinator.steps import Assignment, Finished, StepBoard, StepError
 from edgetrain import serde
@@ -62,7 +63,8 @@ def _device_view(record: DeviceRecord, now: float) -> pb.DeviceView:
         device_id=record.device_id, info=pb.DeviceInfo(**record.info), state=record.state,
         left_reason=record.left_reason, seconds_since_seen=now - record.last_seen, samples_done=stats["samples"],
         samples_per_s=record.speed.samples_per_s if record.speed else None,
-        energy_per_sample_j=stats["energy_j"] / stats["energy_samples"] if stats["energy_samples"] else None)
+        energy_per_sample_j=stats["energy_j"] / stats["energy_samples"] if stats["energy_samples"] else None,
+        codec=record.codec, rejected_updates=len(record.rejections))
     if record.latest_telemetry is not None:
         view.telemetry.CopyFrom(serde.telemetry_to_proto(record.latest_telemetry))
     return view
@@ -71,19 +73,20 @@ def _device_view(record: DeviceRecord, now: float) -> pb.DeviceView:
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     """Admits devices and serves the data-parallel training loop's work and transfers."""
 
-    def __init__(self, job: JobConfig, registry: DeviceRegistry, board: StepBoard,
+    def __init__(self, job: JobConfig, registry: DeviceRegistry, board: StepBoard, store: ParameterStore,
                  profile_batch_sizes: list[int], *, cluster: str = "edgetrain") -> None:
         self._job = job
         self._cluster = cluster
         self._registry = registry
         self._board = board
+        self._store = store
         self._cache_lock = threading.Lock()
-        self._cache_version = -1
-        self._cache_messages: list[pb.ParameterMessage] = []
+        self._cache: dict[tuple[int, int], list[pb.ParameterMessage]] = {}
         self._job_spec = pb.JobSpec(
             job_id=job.name, model=job.model, num_classes=10,
             dataset=serde.dataset_to_proto(job.dataset), profile_batch_sizes=profile_batch_sizes,
-            heartbeat_interval_s=job.training.heartbeat_interval_s, chunk_bytes=job.training.chunk_bytes)
+            heartbeat_interval_s=job.training.heartbeat_interval_s, chunk_bytes=job.training.chunk_bytes,
+            error_feedback=job.compression.error_feedback)
 
     @_guarded("Register")
     def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterReply:
@@ -140,34 +143,55 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if isinstance(work, Finished):
             return pb.WorkAssignment(finished=pb.Finished(reason=work.reason))
         if isinstance(work, Assignment):
-            return pb.WorkAssignment(step=pb.StepWork(
-                step=work.step, attempt=work.attempt, param_version=work.param_version,
-                indices=work.indices, augment=work.augment, data_seed=work.data_seed))
+            step = pb.StepWork(step=work.step, attempt=work.attempt, param_version=work.param_version,
+                               indices=work.indices, augment=work.augment, data_seed=work.data_seed,
+                               codec=work.codec, delta_codec=work.delta_codec)
+            if work.local is not None:
+                step.local.CopyFrom(pb.LocalTraining(**vars(work.local)))
+            return pb.WorkAssignment(step=step)
         return pb.WorkAssignment(idle=pb.Idle())
 
     @_guarded("DownloadParameters")
     def DownloadParameters(self, request: pb.ParameterRequest, context) -> Iterator[pb.ParameterMessage]:
         self._registry.get(request.device_id)
-        messages = self._parameter_messages(request.version)
+        base = request.base_version if request.HasField("base_version") else -1
+        messages = self._parameter_messages(base, request.version)
         total = messages[0].header.total_bytes
         if request.offset > total:
             raise TransferError("out_of_range", f"offset {request.offset} is past the {total} bytes")
         if request.offset % self._job.training.chunk_bytes == 0:  # a fresh or chunk-aligned resume
             first = 1 + request.offset // self._job.training.chunk_bytes
-            return iter([messages[0], *messages[first:]])
-        metas, payload = self._board.parameters(request.version)
+            return self._counted(request.device_id, [messages[0], *messages[first:]])
+        metas, payload = self._bundle(base, request.version)
         chunks = iter_chunks(payload, start=request.offset, chunk_bytes=self._job.training.chunk_bytes)
-        return serde.parameter_stream(metas, chunks)
+        return self._counted(request.device_id, serde.parameter_stream(metas, chunks))
 
-    def _parameter_messages(self, version: int) -> list[pb.ParameterMessage]:
-        """The header and chunk messages of `version`, encoded once and served to every device."""
-        metas, payload = self._board.parameters(version)  # refuses a version no longer served
+    def _counted(self, device_id: str, messages) -> Iterator[pb.ParameterMessage]:
+        """Stream `messages`, counting the payload bytes that left for the device."""
+        sent = 0
+        try:
+            for message in messages:
+                if message.WhichOneof("kind") == "chunk":
+                    sent += len(message.chunk.data)
+                yield message
+        finally:
+            self._registry.count_bytes(device_id, down=sent)
+
+    def _bundle(self, base: int, version: int):
+        """Full parameters of `version` (base -1) or the deltas since `base`."""
+        return self._store.full(version) if base < 0 else self._store.deltas(base, version)
+
+    def _parameter_messages(self, base: int, version: int) -> list[pb.ParameterMessage]:
+        """The header and chunk messages of a download, encoded once and served to every device."""
+        metas, payload = self._bundle(base, version)  # refuses a version no longer served
         with self._cache_lock:
-            if self._cache_version != version:
+            key = (base, version)
+            if key not in self._cache:
+                if any(v != version for _, v in self._cache):
+                    self._cache.clear()
                 chunks = iter_chunks(payload, chunk_bytes=self._job.training.chunk_bytes)
-                self._cache_messages = list(serde.parameter_stream(metas, chunks))
-                self._cache_version = version
-            return self._cache_messages
+                self._cache[key] = list(serde.parameter_stream(metas, chunks))
+            return self._cache[key]
 
     @_guarded("UploadGradient")
     def UploadGradient(self, request_iterator: Iterator[pb.UploadMessage], context) -> pb.UploadReply:
@@ -191,6 +215,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 raise ValueError("only chunks may follow the upload header")
             chunk = message.chunk
             assembler.add(chunk.offset, chunk.data, chunk.crc32)
+            self._registry.count_bytes(header.device_id, up=len(chunk.data))
         self._board.complete_upload(header.device_id, header.step, header.attempt)
         return pb.UploadReply(received_bytes=assembler.received)
 

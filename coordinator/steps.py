@@ -1,11 +1,12 @@
 """The meeting point of the training driver and the RPC handlers.
 
-The driver publishes parameters and opens one step attempt at a time (who computes which
-sample indices); handlers hand that work out, receive uploads chunk by chunk (keeping partial
-uploads so a broken stream resumes), validate them and record each device's contribution or the
-reason it was rejected. The driver waits until every assigned device has answered, failed or the
-deadline passed, then closes the attempt: late uploads for a closed attempt are refused, so no
-contribution is ever applied twice.
+The driver opens step attempts: one *ticket* per device (which sample indices, on which
+parameter version, with which codec). Handlers hand tickets out, receive uploads chunk by chunk
+(keeping partial uploads so a broken stream resumes), validate and decode them, and record each
+device's contribution or the reason it was rejected. The driver waits until every ticket of the
+attempt is answered, its device gone, or the deadline passed. Unanswered tickets are then closed
+— or, under bounded staleness, kept open so a slow board's late update can still be used in a
+later step (`take_late`). A closed ticket refuses uploads, so no contribution is applied twice.
 """
 
 from __future__ import annotations
@@ -13,19 +14,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from edgetrain.tensors import (
-    ChunkAssembler,
-    TensorMeta,
-    TransferError,
-    check_finite,
-    check_metas,
-    unpack,
-)
+from edgetrain.tensors import ChunkAssembler, TransferError, check_finite, check_metas, unpack
+from edgetrain.updates import UpdateFormat
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +35,18 @@ class StepError(Exception):
 
 
 @dataclass(frozen=True)
+class LocalWork:
+    """A federated round's local training on the board (see protos: LocalTraining)."""
+
+    steps: int
+    batch_size: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    prox_mu: float
+
+
+@dataclass(frozen=True)
 class Assignment:
     """One device's work in a step attempt."""
 
@@ -49,6 +56,12 @@ class Assignment:
     indices: tuple[int, ...]
     augment: bool
     data_seed: int
+    codec: str = "none"
+    """Codec of the update (edgetrain.compression)."""
+    delta_codec: str = ""
+    """Non-empty: the board may download parameter deltas in this codec."""
+    local: LocalWork | None = None
+    """Set for a federated round."""
 
 
 @dataclass(frozen=True)
@@ -71,8 +84,17 @@ class Contribution:
     encode_s: float
     upload_s: float
     tensors: dict[str, torch.Tensor]
+    """Decoded (dense float32) gradients and buffers."""
     energy_j: float | None = None
     """Energy the device used for this step; None when it cannot tell."""
+    step: int = 0
+    """The step whose ticket this answers."""
+    param_version: int = 0
+    """Parameter version the update was computed on (staleness = current version - this)."""
+    codec: str = "none"
+    """Codec it travelled in."""
+    wire_bytes: int = 0
+    """Payload bytes it took on the wire."""
 
     @property
     def comm_s(self) -> float:
@@ -88,16 +110,17 @@ class _Upload:
 
 
 @dataclass
-class _Attempt:
-    step: int
-    attempt: int
-    assignments: dict[str, Assignment]
-    accepted: dict[str, Contribution] = field(default_factory=dict)
-    rejected: dict[str, str] = field(default_factory=dict)
-    uploads: dict[str, _Upload] = field(default_factory=dict)
+class _Ticket:
+    assignment: Assignment
+    fmt: UpdateFormat
+    upload: _Upload | None = None
+    accepted: Contribution | None = None
+    rejected: str | None = None
+    collected: bool = False
 
-    def answered(self, device_id: str) -> bool:
-        return device_id in self.accepted or device_id in self.rejected
+    @property
+    def answered(self) -> bool:
+        return self.accepted is not None or self.rejected is not None
 
 
 @dataclass(frozen=True)
@@ -107,51 +130,80 @@ class AttemptOutcome:
     accepted: dict[str, Contribution]
     rejected: dict[str, str]
     missing: list[str]
-    """Devices that neither answered nor were rejected before the deadline or that left."""
+    """Devices that left (or, when late tickets are closed, missed the deadline) without answering."""
+    late: list[str] = field(default_factory=list)
+    """Devices still alive whose tickets were unanswered at the deadline."""
 
 
 class StepBoard:
     """Thread-safe state shared by the training driver and the RPC handlers."""
 
-    def __init__(self, upload_metas: Sequence[TensorMeta], clock: Callable[[], float] = time.monotonic) -> None:
-        self._upload_metas = list(upload_metas)
-        self._upload_bytes = sum(m.nbytes for m in upload_metas)
+    def __init__(self, formats: Callable[[str], UpdateFormat], clock: Callable[[], float] = time.monotonic) -> None:
+        self._formats = formats
         self._clock = clock
         self._cond = threading.Condition()
-        self._version = -1
-        self._param_metas: list[TensorMeta] = []
-        self._param_payload: memoryview = memoryview(b"")
-        self._attempt: _Attempt | None = None
+        self._tickets: dict[tuple[str, int, int], _Ticket] = {}
         self._closed: set[tuple[int, int]] = set()
+        self._current: tuple[int, int] | None = None
         self._finished: Finished | None = None
 
     # --- driver side -------------------------------------------------------------------
-    def publish_parameters(self, version: int, metas: list[TensorMeta], payload: memoryview) -> None:
-        """Make parameters of `version` the ones served for downloads."""
-        with self._cond:
-            self._version, self._param_metas, self._param_payload = version, metas, payload
-
     def open_attempt(self, assignments: Mapping[str, Assignment]) -> None:
         """Start a step attempt: each device in `assignments` gets its work on its next poll."""
-        first = next(iter(assignments.values()))
         with self._cond:
-            self._attempt = _Attempt(first.step, first.attempt, dict(assignments))
+            for device_id, a in assignments.items():
+                self._tickets[(device_id, a.step, a.attempt)] = _Ticket(a, self._formats(a.codec))
+                self._current = (a.step, a.attempt)
             self._cond.notify_all()
 
-    def wait_attempt(self, deadline: float, is_alive: Callable[[str], bool]) -> AttemptOutcome:
-        """Block until every assigned device answered or left, or until `deadline`; then close."""
+    def wait_attempt(self, step: int, attempt: int, deadline: float, is_alive: Callable[[str], bool], *,
+                     keep_late: bool = False) -> AttemptOutcome:
+        """Block until every ticket of (step, attempt) is answered or its device left, or `deadline`.
+
+        Unanswered tickets of devices that left are closed. Those of live devices are closed
+        too (and reported in `missing`), unless `keep_late`: then they stay open, are reported in
+        `late`, and their answers come later through `take_late`.
+        """
         with self._cond:
-            attempt = self._attempt
-            assert attempt is not None, "no open attempt"
+            mine = {k[0]: t for k, t in self._tickets.items() if k[1:] == (step, attempt)}
+            assert mine, f"no tickets for step {step} attempt {attempt}"
             while True:
-                pending = [d for d in attempt.assignments if not attempt.answered(d)]
+                pending = [d for d, t in mine.items() if not t.answered]
                 gone = [d for d in pending if not is_alive(d)]
                 if len(gone) == len(pending) or self._clock() >= deadline or self._finished:
                     break
                 self._cond.wait(timeout=min(0.2, max(0.0, deadline - self._clock())))
-            self._closed.add((attempt.step, attempt.attempt))
-            self._attempt = None
-            return AttemptOutcome(dict(attempt.accepted), dict(attempt.rejected), pending)
+            late = [d for d in pending if d not in gone] if keep_late else []
+            for device_id, ticket in mine.items():
+                ticket.collected = ticket.answered
+                if device_id not in late:
+                    self._close((device_id, step, attempt))
+            self._closed.add((step, attempt))
+            accepted = {d: t.accepted for d, t in mine.items() if t.accepted is not None}
+            rejected = {d: t.rejected for d, t in mine.items() if t.rejected is not None}
+            return AttemptOutcome(accepted, rejected, [d for d in pending if d not in late], late)
+
+    def take_late(self, oldest_step: int) -> tuple[list[Contribution], dict[str, str]]:
+        """Answers that arrived for kept-open tickets since the last call; tickets of steps before
+        `oldest_step` are closed unanswered (their updates would be too stale)."""
+        with self._cond:
+            accepted, rejected = [], {}
+            for key, ticket in list(self._tickets.items()):
+                if ticket.answered and not ticket.collected:
+                    ticket.collected = True
+                    if ticket.accepted is not None:
+                        accepted.append(ticket.accepted)
+                    else:
+                        rejected[key[0]] = ticket.rejected
+                    self._close(key)
+                elif not ticket.answered and key[1] < oldest_step:
+                    self._close(key)
+            return accepted, rejected
+
+    def busy(self) -> set[str]:
+        """Devices holding an open, unanswered ticket (still computing an earlier step)."""
+        with self._cond:
+            return {k[0] for k, t in self._tickets.items() if not t.answered}
 
     def finish(self, reason: str) -> None:
         """End the job: every poll now answers Finished."""
@@ -167,90 +219,89 @@ class StepBoard:
             while True:
                 if self._finished is not None:
                     return self._finished
-                attempt = self._attempt
-                if attempt and device_id in attempt.assignments and not attempt.answered(device_id):
-                    return attempt.assignments[device_id]
+                mine = [t for k, t in self._tickets.items() if k[0] == device_id and not t.answered]
+                if mine:
+                    return max(mine, key=lambda t: (t.assignment.step, t.assignment.attempt)).assignment
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     return None
                 self._cond.wait(timeout=remaining)
 
-    def parameters(self, version: int) -> tuple[list[TensorMeta], memoryview]:
-        """Metas and payload of parameters `version`, if it is the current one."""
-        with self._cond:
-            if version != self._version:
-                raise StepError("failed_precondition",
-                                f"parameter version {version} is not served; current version is {self._version}")
-            return self._param_metas, self._param_payload
-
-    def begin_upload(self, device_id: str, step: int, attempt: int, metas: Sequence[TensorMeta],
-                     report: dict, resume_offset: int) -> ChunkAssembler:
+    def begin_upload(self, device_id: str, step: int, attempt: int, metas, report: dict,
+                     resume_offset: int) -> ChunkAssembler:
         """Validate an upload's header; returns the assembler to feed (kept across resumes)."""
         with self._cond:
-            state = self._open_attempt_for(device_id, step, attempt)
+            ticket = self._ticket_for(device_id, step, attempt)
             try:
-                check_metas(metas, self._upload_metas, f"upload from {device_id} for step {step}")
+                check_metas(metas, ticket.fmt.metas(),
+                            f"upload from {device_id} for step {step} (codec {ticket.fmt.spec})")
             except TransferError as e:
-                self._reject(state, device_id, str(e))
+                self._reject(device_id, ticket, str(e))
                 raise
-            upload = state.uploads.get(device_id)
-            if upload is None:
-                upload = _Upload(ChunkAssembler(self._upload_bytes), report, self._clock())
-                state.uploads[device_id] = upload
-            if resume_offset > upload.assembler.received:
+            if ticket.upload is None:
+                ticket.upload = _Upload(ChunkAssembler(ticket.fmt.wire_bytes()), report, self._clock())
+            if resume_offset > ticket.upload.assembler.received:
                 raise TransferError("out_of_range", f"resume_offset {resume_offset} is past the "
-                                    f"{upload.assembler.received} bytes held; resume from there")
-            upload.report = report
-            return upload.assembler
+                                    f"{ticket.upload.assembler.received} bytes held; resume from there")
+            ticket.upload.report = report
+            return ticket.upload.assembler
 
     def complete_upload(self, device_id: str, step: int, attempt: int) -> Contribution:
         """Decode and validate a fully received upload and record it (or its rejection)."""
         with self._cond:
-            upload = self._open_attempt_for(device_id, step, attempt).uploads[device_id]
+            ticket = self._ticket_for(device_id, step, attempt)
+            upload = ticket.upload
             payload = upload.assembler.payload()
-            want = len(self._attempt.assignments[device_id].indices)
+        a = ticket.assignment
+        what = f"upload from {device_id} for step {step}"
         try:  # decoding a large gradient takes tens of ms: not under the lock
-            tensors = unpack(self._upload_metas, payload)
-            check_finite(tensors, f"upload from {device_id} for step {step}")
-            if int(upload.report["samples"]) != want:
+            wire = unpack(ticket.fmt.metas(), payload)
+            check_finite(wire, what)
+            try:
+                tensors = ticket.fmt.decode(wire)
+            except ValueError as e:
+                raise TransferError("invalid_argument", f"{what}: {e}") from None
+            check_finite(tensors, what)
+            if int(upload.report["samples"]) != len(a.indices):
                 raise TransferError("invalid_argument",
-                                    f"report says {upload.report['samples']} samples, assignment had {want}")
+                                    f"report says {upload.report['samples']} samples, assignment had {len(a.indices)}")
         except TransferError as e:
             with self._cond:
-                self._reject(self._open_attempt_for(device_id, step, attempt), device_id, str(e))
+                self._reject(device_id, self._ticket_for(device_id, step, attempt), str(e))
             raise
-        contribution = Contribution(device_id=device_id, tensors=tensors,
-                                    upload_s=self._clock() - upload.started, **upload.report)
+        contribution = Contribution(device_id=device_id, tensors=tensors, upload_s=self._clock() - upload.started,
+                                    step=a.step, param_version=a.param_version, codec=str(ticket.fmt.spec),
+                                    wire_bytes=len(payload), **upload.report)
         with self._cond:
-            state = self._open_attempt_for(device_id, step, attempt)
-            state.accepted[device_id] = contribution
-            state.uploads.pop(device_id, None)
+            ticket = self._ticket_for(device_id, step, attempt)
+            ticket.accepted, ticket.upload = contribution, None
             self._cond.notify_all()
         return contribution
 
     def upload_status(self, device_id: str, step: int, attempt: int) -> tuple[int, int]:
         """(bytes held, total bytes) of the device's upload for this attempt."""
         with self._cond:
-            state = self._open_attempt_for(device_id, step, attempt)
-            upload = state.uploads.get(device_id)
-            return (upload.assembler.received if upload else 0), self._upload_bytes
+            ticket = self._ticket_for(device_id, step, attempt)
+            return (ticket.upload.assembler.received if ticket.upload else 0), ticket.fmt.wire_bytes()
 
-    def _open_attempt_for(self, device_id: str, step: int, attempt: int) -> _Attempt:
-        state = self._attempt
-        if (step, attempt) in self._closed:
-            raise StepError("failed_precondition", f"step {step} attempt {attempt} is closed")
-        if state is None or (state.step, state.attempt) != (step, attempt):
-            current = f"step {state.step} attempt {state.attempt}" if state else "no open step"
+    def _ticket_for(self, device_id: str, step: int, attempt: int) -> _Ticket:
+        key = (device_id, step, attempt)
+        ticket = self._tickets.get(key)
+        if ticket is None:
+            if (step, attempt) in self._closed:
+                raise StepError("failed_precondition", f"step {step} attempt {attempt} is closed")
+            if any(k[1:] == (step, attempt) for k in self._tickets):
+                raise StepError("failed_precondition", f"device {device_id} has no work in step {step}")
+            current = f"step {self._current[0]} attempt {self._current[1]}" if self._current else "no open step"
             raise StepError("not_found", f"unknown step {step} attempt {attempt}; current: {current}")
-        if device_id not in state.assignments:
-            raise StepError("failed_precondition", f"device {device_id} has no work in step {step}")
-        if state.answered(device_id):
-            raise StepError("already_exists",
-                            f"device {device_id} already answered step {step} attempt {attempt}")
-        return state
+        if ticket.answered:
+            raise StepError("already_exists", f"device {device_id} already answered step {step} attempt {attempt}")
+        return ticket
 
-    def _reject(self, state: _Attempt, device_id: str, reason: str) -> None:
-        logger.warning("[Coordinator.Upload] rejected %s step %d: %s", device_id, state.step, reason)
-        state.rejected[device_id] = reason
-        state.uploads.pop(device_id, None)
+    def _close(self, key: tuple[str, int, int]) -> None:
+        self._tickets.pop(key, None)
+
+    def _reject(self, device_id: str, ticket: _Ticket, reason: str) -> None:
+        logger.warning("[Coordinator.Upload] rejected %s step %d: %s", device_id, ticket.assignment.step, reason)
+        ticket.rejected, ticket.upload = reason, None
         self._cond.notify_all()

@@ -1,33 +1,50 @@
-"""Synchronous data-parallel training driven by the coordinator.
+"""Data-parallel and federated training driven by the coordinator.
 
-Each step: publish the parameters, split the step's global batch across the ready devices
-(proportional to measured speed, or equally), wait for their gradients, redo the step with the
-remaining devices if one failed or missed the deadline, then combine the accepted gradients
-weighted by samples and take one optimizer step. The master copy of the model and the optimizer
-live here; devices only ever compute gradients.
+Each step: publish the parameters, split the step's global batch across the available devices
+(proportional to measured speed, or equally) and choose each device's link codecs, wait for
+their updates, then screen them (clip, outliers), weight them (samples, staleness) and take one
+optimizer step. The master copy of the model and the optimizer live here; devices only ever
+compute updates.
+
+When a step is over depends on the aggregation rule: `mean` without a deadline waits for every
+device and redoes the step if one died (no sample lost, exactly the single-device arithmetic);
+with the `predicted` deadline the step closes at a multiple of its predicted time and is applied
+if enough samples arrived; `staleness` also keeps late devices' tickets open and uses their
+updates in a later step, down-weighted. In federated rounds (`fedavg`, `fedprox`) each device
+trains locally on its own partition and the step averages the parameter changes.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from coordinator.aggregate import apply_update, combine
+from coordinator.aggregate import (
+    Screening,
+    Weighted,
+    apply_update,
+    combine,
+    screen,
+    staleness_weight,
+)
 from coordinator.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+from coordinator.codec_policy import CodecPolicy, LinkChoice
 from coordinator.metrics import MetricsLog
+from coordinator.parameters import ParameterStore
 from coordinator.registry import DeviceRegistry
-from coordinator.steps import Assignment, AttemptOutcome, StepBoard
-from edgetrain.config import JobConfig
+from coordinator.steps import Assignment, AttemptOutcome, Contribution, LocalWork, StepBoard
+from edgetrain.config import JobConfig, OptimizerConfig
 from edgetrain.data import make_batch
 from edgetrain.sampling import batch_indices, epoch_of
 from edgetrain.split import SpeedEstimate, predicted_step_seconds, split_equal, split_proportional
-from edgetrain.tensors import pack
-from edgetrain.training import evaluate, make_optimizer, set_learning_rate, state_tensors
+from edgetrain.training import evaluate, lr_factor, make_optimizer, set_learning_rate, state_tensors
+from edgetrain.updates import UpdateFormats
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +62,21 @@ class StepRecord:
     seconds: float
     outcome: AttemptOutcome
     shares: dict[str, int]
+    used: list[Weighted] = field(default_factory=list)
+    """The updates that went into the step, with their staleness and weight factor."""
+    rejected: dict[str, str] = field(default_factory=dict)
+    """Every update refused this step (upload checks, screening, too stale), by device."""
+    clipped: dict[str, float] = field(default_factory=dict)
+    codecs: dict[str, str] = field(default_factory=dict)
+    quarantined: list[str] = field(default_factory=list)
 
 
 class DataParallelTrainer:
     """Runs one job's steps over the devices in `registry`, through `board`."""
 
     def __init__(self, job: JobConfig, registry: DeviceRegistry, board: StepBoard, model: torch.nn.Module,
-                 train_size: int, test_set, run_dir: Path, stop: threading.Event | None = None) -> None:
+                 train_size: int, test_set, run_dir: Path, stop: threading.Event | None = None, *,
+                 store: ParameterStore | None = None, formats: UpdateFormats | None = None) -> None:
         self.job = job
         self.registry = registry
         self.board = board
@@ -60,12 +85,25 @@ class DataParallelTrainer:
         self.test_set = test_set
         self.run_dir = run_dir
         self.stop = stop or threading.Event()
-        self.optimizer = make_optimizer(model, job.optimizer)
+        self.store = store or ParameterStore(job.compression.downlink)
+        self.formats = formats or UpdateFormats(_templates(model))
+        agg = job.aggregation
+        self.federated = agg.federated
+        self.keep_late = agg.rule == "staleness"
+        self.use_deadline = agg.deadline == "predicted" or self.keep_late
+        self.optimizer = make_optimizer(model, OptimizerConfig(
+            lr=job.federated.server_lr, momentum=0.0, weight_decay=0.0, schedule="constant")
+            if self.federated else job.optimizer)
+        state = state_tensors(model)
+        full_bytes = sum(t.numel() * t.element_size() for t in state.values())
+        self.policy = CodecPolicy(job.compression, lambda c: self.formats(c).wire_bytes(), full_bytes,
+                                  _delta_bytes(state, job.compression.downlink))
         self.metrics = MetricsLog(run_dir / "metrics.jsonl")
         self.start_step = 0
         self.train_seconds = 0.0
         self.samples_done = 0
         self.lr = 0.0
+        self._partitions: dict[str, int] = {}
 
     def resume_if_possible(self) -> None:
         """Continue from the run directory's checkpoint, if there is one."""
@@ -74,6 +112,7 @@ class DataParallelTrainer:
         state = load_checkpoint(self.run_dir, self.model, self.optimizer)
         self.start_step = state["next_step"]
         self.train_seconds, self.samples_done = state["train_seconds"], state["samples_done"]
+        self._partitions = dict(state.get("partitions", {}))
         logger.info("[Coordinator.Trainer] resumed from checkpoint at step %d", self.start_step)
 
     def run(self) -> dict:
@@ -107,63 +146,200 @@ class DataParallelTrainer:
                 logged = True
         raise JobAborted("stopped while waiting for devices")
 
+    def _available(self, step: int) -> dict[str, SpeedEstimate]:
+        """Ready devices that may get work now: not quarantined, not still busy with a late ticket."""
+        while True:
+            self.registry.release_quarantine(step)
+            speeds = self._wait_for_devices(1)
+            quarantined = {r.device_id for r in self.registry.snapshot() if r.quarantined}
+            busy = self.board.busy()
+            available = {d: s for d, s in speeds.items() if d not in quarantined and d not in busy}
+            if self.federated:
+                available = {d: s for d, s in available.items() if self._partition(d) is not None}
+            if available:
+                return available
+            if all(d in quarantined for d in speeds):  # nobody left to train: end the quarantines early
+                logger.warning("[Coordinator.Trainer] every ready device is quarantined; releasing them")
+                self.registry.release_quarantine(10**12)
+                continue
+            self._collect_late(step)  # everyone is busy with late work: wait for some of it
+            time.sleep(0.05)
+
     def _run_step(self, step: int) -> StepRecord:
         cfg = self.job.training
-        metas, payload = pack(state_tensors(self.model))
-        self.board.publish_parameters(step, metas, payload)
+        self.store.publish(step, state_tensors(self.model))
         indices = batch_indices(step, cfg.global_batch, self.train_size, self.job.seed)
         started = time.monotonic()
         for attempt in range(cfg.max_attempts):
-            speeds = self._wait_for_devices(1)
+            speeds = self._available(step)
             shares = self._split(len(indices), speeds)
-            assignments = self._assign(step, attempt, indices, shares)
+            choices = self._choose_codecs(shares, speeds)
+            assignments = self._assign(step, attempt, indices, shares, choices)
             self.board.open_attempt(assignments)
-            deadline = time.monotonic() + self._timeout(shares, speeds)
-            outcome = self.board.wait_attempt(deadline, self.registry.is_alive)
+            opened = time.monotonic()
+            deadline = opened + self._timeout(shares, speeds, attempt)
+            outcome = self.board.wait_attempt(step, attempt, deadline, self.registry.is_alive,
+                                              keep_late=self.keep_late)
             if self.stop.is_set():
                 raise JobAborted(f"stopped during step {step}")
-            for device_id in outcome.missing:
-                self.registry.drop(device_id, f"no result for step {step} attempt {attempt}")
-            if not outcome.missing:
+            if self._attempt_done(step, attempt, outcome, assignments, time.monotonic() - opened):
                 break
-            logger.warning("[Coordinator.Trainer] step %d attempt %d: %s failed; redoing the step with "
-                           "the remaining devices", step, attempt, ", ".join(outcome.missing))
         else:
             raise JobAborted(f"step {step} failed on all {cfg.max_attempts} attempts")
-        self._apply(step, outcome)
-        seconds = time.monotonic() - started
-        return StepRecord(step, attempt + 1, seconds, outcome, {d: len(a.indices) for d, a in assignments.items()})
+        record = self._apply(step, outcome)
+        record.attempts, record.seconds = attempt + 1, time.monotonic() - started
+        record.shares = {d: len(a.indices) for d, a in assignments.items()}
+        record.codecs = {d: a.codec for d, a in assignments.items()}
+        return record
+
+    def _attempt_done(self, step: int, attempt: int, outcome: AttemptOutcome, assignments: dict[str, Assignment],
+                      elapsed: float) -> bool:
+        """Whether the attempt's results are used (else the step is redone)."""
+        overdue = [d for d in outcome.missing + outcome.late if self.registry.is_alive(d)]
+        if not self.use_deadline:
+            for device_id in outcome.missing:
+                self.registry.drop(device_id, f"no result for step {step} attempt {attempt}")
+            if outcome.missing:
+                logger.warning("[Coordinator.Trainer] step %d attempt %d: %s failed; redoing the step with "
+                               "the remaining devices", step, attempt, ", ".join(outcome.missing))
+            return not outcome.missing
+        for device_id in overdue:
+            self.registry.observe_late(device_id, len(assignments[device_id].indices), elapsed)
+        arrived = sum(c.samples for c in outcome.accepted.values())
+        wanted = sum(len(a.indices) for a in assignments.values())
+        if overdue:
+            logger.info("[Coordinator.Trainer] step %d: deadline passed without %s (%d of %d samples arrived)%s",
+                        step, ", ".join(overdue), arrived, wanted,
+                        "; their updates may still count, down-weighted" if self.keep_late else "")
+        if arrived >= self.job.aggregation.min_fraction * wanted:
+            return True
+        logger.warning("[Coordinator.Trainer] step %d attempt %d: only %d of %d samples by the deadline; "
+                       "redoing the step", step, attempt, arrived, wanted)
+        return False
 
     def _split(self, total: int, speeds: dict[str, SpeedEstimate]) -> dict[str, int]:
+        if self.federated:
+            n = self.job.federated.local_steps * self.job.federated.local_batch
+            return dict.fromkeys(speeds, n)
         if self.job.training.split == "equal":
             return split_equal(total, list(speeds))
         return split_proportional(total, speeds)
 
-    def _assign(self, step: int, attempt: int, indices: list[int], shares: dict[str, int]) -> dict[str, Assignment]:
+    def _choose_codecs(self, shares: dict[str, int], speeds: dict[str, SpeedEstimate]) -> dict[str, LinkChoice]:
+        compute_s = max((speeds[d].overhead_s + n / speeds[d].samples_per_s for d, n in shares.items() if n),
+                        default=0.0)
+        latest = {r.device_id: r.latest_telemetry for r in self.registry.snapshot()}
+        choices = {}
+        for device_id in shares:
+            sample = latest.get(device_id)
+            choices[device_id] = self.policy.choose(device_id, sample.link_mbit_per_s if sample else None,
+                                                    compute_s)
+            self.registry.set_codec(device_id, choices[device_id].codec)
+        return choices
+
+    def _assign(self, step: int, attempt: int, indices: list[int], shares: dict[str, int],
+                choices: dict[str, LinkChoice]) -> dict[str, Assignment]:
         out, start = {}, 0
+        local = self._local_work(step) if self.federated else None
         for device_id, count in shares.items():
-            if count:
-                out[device_id] = Assignment(step, attempt, step, tuple(indices[start : start + count]),
-                                            self.job.dataset.augment, self.job.seed)
-                start += count
+            if not count:
+                continue
+            if self.federated:
+                mine = self._partition_indices(device_id, step, count)
+            else:
+                mine, start = tuple(indices[start : start + count]), start + count
+            out[device_id] = Assignment(step, attempt, step, mine, self.job.dataset.augment, self.job.seed,
+                                        codec=choices[device_id].codec, delta_codec=choices[device_id].delta_codec,
+                                        local=local)
         return out
 
-    def _timeout(self, shares: dict[str, int], speeds: dict[str, SpeedEstimate]) -> float:
+    def _timeout(self, shares: dict[str, int], speeds: dict[str, SpeedEstimate], attempt: int) -> float:
         configured = self.job.training.step_timeout_s
-        return configured if configured > 0 else 3 * predicted_step_seconds(shares, speeds) + 10.0
+        predicted = predicted_step_seconds(shares, speeds)
+        if self.federated:
+            predicted += max(speeds[d].overhead_s for d in shares) * (self.job.federated.local_steps - 1)
+        if self.use_deadline:  # the typical device's predicted time: a straggler does not set the pace
+            agg = self.job.aggregation
+            typical = statistics.median_low([speeds[d].seconds(n) for d, n in shares.items() if n])
+            if self.federated:
+                typical += statistics.median_low([speeds[d].overhead_s for d in shares]) * (
+                    self.job.federated.local_steps - 1)
+            deadline = (agg.deadline_factor * typical + agg.deadline_slack_s) * (attempt + 1)
+            return min(deadline, configured) if configured > 0 else deadline
+        return configured if configured > 0 else 3 * predicted + 10.0
 
-    def _apply(self, step: int, outcome: AttemptOutcome) -> None:
-        accepted = list(outcome.accepted.values())
-        self.lr = set_learning_rate(self.optimizer, step, self.job.training.steps, self.job.optimizer)
-        if accepted:
-            apply_update(self.model, self.optimizer, combine(accepted))
+    # --- federated rounds ------------------------------------------------------------------------
+    def _partition(self, device_id: str) -> int | None:
+        """The data partition of a device (by board name, in order of arrival); None if all are taken."""
+        name = device_id.rsplit("-", 1)[0]
+        if name not in self._partitions:
+            count = self.job.federated.partitions or self.job.training.min_clients
+            if len(self._partitions) >= count:
+                return None
+            self._partitions[name] = len(self._partitions)
+            logger.info("[Coordinator.Trainer] board %s holds data partition %d of %d", name,
+                        self._partitions[name], count)
+        return self._partitions[name]
+
+    def _partition_indices(self, device_id: str, round_: int, count: int) -> tuple[int, ...]:
+        return tuple(partition_indices(self._partition(device_id),
+                                       self.job.federated.partitions or self.job.training.min_clients,
+                                       self.train_size, self.job.seed, round_, count))
+
+    def _local_work(self, step: int) -> LocalWork:
+        fed, opt = self.job.federated, self.job.optimizer
+        self.lr = opt.lr * lr_factor(step, self.job.training.steps, opt)
+        return LocalWork(steps=fed.local_steps, batch_size=fed.local_batch, lr=self.lr, momentum=opt.momentum,
+                         weight_decay=opt.weight_decay,
+                         prox_mu=fed.prox_mu if self.job.aggregation.rule == "fedprox" else 0.0)
+
+    # --- the update --------------------------------------------------------------------------------
+    def _collect_late(self, step: int) -> tuple[list[Contribution], dict[str, str]]:
+        if not self.keep_late:
+            return [], {}
+        bound = self.job.aggregation.staleness_bound
+        return self.board.take_late(oldest_step=step - bound)
+
+    def _apply(self, step: int, outcome: AttemptOutcome) -> StepRecord:
+        agg = self.job.aggregation
+        late, late_rejected = self._collect_late(step)
+        rejected = dict(outcome.rejected)
+        rejected.update(late_rejected)
+        fresh = list(outcome.accepted.values())
+        usable = fresh[:]
+        for c in late:
+            tau = step - c.param_version
+            if tau > agg.staleness_bound:
+                rejected[c.device_id] = f"stale: computed on version {c.param_version}, {tau} steps old " \
+                                        f"(bound {agg.staleness_bound})"
+            else:
+                usable.append(c)
+        screening = screen(usable, clip_norm=agg.clip_norm, outlier_factor=agg.outlier_factor) if usable \
+            else Screening([], {}, {}, {})
+        rejected.update(screening.rejected)
+        used = [Weighted(c, step - c.param_version, staleness_weight(step - c.param_version, agg.staleness_exponent))
+                for c in screening.kept]
+        if not self.federated:
+            self.lr = set_learning_rate(self.optimizer, step, self.job.training.steps, self.job.optimizer)
+        if used:
+            apply_update(self.model, self.optimizer, combine(used))
         else:
-            logger.error("[Coordinator.Trainer] every contribution was rejected: no update this step")
-        for c in accepted:
+            logger.error("[Coordinator.Trainer] step %d: no usable update; parameters unchanged", step)
+        for item in used:
+            c = item.contribution
             self.registry.observe_step(c.device_id, c.samples, c.compute_s, c.comm_s, c.energy_j)
+        quarantined = []
+        for device_id, reason in rejected.items():
+            if reason.startswith("stale:"):
+                continue  # slowness is not misbehaviour
+            if self.registry.note_rejection(device_id, step, reason, limit=agg.quarantine_after,
+                                            window=agg.quarantine_window, quarantine_steps=agg.quarantine_steps):
+                quarantined.append(device_id)
+        return StepRecord(step, 0, 0.0, outcome, {}, used=used, rejected=rejected, clipped=screening.clipped,
+                          quarantined=quarantined)
 
     def _log_step(self, record: StepRecord) -> None:
-        samples = sum(c.samples for c in record.outcome.accepted.values())
+        samples = sum(w.contribution.samples for w in record.used)
         self.samples_done += samples
         self.train_seconds += record.seconds
         self.metrics.train_step(record, lr=self.lr,
@@ -183,4 +359,29 @@ class DataParallelTrainer:
     def _checkpoint(self, next_step: int) -> None:
         save_checkpoint(self.run_dir, self.model, self.optimizer, {
             "next_step": next_step, "train_seconds": self.train_seconds, "samples_done": self.samples_done,
-            "job": self.job.name})
+            "job": self.job.name, "partitions": self._partitions})
+
+
+def partition_indices(partition: int, partitions: int, train_size: int, seed: int, round_: int,
+                      count: int) -> list[int]:
+    """A federated board's `count` samples for a round: its partition (every `partitions`-th sample
+    of a seeded permutation) read cyclically, so the board's data never leaves its partition."""
+    order = torch.randperm(train_size, generator=torch.Generator().manual_seed(seed + 7919))
+    mine = order[partition::partitions].tolist()
+    start = (round_ * count) % len(mine)
+    return [mine[(start + i) % len(mine)] for i in range(count)]
+
+
+def _templates(model: torch.nn.Module):
+    from edgetrain.training import shard_tensor_names
+
+    return shard_tensor_names(model)
+
+
+def _delta_bytes(state: dict[str, torch.Tensor], downlink: str) -> int:
+    """Bytes of one parameter delta in the downlink codec (full bytes when there is none)."""
+    if downlink == "none":
+        return sum(t.numel() * t.element_size() for t in state.values())
+    from edgetrain.updates import DeltaFormat
+
+    return sum(m.nbytes for m in DeltaFormat(state, downlink).chain_metas(0, 1))

@@ -106,8 +106,10 @@ class CoordinatorConnection:
         request = pb.WorkRequest(device_id=device_id, max_wait_s=max_wait_s)
         return self._retrying(lambda: self._stub.GetWork(request, timeout=max_wait_s + 30))
 
-    def download_parameters(self, device_id: str, version: int) -> tuple[list[TensorMeta], bytearray]:
-        """Parameters of `version`, resuming an interrupted stream from the last good byte."""
+    def download_parameters(self, device_id: str, version: int,
+                            base_version: int | None = None) -> tuple[list[TensorMeta], bytearray]:
+        """Parameters of `version` (or the deltas since `base_version`), resuming an interrupted
+        stream from the last good byte."""
         assembler: ChunkAssembler | None = None
         metas: list[TensorMeta] = []
         started, failures, progress = time.perf_counter(), 0, -1
@@ -115,7 +117,8 @@ class CoordinatorConnection:
             offset = assembler.received if assembler else 0
             failures = 0 if offset > progress else failures  # an interruption after progress is not a failure
             progress = offset
-            request = pb.ParameterRequest(device_id=device_id, version=version, offset=offset)
+            request = pb.ParameterRequest(device_id=device_id, version=version, offset=offset,
+                                          base_version=base_version)
             try:
                 self._delay()
                 for message in self._stub.DownloadParameters(request, timeout=600):

@@ -35,11 +35,12 @@ def _row(view: pb.DeviceView) -> str:
     speed = f"{view.samples_per_s:.1f}" if view.HasField("samples_per_s") else UNKNOWN
     return (f"{view.device_id:<16}{view.state:<11}{view.seconds_since_seen:>6.1f}{_fmt(t, 'cpu_percent', '.0f'):>6}"
             f"{memory:>12}{battery:>9}{_fmt(t, 'temperature_c', '.0f'):>6}{_fmt(t, 'link_mbit_per_s', '.1f'):>9}"
-            f"{_fmt(t, 'rtt_ms', '.1f'):>8}{speed:>10}{view.samples_done:>9}{energy:>9}")
+            f"{_fmt(t, 'rtt_ms', '.1f'):>8}{speed:>10}{view.samples_done:>9}{energy:>9}"
+            f"  {view.codec or '-':<10}{view.rejected_updates:>4}")
 
 
 HEADER = (f"{'device':<16}{'state':<11}{'seen':>6}{'cpu%':>6}{'memory':>12}{'battery':>9}{'temp':>6}"
-          f"{'Mbit/s':>9}{'rtt ms':>8}{'samples/s':>10}{'samples':>9}{'J/sample':>9}")
+          f"{'Mbit/s':>9}{'rtt ms':>8}{'samples/s':>10}{'samples':>9}{'J/sample':>9}  {'codec':<10}{'bad':>4}")
 
 
 def devices_report(*, coordinator: str | None = None, interfaces: list[str] | None = None,

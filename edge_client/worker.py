@@ -1,4 +1,11 @@
-"""The data-parallel shard runtime: join, profile, then compute gradients for assigned samples."""
+"""The data-parallel shard runtime: join, profile, then compute updates for assigned samples.
+
+An update is the gradient of the assigned samples (or, in a federated round, the parameter
+change of local training), encoded with the codec the coordinator chose for this board's link;
+with a lossy codec, what was not sent is kept (error feedback) and added to the next update
+once the upload succeeded. Parameters arrive in full, or as the compressed deltas since the
+version the board holds; either way the board keeps the coordinator's served view exactly.
+"""
 
 from __future__ import annotations
 
@@ -23,11 +30,19 @@ from edge_client.emulation import BoardEmulation
 from edge_client.profiler import profile_device
 from edge_client.telemetry import TelemetryCollector, probe_link
 from edgetrain import serde
+from edgetrain.compression import ErrorFeedback
 from edgetrain.data import load_dataset, make_batch
 from edgetrain.models import build_model
-from edgetrain.tensors import pack, unpack
+from edgetrain.tensors import TransferError, check_metas, pack, unpack
 from edgetrain.throttle import CpuLimiter
-from edgetrain.training import compute_shard, load_state_tensors
+from edgetrain.training import (
+    compute_shard,
+    load_state_tensors,
+    local_train,
+    shard_tensor_names,
+    state_tensors,
+)
+from edgetrain.updates import DeltaFormat, UpdateFormats
 from protos import coordinator_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -106,6 +121,11 @@ class DataParallelWorker:
         self._model: torch.nn.Module | None = None
         self._dataset = None
         self._version = -1
+        self._view: dict[str, torch.Tensor] = {}
+        self._loaded = -1
+        self._formats: UpdateFormats | None = None
+        self._deltas: dict[str, DeltaFormat] = {}
+        self._feedback = ErrorFeedback()
         self._lost = threading.Event()
         self._energy_mark: float | None = None
         self._timings: tuple[tuple[int, float], ...] = ()
@@ -141,12 +161,13 @@ class DataParallelWorker:
                     ", ".join(f"b={b}: {s * 1000:.0f} ms" for b, s in self._timings))
 
     def _setup(self, job: pb.JobSpec) -> None:
-        self._job, self._version = job, -1
+        self._job, self._version, self._loaded, self._view = job, -1, -1, {}
+        self._deltas, self._feedback = {}, ErrorFeedback()
         spec = serde.dataset_from_proto(job.dataset, data_dir=self.options.data_dir,
                                         download=self.options.download)
         self._dataset = load_dataset(spec, train=True)
         self._model = build_model(job.model, num_classes=job.num_classes)
-        self._has_running_stats = any(b.is_floating_point() for b in self._model.buffers())
+        self._formats = UpdateFormats(shard_tensor_names(self._model))
         profile = profile_device(self._model, self._dataset, list(job.profile_batch_sizes), self.limiter)
         self._timings = profile.timings
         self._memory = (profile.memory_total_bytes, profile.memory_available_bytes, profile.peak_rss_bytes)
@@ -186,13 +207,14 @@ class DataParallelWorker:
         """One assignment; a refusal (stale version, closed step) only abandons this step."""
         try:
             with self.emulation.energy.busy():
-                header, payload = self._compute_step(work)
+                header, payload, commit = self._compute_step(work)
                 energy = self.emulation.energy.energy_j()
                 if energy is not None and self._energy_mark is not None:
                     header.report.energy_j = energy - self._energy_mark
                 self._energy_mark = energy
                 started = time.perf_counter()
                 self.conn.upload_gradient(header, payload, self._job.chunk_bytes)
+                commit()
             report = header.report
             self.telemetry.last_step = (report.compute_s, report.download_s + report.encode_s
                                         + time.perf_counter() - started)
@@ -201,25 +223,61 @@ class DataParallelWorker:
                 raise Rejoin() from e
             logger.warning("[Client.Step] step %d abandoned: %s %s", work.step, e.code().name, e.details())
 
-    def _compute_step(self, work: pb.StepWork) -> tuple[pb.UploadHeader, memoryview]:
-        """Download parameters if needed, compute the shard's gradients, encode them."""
+    def _compute_step(self, work: pb.StepWork):
+        """Fetch parameters if needed, compute the update, encode it; returns (header, payload, commit)."""
         started = time.perf_counter()
-        if work.param_version != self._version:
-            metas, payload = self.conn.download_parameters(self.device_id, work.param_version)
-            load_state_tensors(self._model, unpack(metas, payload))
-            self._version = work.param_version
+        self._fetch(work)
+        if self._loaded != self._version:  # also after a forward pass moved BN running stats
+            load_state_tensors(self._model, self._view)
+            self._loaded = self._version
         download_s = time.perf_counter() - started
         started = time.perf_counter()
         with self.limiter.working():
             x, y = make_batch(self._dataset, list(work.indices), augment=work.augment, seed=work.data_seed,
                               step=work.step)
-            result = compute_shard(self._model, x, y)
+            if work.HasField("local"):
+                local = work.local
+                result = local_train(self._model, x, y, steps=local.steps, batch_size=local.batch_size, lr=local.lr,
+                                     momentum=local.momentum, weight_decay=local.weight_decay,
+                                     prox_mu=local.prox_mu)
+            else:
+                result = compute_shard(self._model, x, y)
         compute_s = time.perf_counter() - started
-        if self._has_running_stats:  # the forward pass moved BN running stats off the served version
-            self._version = -1
+        self._loaded = -1 if work.HasField("local") or self._has_running_stats() else self._loaded
         started = time.perf_counter()
-        metas, payload = pack(result.tensors)
+        fmt = self._formats(work.codec)
+        wire, commit = fmt.encode(result.tensors, self._feedback if self._job.error_feedback else None)
+        metas, payload = pack(wire)
         report = pb.StepReport(samples=result.samples, loss=result.loss, correct=result.correct,
                                compute_s=compute_s, download_s=download_s,
                                encode_s=time.perf_counter() - started)
-        return upload_header(self.device_id, work.step, work.attempt, metas, report), payload
+        return upload_header(self.device_id, work.step, work.attempt, metas, report), payload, commit
+
+    def _has_running_stats(self) -> bool:
+        return any(b.is_floating_point() for b in self._model.buffers())
+
+    def _fetch(self, work: pb.StepWork) -> None:
+        """Bring the served view to `work.param_version`: deltas when offered and possible, else full."""
+        version = work.param_version
+        if version == self._version:
+            return
+        if work.delta_codec and 0 <= self._version < version:
+            deltas = self._deltas.get(work.delta_codec)
+            if deltas is None:
+                deltas = self._deltas[work.delta_codec] = DeltaFormat(state_tensors(self._model), work.delta_codec)
+            try:
+                metas, payload = self.conn.download_parameters(self.device_id, version, base_version=self._version)
+                check_metas(metas, deltas.chain_metas(self._version, version), f"deltas to version {version}")
+                deltas.apply_chain(self._view, self._version, version, unpack(metas, payload))
+                self._version = version
+                return
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                logger.info("[Client.Download] no deltas from version %d (%s); downloading in full",
+                            self._version, e.details())
+            except (TransferError, ValueError) as e:
+                logger.warning("[Client.Download] bad deltas (%s); downloading in full", e)
+        metas, payload = self.conn.download_parameters(self.device_id, version)
+        self._view = unpack(metas, payload)
+        self._version = version

@@ -8,7 +8,10 @@
 - ``grpc_options.py`` every channel and server option, each with its reason.
 - ``config.py``    job configuration (keyword-only dataclasses) and YAML loading.
 - ``split.py``     how a global batch is divided across devices (proportional / equal).
-- ``training.py``  the gradient computation both roles (and the reference tests) share.
+- ``training.py``  the gradient computation (and a federated round's local training) both roles
+                   and the reference tests share.
+- ``compression.py`` update codecs (fp16 / bf16 / int8 / top-k) with error feedback.
+- ``updates.py``   wire layouts of a compressed update (up) and of parameter deltas (down).
 - ``sampling.py``  which sample indices make up each step (every sample once per epoch).
 - ``serde.py``     conversions between plain data and the wire messages.
 - ``telemetry.py`` a board's telemetry sample (None = unknown).
@@ -23,7 +26,7 @@
 
 __version__ = "0.1.0"
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Wire protocol version; the coordinator refuses clients that speak another."""
 
 SERVICE_TYPE = "_edgetrain._tcp.local."

@@ -8,6 +8,9 @@ model: mobilenet_v2            # resnet18 | mobilenet_v2 | small_cnn
 dataset: {name: synthetic, train_size: 20000, test_size: 1000, seed: 0, augment: true}
 training: {global_batch: 64, steps: 300, split: proportional, min_clients: 4, eval_every: 50}
 optimizer: {lr: 0.05, momentum: 0.9, weight_decay: 5.0e-4, schedule: cosine, warmup_steps: 10}
+aggregation: {rule: mean, deadline: none, clip_norm: 0, outlier_factor: 0}
+compression: {uplink: none, downlink: none}
+federated: {local_steps: 5, local_batch: 16, partitions: 0}   # only for rule fedavg / fedprox
 ```
 
 Errors name the file, the key and the bad value.
@@ -29,6 +32,8 @@ from edgetrain.models import MODEL_NAMES
 
 SPLITS = ("proportional", "equal")
 SCHEDULES = ("cosine", "constant", "step")
+RULES = ("mean", "staleness", "fedavg", "fedprox")
+DEADLINES = ("none", "predicted")
 
 
 class ConfigError(ValueError):
@@ -108,6 +113,124 @@ class TrainingConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class AggregationConfig:
+    """How the coordinator combines what boards send, and which updates it refuses."""
+
+    rule: str = "mean"
+    """mean: sample-weighted average of this step's updates (synchronous); staleness: also use
+    updates that arrive up to `staleness_bound` steps late, weighted by (1 + tau)^-staleness_exponent
+    (FedBuff); fedavg / fedprox: federated rounds of local training (see the federated section)."""
+    staleness_bound: int = 2
+    """staleness rule: an update computed on parameters more than this many steps old is dropped."""
+    staleness_exponent: float = 0.5
+    """staleness rule: weight s(tau) = (1 + tau)^-p of an update tau steps late."""
+    deadline: str = "none"
+    """none: wait for every board (a board that dies makes the step redo); predicted: close the
+    step at deadline_factor x the predicted time of the typical (median) board, so one slow board
+    cannot hold the fleet. The staleness rule always uses the predicted deadline."""
+    deadline_factor: float = 1.5
+    """predicted deadline: multiple of the step's predicted time (plus deadline_slack_s)."""
+    deadline_slack_s: float = 0.5
+    """predicted deadline: seconds added to the scaled prediction (absorbs jitter on short steps)."""
+    min_fraction: float = 0.5
+    """predicted deadline: the step is applied when at least this fraction of its samples arrived
+    in time; otherwise it is redone."""
+    clip_norm: float = 0.0
+    """Scale down any board's update whose L2 norm exceeds this (0: no clipping)."""
+    outlier_factor: float = 0.0
+    """Reject an update whose norm exceeds this multiple of the median norm of the step's updates
+    (needs 3 or more updates in the step; 0: off)."""
+    quarantine_after: int = 3
+    """A board whose updates were rejected this many times within quarantine_window steps gets no
+    work for quarantine_steps steps."""
+    quarantine_window: int = 20
+    """Steps over which rejections are counted."""
+    quarantine_steps: int = 50
+    """How long a quarantined board gets no work."""
+
+    def __post_init__(self) -> None:
+        _require(self.rule in RULES, "rule", self.rule, f"must be one of {RULES}")
+        _require(self.staleness_bound >= 0, "staleness_bound", self.staleness_bound, "must be >= 0")
+        _require(self.staleness_exponent >= 0, "staleness_exponent", self.staleness_exponent, "must be >= 0")
+        _require(self.deadline in DEADLINES, "deadline", self.deadline, f"must be one of {DEADLINES}")
+        _require(self.deadline_factor >= 1, "deadline_factor", self.deadline_factor, "must be >= 1")
+        _require(self.deadline_slack_s >= 0, "deadline_slack_s", self.deadline_slack_s, "must be >= 0")
+        _require(0 < self.min_fraction <= 1, "min_fraction", self.min_fraction, "must be in (0, 1]")
+        _require(self.clip_norm >= 0, "clip_norm", self.clip_norm, "must be >= 0 (0 disables)")
+        _require(self.outlier_factor == 0 or self.outlier_factor > 1, "outlier_factor", self.outlier_factor,
+                 "must be > 1 (0 disables)")
+        _require(self.quarantine_after >= 1, "quarantine_after", self.quarantine_after, "must be >= 1")
+        _require(self.quarantine_window >= 1, "quarantine_window", self.quarantine_window, "must be >= 1")
+        _require(self.quarantine_steps >= 0, "quarantine_steps", self.quarantine_steps, "must be >= 0")
+
+    @property
+    def federated(self) -> bool:
+        """Whether boards train locally for several steps per round (FedAvg / FedProx)."""
+        return self.rule in ("fedavg", "fedprox")
+
+
+@dataclass(kw_only=True, frozen=True)
+class CompressionConfig:
+    """What travels over each board's link: gradient codec up, parameter encoding down."""
+
+    uplink: str = "none"
+    """Codec for updates: none, fp16, bf16, int8, topk[:ratio] (error feedback on the board), or
+    adaptive: per board, from its measured bandwidth (see adaptive_budget)."""
+    downlink: str = "none"
+    """none: boards download full float32 parameters; fp16, bf16, int8 or topk[:ratio]: boards that
+    hold a recent version download the compressed deltas since (error feedback at the coordinator)."""
+    error_feedback: bool = True
+    """Keep what a lossy uplink codec did not send on the board and add it to the next update."""
+    topk_ratio: float = 0.01
+    """Fraction kept by the top-k codec when adaptive chooses it."""
+    adaptive_budget: float = 0.25
+    """adaptive: the least lossy codec whose predicted transfer time per step is within this
+    fraction of the step's predicted compute time (else the most compressing one)."""
+    hysteresis: float = 0.3
+    """adaptive: a board's codec is chosen again only after its bandwidth moved by more than this
+    fraction since the last choice (noise does not make it flip)."""
+
+    def __post_init__(self) -> None:
+        from edgetrain.compression import parse_codec
+
+        for key in ("uplink", "downlink"):
+            value = getattr(self, key)
+            if key == "uplink" and value == "adaptive":
+                continue
+            try:
+                parse_codec(value)
+            except ValueError as e:
+                raise ConfigError(f"{key}={value!r}: {e}") from None
+        _require(0 < self.topk_ratio <= 1, "topk_ratio", self.topk_ratio, "must be in (0, 1]")
+        _require(self.adaptive_budget > 0, "adaptive_budget", self.adaptive_budget, "must be > 0")
+        _require(self.hysteresis >= 0, "hysteresis", self.hysteresis, "must be >= 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class FederatedConfig:
+    """Federated rounds (rule fedavg / fedprox): each board trains locally on its own partition."""
+
+    local_steps: int = 5
+    """Local SGD steps per round on each board."""
+    local_batch: int = 16
+    """Local batch size."""
+    partitions: int = 0
+    """The training set is split into this many disjoint partitions, one per board in order of
+    arrival (0: training.min_clients)."""
+    prox_mu: float = 0.01
+    """fedprox: weight mu of the proximal term (mu / 2) * ||w - w_round||^2."""
+    server_lr: float = 1.0
+    """The coordinator moves the model by server_lr times the averaged update (1: plain FedAvg)."""
+
+    def __post_init__(self) -> None:
+        _require(self.local_steps >= 1, "local_steps", self.local_steps, "must be >= 1")
+        _require(self.local_batch >= 1, "local_batch", self.local_batch, "must be >= 1")
+        _require(self.partitions >= 0, "partitions", self.partitions, "must be >= 0")
+        _require(self.prox_mu >= 0, "prox_mu", self.prox_mu, "must be >= 0")
+        _require(self.server_lr > 0, "server_lr", self.server_lr, "must be > 0")
+
+
+@dataclass(kw_only=True, frozen=True)
 class JobConfig:
     """One training job: model, data, training loop and optimizer."""
 
@@ -122,7 +245,13 @@ class JobConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     """Training loop settings."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    """Optimizer settings."""
+    """Optimizer settings (the boards' local optimizer in federated rounds)."""
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    """How updates are combined and which are refused."""
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    """Codecs on the links."""
+    federated: FederatedConfig = field(default_factory=FederatedConfig)
+    """Local training settings for federated rules."""
 
     def __post_init__(self) -> None:
         _require(self.model in MODEL_NAMES, "model", self.model, f"must be one of {MODEL_NAMES}")

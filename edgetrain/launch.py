@@ -34,9 +34,13 @@ class LocalRun:
     """Where results go (runs/<job name>/)."""
     data_dir: Path = Path("data")
     """Dataset directory shared by the coordinator and the boards."""
+    board_files: tuple[Path, ...] = ()
+    """Board files (speed, link, battery) to emulate; when given they replace `speeds`."""
+    client_args: tuple[str, ...] = ()
+    """Extra arguments for every client (e.g. --probe-interval 5)."""
 
     def __post_init__(self) -> None:
-        if not self.speeds or any(s <= 0 for s in self.speeds):
+        if not self.board_files and (not self.speeds or any(s <= 0 for s in self.speeds)):
             raise ValueError(f"speeds must be a non-empty list of positive fractions, got {self.speeds}")
 
 
@@ -83,14 +87,15 @@ def run_local(run: LocalRun, *, job_name: str) -> int:
     clients: list[subprocess.Popen] = []
     try:
         address = _wait_for_address(port_file, coordinator)
-        for i, speed in enumerate(run.speeds):
-            name = f"board{i}-{speed:g}"
+        boards = [(path.stem, ("--emulate", str(path))) for path in run.board_files] or [
+            (f"board{i}-{speed:g}", ("--speed", f"{speed:g}")) for i, speed in enumerate(run.speeds)]
+        for name, emulation in boards:
             with (log_dir / f"{name}.log").open("w") as log:
                 clients.append(subprocess.Popen(edgetrain_command(
-                    "client", "--coordinator", address, "--name", name, "--speed", f"{speed:g}",
-                    "--data-dir", str(run.data_dir)), stdout=log, stderr=subprocess.STDOUT))
-        logger.info("started %d emulated boards (speeds %s); their logs are in %s", len(clients),
-                    ", ".join(f"{s:g}" for s in run.speeds), log_dir)
+                    "client", "--coordinator", address, "--name", name, *emulation, "--data-dir", str(run.data_dir),
+                    *run.client_args), stdout=log, stderr=subprocess.STDOUT))
+        logger.info("started %d emulated boards (%s); their logs are in %s", len(clients),
+                    ", ".join(name for name, _ in boards), log_dir)
         code = coordinator.wait()
         _stop(clients, grace_s=15)
         return code

@@ -77,6 +77,46 @@ def compute_shard(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> ShardRe
     return ShardResult(loss=float(loss.detach()), correct=correct, samples=int(y.numel()), tensors=tensors)
 
 
+def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int, batch_size: int, lr: float,
+                momentum: float = 0.0, weight_decay: float = 0.0, prox_mu: float = 0.0) -> ShardResult:
+    """A federated round on one board: `steps` SGD steps over consecutive `batch_size` slices of
+    (x, y), minimising loss + (prox_mu / 2) * ||w - w_round||^2 (FedProx; 0 gives FedAvg).
+
+    Returns the parameter change w_round - w_local under the gradient names (so the coordinator
+    applies it like a gradient: with server lr 1 the model becomes the weighted mean of the
+    boards' local models) and the final float buffers. Loss and correct count are over the
+    samples of the round, as they were seen.
+    """
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    model.train()
+    loss_sum, correct, seen = 0.0, 0, 0
+    for i in range(steps):
+        lo = (i * batch_size) % len(y)
+        xb, yb = x[lo : lo + batch_size], y[lo : lo + batch_size]
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(xb)
+        loss = nn.functional.cross_entropy(logits, yb)
+        loss.backward()
+        if prox_mu:
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if p.grad is not None:
+                        p.grad.add_(p - start[name], alpha=prox_mu)
+        optimizer.step()
+        loss_sum += float(loss.detach()) * len(yb)
+        correct += int((logits.detach().argmax(dim=1) == yb).sum())
+        seen += len(yb)
+    tensors = {}
+    for wire_name, ref in shard_tensor_names(model):
+        if wire_name.startswith(GRAD_PREFIX):
+            name = wire_name[len(GRAD_PREFIX):]
+            tensors[wire_name] = start[name] - ref.detach()
+        else:
+            tensors[wire_name] = ref.detach()
+    return ShardResult(loss=loss_sum / max(seen, 1), correct=correct, samples=int(y.numel()), tensors=tensors)
+
+
 def make_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.SGD:
     """SGD with momentum and weight decay, as configured."""
     return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,

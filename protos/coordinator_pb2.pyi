@@ -62,7 +62,7 @@ class DatasetSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., seed: _Optional[int] = ..., train_size: _Optional[int] = ..., test_size: _Optional[int] = ..., augment: _Optional[bool] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "model", "num_classes", "dataset", "profile_batch_sizes", "heartbeat_interval_s", "chunk_bytes")
+    __slots__ = ("job_id", "model", "num_classes", "dataset", "profile_batch_sizes", "heartbeat_interval_s", "chunk_bytes", "error_feedback")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class JobSpec(_message.Message):
     PROFILE_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model: str
     num_classes: int
@@ -77,7 +78,8 @@ class JobSpec(_message.Message):
     profile_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
     heartbeat_interval_s: float
     chunk_bytes: int
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., profile_batch_sizes: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    error_feedback: bool
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., profile_batch_sizes: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., error_feedback: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("device_id", "job")
@@ -166,20 +168,42 @@ class WorkRequest(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., max_wait_s: _Optional[float] = ...) -> None: ...
 
 class StepWork(_message.Message):
-    __slots__ = ("step", "attempt", "param_version", "indices", "augment", "data_seed")
+    __slots__ = ("step", "attempt", "param_version", "indices", "augment", "data_seed", "codec", "delta_codec", "local")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PARAM_VERSION_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     AUGMENT_FIELD_NUMBER: _ClassVar[int]
     DATA_SEED_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    DELTA_CODEC_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
     step: int
     attempt: int
     param_version: int
     indices: _containers.RepeatedScalarFieldContainer[int]
     augment: bool
     data_seed: int
-    def __init__(self, step: _Optional[int] = ..., attempt: _Optional[int] = ..., param_version: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., augment: _Optional[bool] = ..., data_seed: _Optional[int] = ...) -> None: ...
+    codec: str
+    delta_codec: str
+    local: LocalTraining
+    def __init__(self, step: _Optional[int] = ..., attempt: _Optional[int] = ..., param_version: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., augment: _Optional[bool] = ..., data_seed: _Optional[int] = ..., codec: _Optional[str] = ..., delta_codec: _Optional[str] = ..., local: _Optional[_Union[LocalTraining, _Mapping]] = ...) -> None: ...
+
+class LocalTraining(_message.Message):
+    __slots__ = ("steps", "batch_size", "lr", "momentum", "weight_decay", "prox_mu")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    PROX_MU_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    batch_size: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    prox_mu: float
+    def __init__(self, steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., prox_mu: _Optional[float] = ...) -> None: ...
 
 class Idle(_message.Message):
     __slots__ = ()
@@ -202,14 +226,16 @@ class WorkAssignment(_message.Message):
     def __init__(self, idle: _Optional[_Union[Idle, _Mapping]] = ..., step: _Optional[_Union[StepWork, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
 
 class ParameterRequest(_message.Message):
-    __slots__ = ("device_id", "version", "offset")
+    __slots__ = ("device_id", "version", "offset", "base_version")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     version: int
     offset: int
-    def __init__(self, device_id: _Optional[str] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+    base_version: int
+    def __init__(self, device_id: _Optional[str] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class ParameterMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -304,7 +330,7 @@ class ListDevicesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DeviceView(_message.Message):
-    __slots__ = ("device_id", "info", "state", "left_reason", "seconds_since_seen", "telemetry", "samples_per_s", "samples_done", "energy_per_sample_j")
+    __slots__ = ("device_id", "info", "state", "left_reason", "seconds_since_seen", "telemetry", "samples_per_s", "samples_done", "energy_per_sample_j", "codec", "rejected_updates")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +340,8 @@ class DeviceView(_message.Message):
     SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_DONE_FIELD_NUMBER: _ClassVar[int]
     ENERGY_PER_SAMPLE_J_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_UPDATES_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     info: DeviceInfo
     state: str
@@ -323,7 +351,9 @@ class DeviceView(_message.Message):
     samples_per_s: float
     samples_done: int
     energy_per_sample_j: float
-    def __init__(self, device_id: _Optional[str] = ..., info: _Optional[_Union[DeviceInfo, _Mapping]] = ..., state: _Optional[str] = ..., left_reason: _Optional[str] = ..., seconds_since_seen: _Optional[float] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., samples_per_s: _Optional[float] = ..., samples_done: _Optional[int] = ..., energy_per_sample_j: _Optional[float] = ...) -> None: ...
+    codec: str
+    rejected_updates: int
+    def __init__(self, device_id: _Optional[str] = ..., info: _Optional[_Union[DeviceInfo, _Mapping]] = ..., state: _Optional[str] = ..., left_reason: _Optional[str] = ..., seconds_since_seen: _Optional[float] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., samples_per_s: _Optional[float] = ..., samples_done: _Optional[int] = ..., energy_per_sample_j: _Optional[float] = ..., codec: _Optional[str] = ..., rejected_updates: _Optional[int] = ...) -> None: ...
 
 class ListDevicesReply(_message.Message):
     __slots__ = ("job_id", "cluster", "devices")

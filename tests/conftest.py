@@ -41,7 +41,7 @@ def small_job(**sections) -> JobConfig:
                       "warmup_steps": 2},
     }
     for key, value in sections.items():
-        data[key] = {**data[key], **value} if isinstance(value, dict) else value
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     return job_from_dict(data)
 
 

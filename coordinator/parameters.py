@@ -1,0 +1,92 @@
+"""The parameters boards download: full versions, and compressed deltas between versions.
+
+With downlink `none` the served parameters are the master's, packed once per version. With a
+lossy downlink codec the store keeps a *view* (see edgetrain.updates): each new version's delta
+master - view is encoded once, the view advances by exactly what boards will decode, and the
+encoded deltas of the last `keep` versions are kept, so a board one or a few versions behind
+downloads only those (a few percent of the bytes). Older bases get the full view.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+
+import torch
+
+from coordinator.steps import StepError
+from edgetrain.compression import CodecSpec, parse_codec
+from edgetrain.tensors import TensorMeta, pack
+from edgetrain.updates import DeltaFormat
+
+
+class ParameterStore:
+    """Thread-safe: the trainer publishes, RPC handlers read."""
+
+    def __init__(self, downlink: str = "none", *, keep: int = 8) -> None:
+        self.delta_spec: CodecSpec | None = None if downlink in ("", "none") else parse_codec(downlink)
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._version = -1
+        self._full: tuple[list[TensorMeta], memoryview] | None = None
+        self._view: dict[str, torch.Tensor] | None = None
+        self._format: DeltaFormat | None = None
+        self._deltas: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+        self._chains: OrderedDict[tuple[int, int], tuple[list[TensorMeta], memoryview]] = OrderedDict()
+
+    @property
+    def version(self) -> int:
+        """The version currently served (-1 before the first)."""
+        with self._lock:
+            return self._version
+
+    def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
+        """Serve `state` (the master's parameters and buffers) as `version`."""
+        with self._lock:
+            if self.delta_spec is None:
+                self._full = pack(state)
+            elif self._view is None or version != self._version + 1:  # first version, or after a resume
+                self._view = {n: t.detach().clone() for n, t in state.items()}
+                self._format = self._format or DeltaFormat(self._view, self.delta_spec)
+                self._deltas.clear()
+                self._full = None
+            else:
+                self._deltas[version] = self._format.encode(state, self._view)
+                while len(self._deltas) > self._keep:
+                    self._deltas.popitem(last=False)
+                self._full = None
+            self._version = version
+            self._chains.clear()
+
+    def full(self, version: int) -> tuple[list[TensorMeta], memoryview]:
+        """Metas and payload of the whole served state at `version` (the current one)."""
+        with self._lock:
+            self._check(version)
+            if self._full is None:
+                self._full = pack(self._view)
+            return self._full
+
+    def deltas(self, base: int, version: int) -> tuple[list[TensorMeta], memoryview]:
+        """The encoded deltas base+1 .. version, chained in one bundle."""
+        with self._lock:
+            self._check(version)
+            if self.delta_spec is None:
+                raise StepError("failed_precondition", "this job's downlink sends full parameters, not deltas")
+            if not (base < version and all(u in self._deltas for u in range(base + 1, version + 1))):
+                raise StepError("failed_precondition", f"deltas from version {base} to {version} are not kept "
+                                f"(kept: {list(self._deltas)[:1] + list(self._deltas)[-1:]}); download full parameters")
+            key = (base, version)
+            if key not in self._chains:
+                chain = {}
+                for u in range(base + 1, version + 1):
+                    chain.update({f"v{u}/{n}": t for n, t in self._deltas[u].items()})
+                self._chains[key] = pack(chain)
+                while len(self._chains) > 4:
+                    self._chains.popitem(last=False)
+            return self._chains[key]
+
+    def _check(self, version: int) -> None:
+        if version != self._version:
+            raise StepError("failed_precondition",
+                            f"parameter version {version} is not served; current version is {self._version}")

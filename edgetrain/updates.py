@@ -1,0 +1,136 @@
+"""What travels for one training step, in both directions, when links are compressed.
+
+Up: a board's update is its gradients (``grad.*``, or a federated round's parameter change)
+through the step's codec, followed by its float buffers dense (BatchNorm running statistics must
+arrive exactly: a top-k of a running mean is meaningless). `UpdateFormat` gives the exact wire
+layout for a codec, so the coordinator validates a header before a byte of payload arrives.
+
+Down: with a lossy downlink the coordinator serves a *view* of the parameters that boards can
+rebuild exactly: view_v = view_{v-1} + decode(encode(master_v - view_{v-1})). The residual
+master - view is carried into the next delta (error feedback on the coordinator's side), and a
+board that holds view_b downloads only the encoded deltas b+1..v (`DeltaFormat`). Sender and
+receiver run the same float32 decode and add in the same order, so their views are bit-identical.
+Integer buffers (``num_batches_tracked``) travel as their new value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from edgetrain.compression import Codec, CodecSpec, ErrorFeedback, encode_with_feedback, parse_codec
+from edgetrain.tensors import TensorMeta, bundle_metas
+from edgetrain.training import GRAD_PREFIX
+
+
+def _layout(metas: Sequence[TensorMeta], prefix: str = "") -> dict[str, torch.Tensor]:
+    """Empty tensors shaped like `metas` (for computing combined layouts)."""
+    from edgetrain.tensors import DTYPES
+
+    return {prefix + m.name: torch.empty(m.shape, dtype=DTYPES[m.dtype]) for m in metas}
+
+
+class UpdateFormat:
+    """One board's update on the wire: gradients through a codec, float buffers dense float32."""
+
+    def __init__(self, templates: Sequence[tuple[str, torch.Tensor]], spec: CodecSpec | str) -> None:
+        spec = parse_codec(spec) if isinstance(spec, str) else spec
+        grads = {n: t for n, t in templates if n.startswith(GRAD_PREFIX)}
+        self._buffers = [(n, t) for n, t in templates if not n.startswith(GRAD_PREFIX)]
+        self.codec = Codec(spec, grads)
+        layout = _layout(self.codec.wire_metas())
+        layout.update({n: torch.empty(t.shape, dtype=torch.float32) for n, t in self._buffers})
+        self._metas = bundle_metas(layout)
+
+    @property
+    def spec(self) -> CodecSpec:
+        """The gradient codec."""
+        return self.codec.spec
+
+    def metas(self) -> list[TensorMeta]:
+        """The exact wire layout of an update in this format."""
+        return list(self._metas)
+
+    def wire_bytes(self) -> int:
+        """Payload bytes of one update."""
+        return sum(m.nbytes for m in self._metas)
+
+    def encode(self, tensors: Mapping[str, torch.Tensor],
+               feedback: ErrorFeedback | None) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+        """Wire tensors for `tensors` (gradients and buffers) and the error-feedback commit."""
+        grads = {n: t for n, t in tensors.items() if n.startswith(GRAD_PREFIX)}
+        wire, commit = encode_with_feedback(self.codec, feedback, grads)
+        for name, _ in self._buffers:
+            wire[name] = tensors[name]
+        return wire, commit
+
+    def decode(self, wire: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Dense gradients and buffers from wire tensors (ValueError on a malformed update)."""
+        out = self.codec.decode({n: t for n, t in wire.items() if not self._is_buffer(n)})
+        for name, _ in self._buffers:
+            out[name] = wire[name]
+        return out
+
+    def _is_buffer(self, name: str) -> bool:
+        return any(name == n for n, _ in self._buffers)
+
+
+class UpdateFormats:
+    """`UpdateFormat`s of one model, built once per codec."""
+
+    def __init__(self, templates: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self._templates = list(templates)
+        self._formats: dict[str, UpdateFormat] = {}
+
+    def __call__(self, codec: str) -> UpdateFormat:
+        key = str(parse_codec(codec or "none"))
+        if key not in self._formats:
+            self._formats[key] = UpdateFormat(self._templates, key)
+        return self._formats[key]
+
+
+class DeltaFormat:
+    """Parameter deltas on the wire: float state through a codec, integer state as new values."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], spec: CodecSpec | str) -> None:
+        spec = parse_codec(spec) if isinstance(spec, str) else spec
+        self._floats = {n: t for n, t in state.items() if t.is_floating_point()}
+        self._ints = {n: t for n, t in state.items() if not t.is_floating_point()}
+        self.codec = Codec(spec, self._floats)
+        one = _layout(self.codec.wire_metas())
+        one.update({n: torch.empty(t.shape, dtype=t.dtype) for n, t in self._ints.items()})
+        self._one = one
+
+    def encode(self, master: Mapping[str, torch.Tensor], view: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Wire tensors moving `view` toward `master`; `view` is advanced in place to what a board rebuilds."""
+        wire = self.codec.encode({n: master[n] - view[n] for n in self._floats})
+        self._apply_floats(view, wire)
+        for name in self._ints:
+            wire[name] = master[name].clone()
+            view[name].copy_(master[name])
+        return wire
+
+    def apply(self, view: dict[str, torch.Tensor], wire: Mapping[str, torch.Tensor]) -> None:
+        """Advance a board's `view` by one delta (ValueError on a malformed delta)."""
+        self._apply_floats(view, {n: t for n, t in wire.items() if n not in self._ints})
+        for name in self._ints:
+            view[name].copy_(wire[name])
+
+    def _apply_floats(self, view: dict[str, torch.Tensor], wire: Mapping[str, torch.Tensor]) -> None:
+        for name, delta in self.codec.decode(wire).items():
+            view[name].add_(delta)
+
+    def chain_metas(self, base: int, version: int) -> list[TensorMeta]:
+        """Wire layout of the deltas base+1 .. version, each tensor named ``v<u>/<name>``."""
+        layout: dict[str, torch.Tensor] = {}
+        for u in range(base + 1, version + 1):
+            layout.update({f"v{u}/{n}": t for n, t in self._one.items()})
+        return bundle_metas(layout)
+
+    def apply_chain(self, view: dict[str, torch.Tensor], base: int, version: int,
+                    tensors: Mapping[str, torch.Tensor]) -> None:
+        """Advance `view` from `base` to `version` by the chained deltas in `tensors`."""
+        for u in range(base + 1, version + 1):
+            prefix = f"v{u}/"
+            self.apply(view, {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)})
