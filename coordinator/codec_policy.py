@@ -70,6 +70,7 @@ class CodecPolicy:
         self._chosen[device_id] = (choice, mbit_per_s)
         return choice
 
-    def forget(self, device_id: str) -> None:
-        """Drop a departed board's state."""
-        self._chosen.pop(device_id, None)
+    def retain(self, device_ids: set[str]) -> None:
+        """Forget the state of boards not in `device_ids` (departed)."""
+        for device_id in set(self._chosen) - device_ids:
+            del self._chosen[device_id]

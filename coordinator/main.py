@@ -62,7 +62,8 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
     registry = DeviceRegistry()
     formats = UpdateFormats(shard_tensor_names(model))
     board = StepBoard(formats)
-    store = ParameterStore(job.compression.downlink)
+    keep_full = job.aggregation.staleness_bound + 1 if job.aggregation.rule == "staleness" else 1
+    store = ParameterStore(job.compression.downlink, keep_full=keep_full)
     servicer = CoordinatorServicer(job, registry, board, store, profile_batch_sizes(job.training.global_batch),
                                    cluster=cluster)
     trainer = DataParallelTrainer(job, registry, board, model, train_size, test_set, run_dir, stop,

@@ -24,9 +24,11 @@ from edgetrain.updates import DeltaFormat
 class ParameterStore:
     """Thread-safe: the trainer publishes, RPC handlers read."""
 
-    def __init__(self, downlink: str = "none", *, keep: int = 8) -> None:
+    def __init__(self, downlink: str = "none", *, keep: int = 8, keep_full: int = 1) -> None:
         self.delta_spec: CodecSpec | None = None if downlink in ("", "none") else parse_codec(downlink)
         self._keep = keep
+        self._keep_full = keep_full
+        self._old: OrderedDict[int, tuple[list[TensorMeta], memoryview]] = OrderedDict()
         self._lock = threading.Lock()
         self._version = -1
         self._full: tuple[list[TensorMeta], memoryview] | None = None
@@ -44,6 +46,10 @@ class ParameterStore:
     def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
         """Serve `state` (the master's parameters and buffers) as `version`."""
         with self._lock:
+            if self._keep_full > 1 and self._version >= 0:  # late boards may still fetch older versions
+                self._old[self._version] = self._full or pack(self._view)
+                while len(self._old) >= self._keep_full:
+                    self._old.popitem(last=False)
             if self.delta_spec is None:
                 self._full = pack(state)
             elif self._view is None or version != self._version + 1:  # first version, or after a resume
@@ -60,8 +66,11 @@ class ParameterStore:
             self._chains.clear()
 
     def full(self, version: int) -> tuple[list[TensorMeta], memoryview]:
-        """Metas and payload of the whole served state at `version` (the current one)."""
+        """Metas and payload of the whole served state at `version` (the current one, or one of
+        the `keep_full` - 1 before it)."""
         with self._lock:
+            if version in self._old:
+                return self._old[version]
             self._check(version)
             if self._full is None:
                 self._full = pack(self._view)
@@ -70,12 +79,16 @@ class ParameterStore:
     def deltas(self, base: int, version: int) -> tuple[list[TensorMeta], memoryview]:
         """The encoded deltas base+1 .. version, chained in one bundle."""
         with self._lock:
-            self._check(version)
+            if version not in self._old:
+                self._check(version)
             if self.delta_spec is None:
                 raise StepError("failed_precondition", "this job's downlink sends full parameters, not deltas")
-            if not (base < version and all(u in self._deltas for u in range(base + 1, version + 1))):
+            if base >= version:
+                raise StepError("invalid_argument", f"base_version {base} must be older than version {version}")
+            if not all(u in self._deltas for u in range(base + 1, version + 1)):
+                kept = f"{min(self._deltas)}..{max(self._deltas)}" if self._deltas else "none"
                 raise StepError("failed_precondition", f"deltas from version {base} to {version} are not kept "
-                                f"(kept: {list(self._deltas)[:1] + list(self._deltas)[-1:]}); download full parameters")
+                                f"(kept: deltas to versions {kept}); download full parameters")
             key = (base, version)
             if key not in self._chains:
                 chain = {}

@@ -207,13 +207,14 @@ class DeviceRegistry:
                 record.codec = codec
 
     def observe_late(self, device_id: str, samples: int, seconds: float) -> None:
-        """The device did not answer within `seconds`: it is at least that slow for `samples`."""
+        """The device did not answer within `seconds`: count the overrun as communication time
+        (the compute estimate comes from its measured compute; what it loses is on the way)."""
         with self._lock:
             record = self._devices.get(device_id)
             if record is not None and record.speed is not None and samples:
-                observed = seconds - record.speed.comm_s
-                if observed > record.speed.seconds(samples) - record.speed.comm_s:
-                    record.speed = refine_speed(record.speed, samples, observed, 0.0, weight=0.5)
+                compute = record.speed.seconds(samples) - record.speed.comm_s
+                if seconds - compute > record.speed.comm_s:
+                    record.speed = refine_speed(record.speed, 0, 0.0, seconds - compute, weight=0.5)
 
     def drop(self, device_id: str, reason: str) -> None:
         """Consider the device gone (it must register again to get work)."""

@@ -200,6 +200,12 @@ class StepBoard:
                     self._close(key)
             return accepted, rejected
 
+    def cancel_step(self, step: int) -> None:
+        """Close every ticket of `step` still open (its samples are being redone)."""
+        with self._cond:
+            for key in [k for k in self._tickets if k[1] == step]:
+                self._close(key)
+
     def busy(self) -> set[str]:
         """Devices holding an open, unanswered ticket (still computing an earlier step)."""
         with self._cond:
@@ -263,8 +269,8 @@ class StepBoard:
                 raise TransferError("invalid_argument", f"{what}: {e}") from None
             check_finite(tensors, what)
             if int(upload.report["samples"]) != len(a.indices):
-                raise TransferError("invalid_argument",
-                                    f"report says {upload.report['samples']} samples, assignment had {len(a.indices)}")
+                raise TransferError("invalid_argument", f"{what}: report says {upload.report['samples']} samples, "
+                                    f"assignment had {len(a.indices)}")
         except TransferError as e:
             with self._cond:
                 self._reject(device_id, self._ticket_for(device_id, step, attempt), str(e))
@@ -291,7 +297,7 @@ class StepBoard:
             if (step, attempt) in self._closed:
                 raise StepError("failed_precondition", f"step {step} attempt {attempt} is closed")
             if any(k[1:] == (step, attempt) for k in self._tickets):
-                raise StepError("failed_precondition", f"device {device_id} has no work in step {step}")
+                raise StepError("failed_precondition", f"device {device_id} has no work in step {step} attempt {attempt}")
             current = f"step {self._current[0]} attempt {self._current[1]}" if self._current else "no open step"
             raise StepError("not_found", f"unknown step {step} attempt {attempt}; current: {current}")
         if ticket.answered:

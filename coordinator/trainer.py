@@ -49,6 +49,10 @@ from edgetrain.updates import UpdateFormats
 logger = logging.getLogger(__name__)
 
 
+UNMEASURED_LINK_S = 30.0
+"""Transfer time assumed per step for a device whose link was never measured."""
+
+
 class JobAborted(RuntimeError):
     """The job cannot go on (a step failed on every attempt, or it was stopped)."""
 
@@ -104,6 +108,8 @@ class DataParallelTrainer:
         self.samples_done = 0
         self.lr = 0.0
         self._partitions: dict[str, int] = {}
+        self._late: list[Contribution] = []
+        self._late_rejected: dict[str, str] = {}
 
     def resume_if_possible(self) -> None:
         """Continue from the run directory's checkpoint, if there is one."""
@@ -155,13 +161,18 @@ class DataParallelTrainer:
             busy = self.board.busy()
             available = {d: s for d, s in speeds.items() if d not in quarantined and d not in busy}
             if self.federated:
-                available = {d: s for d, s in available.items() if self._partition(d) is not None}
+                live = {r.name for r in self.registry.snapshot() if r.alive}
+                available = {d: s for d, s in available.items() if self._partition(d, live) is not None}
             if available:
                 return available
-            if all(d in quarantined for d in speeds):  # nobody left to train: end the quarantines early
+            if speeds and all(d in quarantined for d in speeds):  # nobody left to train: end quarantines early
                 logger.warning("[Coordinator.Trainer] every ready device is quarantined; releasing them")
                 self.registry.release_quarantine(10**12)
                 continue
+            if self.federated and not busy:
+                logger.warning("[Coordinator.Trainer] ready devices hold no data partition; waiting for a "
+                               "partition holder (or a board to take over a departed one's partition)")
+                self.stop.wait(1.0)
             self._collect_late(step)  # everyone is busy with late work: wait for some of it
             time.sleep(0.05)
 
@@ -177,13 +188,15 @@ class DataParallelTrainer:
             assignments = self._assign(step, attempt, indices, shares, choices)
             self.board.open_attempt(assignments)
             opened = time.monotonic()
-            deadline = opened + self._timeout(shares, speeds, attempt)
+            deadline = opened + self._timeout(shares, speeds, attempt, choices)
             outcome = self.board.wait_attempt(step, attempt, deadline, self.registry.is_alive,
                                               keep_late=self.keep_late)
             if self.stop.is_set():
                 raise JobAborted(f"stopped during step {step}")
             if self._attempt_done(step, attempt, outcome, assignments, time.monotonic() - opened):
                 break
+            if self.keep_late:  # the redo covers these samples: late answers for them must not count too
+                self.board.cancel_step(step)
         else:
             raise JobAborted(f"step {step} failed on all {cfg.max_attempts} attempts")
         record = self._apply(step, outcome)
@@ -235,6 +248,7 @@ class DataParallelTrainer:
             choices[device_id] = self.policy.choose(device_id, sample.link_mbit_per_s if sample else None,
                                                     compute_s)
             self.registry.set_codec(device_id, choices[device_id].codec)
+        self.policy.retain({d for d in latest if self.registry.is_alive(d)})
         return choices
 
     def _assign(self, step: int, attempt: int, indices: list[int], shares: dict[str, int],
@@ -253,12 +267,17 @@ class DataParallelTrainer:
                                         local=local)
         return out
 
-    def _timeout(self, shares: dict[str, int], speeds: dict[str, SpeedEstimate], attempt: int) -> float:
+    def _timeout(self, shares: dict[str, int], speeds: dict[str, SpeedEstimate], attempt: int,
+                 choices: dict[str, LinkChoice]) -> float:
+        """How long the attempt may take: the configured timeout, the predicted deadline, or
+        3 x the prediction + 10 s. Until a device's communication time has been observed, its
+        prediction includes its transfers at its measured bandwidth."""
+        speeds = {d: self._with_transfers(d, speeds[d], choices[d]) for d in shares}
         configured = self.job.training.step_timeout_s
         predicted = predicted_step_seconds(shares, speeds)
         if self.federated:
             predicted += max(speeds[d].overhead_s for d in shares) * (self.job.federated.local_steps - 1)
-        if self.use_deadline:  # the typical device's predicted time: a straggler does not set the pace
+        if self.use_deadline:  # the typical device's time: a straggler does not set the pace
             agg = self.job.aggregation
             typical = statistics.median_low([speeds[d].seconds(n) for d, n in shares.items() if n])
             if self.federated:
@@ -268,21 +287,35 @@ class DataParallelTrainer:
             return min(deadline, configured) if configured > 0 else deadline
         return configured if configured > 0 else 3 * predicted + 10.0
 
+    def _with_transfers(self, device_id: str, speed: SpeedEstimate, choice: LinkChoice) -> SpeedEstimate:
+        if speed.comm_s > 0:
+            return speed
+        sample = next((r.latest_telemetry for r in self.registry.snapshot() if r.device_id == device_id), None)
+        mbit = sample.link_mbit_per_s if sample else None
+        transfer_s = self.policy.step_bytes(choice.codec) * 8 / (mbit * 1e6) if mbit else UNMEASURED_LINK_S
+        return SpeedEstimate(speed.overhead_s, speed.samples_per_s, transfer_s)
+
     # --- federated rounds ------------------------------------------------------------------------
-    def _partition(self, device_id: str) -> int | None:
-        """The data partition of a device (by board name, in order of arrival); None if all are taken."""
+    def _partition(self, device_id: str, live_names: set[str]) -> int | None:
+        """The data partition of a device (by board name, in order of arrival; a newcomer takes over
+        the partition of a board that left); None while every partition has a live holder."""
         name = device_id.rsplit("-", 1)[0]
         if name not in self._partitions:
             count = self.job.federated.partitions or self.job.training.min_clients
-            if len(self._partitions) >= count:
+            orphaned = sorted(p for holder, p in self._partitions.items() if holder not in live_names)
+            if len(self._partitions) < count:
+                self._partitions[name] = len(self._partitions)
+            elif orphaned:
+                holder = next(h for h, p in self._partitions.items() if p == orphaned[0])
+                self._partitions[name] = self._partitions.pop(holder)
+            else:
                 return None
-            self._partitions[name] = len(self._partitions)
             logger.info("[Coordinator.Trainer] board %s holds data partition %d of %d", name,
                         self._partitions[name], count)
         return self._partitions[name]
 
     def _partition_indices(self, device_id: str, round_: int, count: int) -> tuple[int, ...]:
-        return tuple(partition_indices(self._partition(device_id),
+        return tuple(partition_indices(self._partitions[device_id.rsplit("-", 1)[0]],
                                        self.job.federated.partitions or self.job.training.min_clients,
                                        self.train_size, self.job.seed, round_, count))
 
@@ -294,17 +327,20 @@ class DataParallelTrainer:
                          prox_mu=fed.prox_mu if self.job.aggregation.rule == "fedprox" else 0.0)
 
     # --- the update --------------------------------------------------------------------------------
-    def _collect_late(self, step: int) -> tuple[list[Contribution], dict[str, str]]:
-        if not self.keep_late:
-            return [], {}
-        bound = self.job.aggregation.staleness_bound
-        return self.board.take_late(oldest_step=step - bound)
+    def _collect_late(self, step: int) -> None:
+        """Keep late answers that arrived (they enter the next update) and expire too-old tickets."""
+        if self.keep_late:
+            late, rejected = self.board.take_late(oldest_step=step - self.job.aggregation.staleness_bound)
+            self._late += late
+            self._late_rejected.update(rejected)
 
     def _apply(self, step: int, outcome: AttemptOutcome) -> StepRecord:
         agg = self.job.aggregation
-        late, late_rejected = self._collect_late(step)
+        self._collect_late(step)
+        late, self._late = self._late, []
         rejected = dict(outcome.rejected)
-        rejected.update(late_rejected)
+        rejected.update(self._late_rejected)
+        self._late_rejected = {}
         fresh = list(outcome.accepted.values())
         usable = fresh[:]
         for c in late:

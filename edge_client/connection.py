@@ -8,8 +8,10 @@ bytes it holds and continue from there.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
@@ -49,12 +51,31 @@ class CoordinatorConnection:
         self.link = link or LinkMeter()
         """Bandwidth and RTT measured on this connection."""
         self._rng = random.Random()
+        self._active = 0
+        self._active_lock = threading.Lock()
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
     def close(self) -> None:
         """Close the channel."""
         self._channel.close()
+
+    @property
+    def transferring(self) -> bool:
+        """Whether a parameter download or update upload is under way (it measures the link itself;
+        a probe now would only queue behind it on a slow link)."""
+        with self._active_lock:
+            return self._active > 0
+
+    @contextlib.contextmanager
+    def _transfer(self) -> Iterator[None]:
+        with self._active_lock:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._active_lock:
+                self._active -= 1
 
     def _retrying(self, call: Callable[[], T]) -> T:
         delay, deadline = 0.2, time.monotonic() + self.retry_budget_s
@@ -110,6 +131,10 @@ class CoordinatorConnection:
                             base_version: int | None = None) -> tuple[list[TensorMeta], bytearray]:
         """Parameters of `version` (or the deltas since `base_version`), resuming an interrupted
         stream from the last good byte."""
+        with self._transfer():
+            return self._download(device_id, version, base_version)
+
+    def _download(self, device_id: str, version: int, base_version: int | None) -> tuple[list[TensorMeta], bytearray]:
         assembler: ChunkAssembler | None = None
         metas: list[TensorMeta] = []
         started, failures, progress = time.perf_counter(), 0, -1
@@ -141,6 +166,10 @@ class CoordinatorConnection:
 
     def upload_gradient(self, header: pb.UploadHeader, payload: memoryview, chunk_bytes: int) -> None:
         """Upload one step's tensors, resuming from what the coordinator already holds."""
+        with self._transfer():
+            self._upload(header, payload, chunk_bytes)
+
+    def _upload(self, header: pb.UploadHeader, payload: memoryview, chunk_bytes: int) -> None:
         status_request = pb.UploadStatusRequest(device_id=header.device_id, step=header.step,
                                                 attempt=header.attempt)
         start, started, failures, progress = 0, time.perf_counter(), 0, 0
@@ -154,12 +183,19 @@ class CoordinatorConnection:
                 self.link.observe_transfer(len(payload) - start, time.perf_counter() - started)
                 return
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.ALREADY_EXISTS and failures:
+                    return  # an earlier try was accepted and only its reply was lost
                 if e.code() not in TRANSFER_RETRY_CODES:
                     raise
                 logger.info("[Client.Upload] step %d interrupted (%s); resuming", header.step, e.details())
                 failures += 1
                 time.sleep(min(0.2 * 2**failures, 5.0))
-                start = self._retrying(lambda: self._stub.GetUploadStatus(status_request, timeout=30)).received_bytes
+                try:
+                    start = self._retrying(lambda: self._stub.GetUploadStatus(status_request, timeout=30)).received_bytes
+                except grpc.RpcError as status_error:
+                    if status_error.code() == grpc.StatusCode.ALREADY_EXISTS:
+                        return  # the interrupted try was accepted; only its reply was lost
+                    raise
                 started = time.perf_counter()
         raise CoordinatorUnreachable(f"upload for step {header.step} failed {self.transfer_attempts} times")
 

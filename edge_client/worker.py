@@ -126,6 +126,7 @@ class DataParallelWorker:
         self._formats: UpdateFormats | None = None
         self._deltas: dict[str, DeltaFormat] = {}
         self._feedback = ErrorFeedback()
+        self._abandoned: tuple[int, int] | None = None
         self._lost = threading.Event()
         self._energy_mark: float | None = None
         self._timings: tuple[tuple[int, float], ...] = ()
@@ -146,6 +147,8 @@ class DataParallelWorker:
                 return BATTERY_EMPTY
             except Rejoin:
                 logger.warning("[Client] coordinator forgot %s; joining again", self.device_id)
+                # the coordinator may have restarted: what this board holds may not be its view
+                self._version, self._loaded, self._view, self._feedback = -1, -1, {}, ErrorFeedback()
             finally:
                 stop_beat.set()
 
@@ -178,11 +181,11 @@ class DataParallelWorker:
         while not stop.wait(interval_s):
             try:
                 self.emulation.refresh()
-                if self.conn.link.age_s() > self.options.probe_interval_s and (
+                self.conn.heartbeat(self.device_id, serde.telemetry_to_proto(self.telemetry.sample()))
+                if self.conn.link.age_s() > self.options.probe_interval_s and not self.conn.transferring and (
                         time.monotonic() - last_probe > self.options.probe_interval_s):
                     probe_link(lambda payload: self.conn.probe(self.device_id, payload), self.conn.link)
                     last_probe = time.monotonic()
-                self.conn.heartbeat(self.device_id, serde.telemetry_to_proto(self.telemetry.sample()))
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     lost.set()
@@ -222,6 +225,9 @@ class DataParallelWorker:
             if e.code() == grpc.StatusCode.NOT_FOUND and "unknown device" in (e.details() or ""):
                 raise Rejoin() from e
             logger.warning("[Client.Step] step %d abandoned: %s %s", work.step, e.code().name, e.details())
+            if self._abandoned == (work.step, work.attempt):  # the same work again: do not spin
+                time.sleep(1.0)
+            self._abandoned = (work.step, work.attempt)
 
     def _compute_step(self, work: pb.StepWork):
         """Fetch parameters if needed, compute the update, encode it; returns (header, payload, commit)."""

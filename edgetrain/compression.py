@@ -345,11 +345,15 @@ def encode_with_feedback(
 ) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
     """Wire tensors for `tensors` plus the residual, and a `commit` to call once they were delivered.
 
-    Without feedback, or with a lossless codec, `tensors` are encoded as they are and `commit`
-    does nothing.
+    Without feedback `tensors` are encoded as they are and `commit` does nothing. A lossless
+    codec with a residual left by an earlier lossy one (the adaptive choice switched) sends the
+    residual too and its commit clears it; without a residual it costs nothing extra.
     """
-    if feedback is None or not codec.spec.lossy:
+    if feedback is None or (not codec.spec.lossy and not feedback.norm()):
         return codec.encode(tensors), lambda: None
+    if not codec.spec.lossy:
+        wire = codec.encode(feedback.compensate(tensors))
+        return wire, feedback.reset
     compensated = feedback.compensate(tensors)
     wire = codec.encode(compensated)
 

@@ -46,7 +46,7 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     job.update(name=name, model=args.model)
     job["dataset"].update(train_size=20000, test_size=1000)
     job["training"].update(steps=args.steps, min_clients=len(BOARDS), eval_every=0, global_batch=args.batch,
-                           log_every=10, split="proportional")
+                           log_every=10, split="proportional", heartbeat_timeout_s=30.0)
     job["compression"] = MODES[mode]
     job_file = workdir / f"{name}.yaml"
     job_file.write_text(yaml.safe_dump(job))
