@@ -17,7 +17,7 @@ import torch
 
 from coordinator.steps import StepError
 from edgetrain.compression import CodecSpec, parse_codec
-from edgetrain.tensors import TensorMeta, pack
+from edgetrain.tensors import TensorMeta, pack, unpack
 from edgetrain.updates import DeltaFormat
 
 
@@ -75,6 +75,23 @@ class ParameterStore:
             if self._full is None:
                 self._full = pack(self._view)
             return self._full
+
+    def part(self, version: int, prefixes: tuple[str, ...]) -> tuple[list[TensorMeta], memoryview]:
+        """The served tensors of `version` whose names start with one of `prefixes` (a stage's)."""
+        with self._lock:
+            if version not in self._old:
+                self._check(version)
+            key = ("part", version, prefixes)
+            if key not in self._chains:
+                metas, payload = self._old.get(version) or self._full or pack(self._view)
+                tensors = unpack(metas, payload)
+                chosen = {n: t for n, t in tensors.items() if n.startswith(prefixes)}
+                if not chosen:
+                    raise StepError("not_found", f"no parameters start with {list(prefixes)}")
+                self._chains[key] = pack(chosen)
+                while len(self._chains) > 16:
+                    self._chains.popitem(last=False)
+            return self._chains[key]
 
     def deltas(self, base: int, version: int) -> tuple[list[TensorMeta], memoryview]:
         """The encoded deltas base+1 .. version, chained in one bundle."""

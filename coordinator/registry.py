@@ -63,6 +63,8 @@ class DeviceRecord:
     """Rolling window of (coordinator receive time, TelemetrySample)."""
     codec: str = ""
     """The update codec the coordinator last chose for this board."""
+    stage_address: str = ""
+    """host:port of the board's StagePeer endpoint (pipeline traffic), if it serves one."""
     rejections: list = field(default_factory=list)
     """(step, reason) of every update the coordinator refused from this board."""
     quarantined_until: int = -1
@@ -102,7 +104,7 @@ class DeviceRegistry:
         self.changed = threading.Condition(self._lock)
         """Notified whenever membership, readiness or liveness changes."""
 
-    def register(self, name: str, info: dict, versions: dict) -> DeviceRecord:
+    def register(self, name: str, info: dict, versions: dict, stage_address: str = "") -> DeviceRecord:
         """Admit a device; a re-registering name gets a fresh id, its old record is dropped."""
         with self._lock:
             for record in self._devices.values():
@@ -110,7 +112,7 @@ class DeviceRegistry:
                     self._drop(record, "re-registered")
             now = self._clock()
             device_id = f"{name}-{next(self._ids)}"
-            record = DeviceRecord(device_id, name, info, versions, now, now)
+            record = DeviceRecord(device_id, name, info, versions, now, now, stage_address=stage_address)
             self._devices[device_id] = record
             self.changed.notify_all()
             return record
@@ -215,6 +217,19 @@ class DeviceRegistry:
                 compute = record.speed.seconds(samples) - record.speed.comm_s
                 if seconds - compute > record.speed.comm_s:
                     record.speed = refine_speed(record.speed, 0, 0.0, seconds - compute, weight=0.5)
+
+    def observe_stage(self, device_id: str, samples: int, compute_s: float, comm_s: float,
+                      energy_j: float | None = None) -> None:
+        """Accumulate a pipeline stage host's step (its speed estimate is for the whole model: kept)."""
+        with self._lock:
+            record = self._devices.get(device_id)
+            if record is None:
+                return
+            if energy_j is not None:
+                record.stats["energy_j"] += energy_j
+                record.stats["energy_samples"] += samples
+            for key, value in (("samples", samples), ("compute_s", compute_s), ("comm_s", comm_s), ("steps", 1)):
+                record.stats[key] += value
 
     def drop(self, device_id: str, reason: str) -> None:
         """Consider the device gone (it must register again to get work)."""

@@ -70,6 +70,20 @@ def _device_view(record: DeviceRecord, now: float) -> pb.DeviceView:
     return view
 
 
+def _host(plan) -> pb.StageHost:
+    return pb.StageHost(device_id=plan.device_id, address=plan.address, row_begin=[b for b, _ in plan.rows],
+                        row_end=[e for _, e in plan.rows])
+
+
+def _stage_work(stage) -> pb.StageWork:
+    return pb.StageWork(
+        pipeline=stage.pipeline, stage=stage.stage, stages=stage.stages, first_block=stage.first_block,
+        end_block=stage.end_block, schedule=stage.schedule, indices=stage.indices,
+        microbatch_sizes=stage.microbatch_sizes, hosts=[_host(h) for h in stage.hosts],
+        prev_hosts=[_host(h) for h in stage.prev_hosts], next_hosts=[_host(h) for h in stage.next_hosts],
+        pipeline_samples=stage.pipeline_samples, timeout_s=stage.timeout_s)
+
+
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     """Admits devices and serves the data-parallel training loop's work and transfers."""
 
@@ -98,7 +112,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise ValueError("device.name is required")
         info = {f.name: v for f, v in request.device.ListFields()}
         versions = {f.name: v for f, v in request.versions.ListFields()}
-        record = self._registry.register(request.device.name, info, versions)
+        record = self._registry.register(request.device.name, info, versions, request.stage_address)
         logger.info("[Coordinator.Register] %s joined (%s, %s cores, speed %s)", record.device_id,
                     info.get("arch", "?"), info.get("cpu_count", "?"), info.get("emulated_speed", "native"))
         return pb.RegisterReply(device_id=record.device_id, job=self._job_spec)
@@ -148,13 +162,32 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                                codec=work.codec, delta_codec=work.delta_codec)
             if work.local is not None:
                 step.local.CopyFrom(pb.LocalTraining(**vars(work.local)))
+            if work.stage is not None:
+                step.stage.CopyFrom(_stage_work(work.stage))
             return pb.WorkAssignment(step=step)
         return pb.WorkAssignment(idle=pb.Idle())
+
+    @_guarded("ReportFailure")
+    def ReportFailure(self, request: pb.FailureReport, context) -> pb.FailureAck:
+        self._registry.get(request.device_id)
+        if not request.reason:
+            raise ValueError("a failure report needs a reason")
+        self._board.fail(request.device_id, request.step, request.attempt, request.reason[:2000])
+        return pb.FailureAck()
 
     @_guarded("DownloadParameters")
     def DownloadParameters(self, request: pb.ParameterRequest, context) -> Iterator[pb.ParameterMessage]:
         self._registry.get(request.device_id)
         base = request.base_version if request.HasField("base_version") else -1
+        prefixes = tuple(request.prefixes)
+        if prefixes and base >= 0:
+            raise ValueError("a download is either deltas (base_version) or a part (prefixes), not both")
+        if prefixes:  # a pipeline stage's parameters: small, served as they are
+            metas, payload = self._store.part(request.version, prefixes)
+            if request.offset > len(payload):
+                raise TransferError("out_of_range", f"offset {request.offset} is past the {len(payload)} bytes")
+            chunks = iter_chunks(payload, start=request.offset, chunk_bytes=self._job.training.chunk_bytes)
+            return self._counted(request.device_id, serde.parameter_stream(metas, chunks))
         messages = self._parameter_messages(base, request.version)
         total = messages[0].header.total_bytes
         if request.offset > total:
@@ -207,7 +240,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         report = {"samples": header.report.samples, "loss": header.report.loss,
                   "correct": header.report.correct, "compute_s": header.report.compute_s,
                   "download_s": header.report.download_s, "encode_s": header.report.encode_s,
-                  "energy_j": header.report.energy_j if header.report.HasField("energy_j") else None}
+                  "energy_j": header.report.energy_j if header.report.HasField("energy_j") else None,
+                  "wait_s": header.report.wait_s, "peak_activation_bytes": header.report.peak_activation_bytes,
+                  "peer_bytes": header.report.peer_bytes}
         assembler = self._board.begin_upload(header.device_id, header.step, header.attempt, metas,
                                              report, header.resume_offset)
         for message in request_iterator:

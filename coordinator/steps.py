@@ -47,6 +47,36 @@ class LocalWork:
 
 
 @dataclass(frozen=True)
+class StageHostPlan:
+    """A host of a pipeline stage and its rows of each micro-batch."""
+
+    device_id: str
+    address: str
+    rows: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    """A board's pipeline stage in a step (see protos: StageWork)."""
+
+    pipeline: int
+    stage: int
+    stages: int
+    first_block: int
+    end_block: int
+    prefixes: tuple[str, ...]
+    """Names of the stage's parameters and buffers start with ``blocks.<key>.`` for these keys."""
+    schedule: str
+    indices: tuple[int, ...]
+    microbatch_sizes: tuple[int, ...]
+    hosts: tuple[StageHostPlan, ...]
+    prev_hosts: tuple[StageHostPlan, ...]
+    next_hosts: tuple[StageHostPlan, ...]
+    pipeline_samples: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
 class Assignment:
     """One device's work in a step attempt."""
 
@@ -62,6 +92,8 @@ class Assignment:
     """Non-empty: the board may download parameter deltas in this codec."""
     local: LocalWork | None = None
     """Set for a federated round."""
+    stage: StageAssignment | None = None
+    """Set for a pipeline stage."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +127,12 @@ class Contribution:
     """Codec it travelled in."""
     wire_bytes: int = 0
     """Payload bytes it took on the wire."""
+    stage: StageAssignment | None = None
+    """The pipeline stage it computed, if any (its tensors cover only that stage)."""
+    wait_s: float = 0.0
+    peak_activation_bytes: int = 0
+    peer_bytes: int = 0
+    """Pipeline stages: activation bytes sent to neighbours this step."""
 
     @property
     def comm_s(self) -> float:
@@ -152,12 +190,13 @@ class StepBoard:
         """Start a step attempt: each device in `assignments` gets its work on its next poll."""
         with self._cond:
             for device_id, a in assignments.items():
-                self._tickets[(device_id, a.step, a.attempt)] = _Ticket(a, self._formats(a.codec))
+                self._tickets[(device_id, a.step, a.attempt)] = _Ticket(
+                    a, self._formats(a.codec, a.stage.prefixes if a.stage else None))
                 self._current = (a.step, a.attempt)
             self._cond.notify_all()
 
     def wait_attempt(self, step: int, attempt: int, deadline: float, is_alive: Callable[[str], bool], *,
-                     keep_late: bool = False) -> AttemptOutcome:
+                     keep_late: bool = False, all_or_nothing: bool = False) -> AttemptOutcome:
         """Block until every ticket of (step, attempt) is answered or its device left, or `deadline`.
 
         Unanswered tickets of devices that left are closed. Those of live devices are closed
@@ -172,6 +211,8 @@ class StepBoard:
                 gone = [d for d in pending if not is_alive(d)]
                 if len(gone) == len(pending) or self._clock() >= deadline or self._finished:
                     break
+                if all_or_nothing and (gone or any(t.rejected is not None for t in mine.values())):
+                    break  # a pipeline that lost a host cannot finish this attempt
                 self._cond.wait(timeout=min(0.2, max(0.0, deadline - self._clock())))
             late = [d for d in pending if d not in gone] if keep_late else []
             for device_id, ticket in mine.items():
@@ -277,12 +318,17 @@ class StepBoard:
             raise
         contribution = Contribution(device_id=device_id, tensors=tensors, upload_s=self._clock() - upload.started,
                                     step=a.step, param_version=a.param_version, codec=str(ticket.fmt.spec),
-                                    wire_bytes=len(payload), **upload.report)
+                                    wire_bytes=len(payload), stage=a.stage, **upload.report)
         with self._cond:
             ticket = self._ticket_for(device_id, step, attempt)
             ticket.accepted, ticket.upload = contribution, None
             self._cond.notify_all()
         return contribution
+
+    def fail(self, device_id: str, step: int, attempt: int, reason: str) -> None:
+        """The device reports it cannot complete its ticket; recorded as its answer."""
+        with self._cond:
+            self._reject(device_id, self._ticket_for(device_id, step, attempt), f"failed: {reason}")
 
     def upload_status(self, device_id: str, step: int, attempt: int) -> tuple[int, int]:
         """(bytes held, total bytes) of the device's upload for this attempt."""

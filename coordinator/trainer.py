@@ -37,9 +37,10 @@ from coordinator.checkpoint import has_checkpoint, load_checkpoint, save_checkpo
 from coordinator.codec_policy import CodecPolicy, LinkChoice
 from coordinator.metrics import MetricsLog
 from coordinator.parameters import ParameterStore
+from coordinator.pipeline_plan import Host, assign, merge_pipelines, missing_boards
 from coordinator.registry import DeviceRegistry
 from coordinator.steps import Assignment, AttemptOutcome, Contribution, LocalWork, StepBoard
-from edgetrain.config import JobConfig, OptimizerConfig
+from edgetrain.config import JobConfig, OptimizerConfig, PipelineConfig, load_pipeline_plan
 from edgetrain.data import make_batch
 from edgetrain.sampling import batch_indices, epoch_of
 from edgetrain.split import SpeedEstimate, predicted_step_seconds, split_equal, split_proportional
@@ -73,6 +74,10 @@ class StepRecord:
     clipped: dict[str, float] = field(default_factory=dict)
     codecs: dict[str, str] = field(default_factory=dict)
     quarantined: list[str] = field(default_factory=list)
+    stages: dict[str, dict] = field(default_factory=dict)
+    """Pipeline hosts: stage, compute and wait seconds, peak activation bytes."""
+    failures: list[dict] = field(default_factory=list)
+    """Failed attempts of a pipeline step: when, and which board failed how."""
 
 
 class DataParallelTrainer:
@@ -108,6 +113,9 @@ class DataParallelTrainer:
         self.samples_done = 0
         self.lr = 0.0
         self._partitions: dict[str, int] = {}
+        self._plan_cache: tuple[float, PipelineConfig] | None = None
+        self._plan_missing: list[str] = []
+        self._failures: list[dict] = []
         self._late: list[Contribution] = []
         self._late_rejected: dict[str, str] = {}
 
@@ -182,6 +190,18 @@ class DataParallelTrainer:
         indices = batch_indices(step, cfg.global_batch, self.train_size, self.job.seed)
         started = time.monotonic()
         for attempt in range(cfg.max_attempts):
+            if self.job.pipeline.enabled:
+                plan, assignments = self._pipeline_assignments(step, attempt, indices)
+                self.board.open_attempt(assignments)
+                opened = time.monotonic()
+                timeout = cfg.step_timeout_s or plan.stage_timeout_s + 10.0
+                outcome = self.board.wait_attempt(step, attempt, opened + timeout, self.registry.is_alive,
+                                                  all_or_nothing=True)
+                if self.stop.is_set():
+                    raise JobAborted(f"stopped during step {step}")
+                if self._pipeline_done(step, attempt, outcome, assignments):
+                    break
+                continue
             speeds = self._available(step)
             shares = self._split(len(indices), speeds)
             choices = self._choose_codecs(shares, speeds)
@@ -203,6 +223,7 @@ class DataParallelTrainer:
         record.attempts, record.seconds = attempt + 1, time.monotonic() - started
         record.shares = {d: len(a.indices) for d, a in assignments.items()}
         record.codecs = {d: a.codec for d, a in assignments.items()}
+        record.failures, self._failures = self._failures, []
         return record
 
     def _attempt_done(self, step: int, attempt: int, outcome: AttemptOutcome, assignments: dict[str, Assignment],
@@ -229,6 +250,59 @@ class DataParallelTrainer:
         logger.warning("[Coordinator.Trainer] step %d attempt %d: only %d of %d samples by the deadline; "
                        "redoing the step", step, attempt, arrived, wanted)
         return False
+
+    # --- pipelines -----------------------------------------------------------------------------
+    def _plan(self) -> PipelineConfig:
+        """The pipeline plan: the job's, or its plan file as it is now (edited by hand to re-plan)."""
+        plan = self.job.pipeline
+        if not plan.plan_file:
+            return plan
+        mtime = Path(plan.plan_file).stat().st_mtime
+        if self._plan_cache is None or self._plan_cache[0] != mtime:
+            self._plan_cache = (mtime, load_pipeline_plan(plan.plan_file))
+            logger.info("[Coordinator.Trainer] pipeline plan from %s: %s", plan.plan_file, describe_plan(
+                self._plan_cache[1]))
+        return self._plan_cache[1]
+
+    def _pipeline_assignments(self, step: int, attempt: int, indices: list[int]):
+        """Wait until every board of the plan is ready, then assign the attempt's stages and shards."""
+        while True:
+            plan = self._plan()
+            records = {r.name: r for r in self.registry.snapshot() if r.ready}
+            hosts = {n: Host(r.device_id, r.stage_address, r.speed) for n, r in records.items()}
+            missing = missing_boards(plan, hosts)
+            if not missing:
+                self._plan_missing = []
+                return plan, assign(plan, step=step, attempt=attempt, indices=indices,
+                                    block_names=self.model.block_names, hosts=hosts,
+                                    augment=self.job.dataset.augment, data_seed=self.job.seed)
+            if missing != self._plan_missing:
+                logger.warning("[Coordinator.Trainer] the pipeline plan needs board(s) %s, which are not ready; "
+                               "waiting for them%s", ", ".join(missing),
+                               f" or for a new plan in {plan.plan_file}" if plan.plan_file else "")
+                self._plan_missing = missing
+            if self.stop.wait(0.5):
+                raise JobAborted(f"stopped during step {step}")
+
+    def _pipeline_done(self, step: int, attempt: int, outcome: AttemptOutcome, assignments) -> bool:
+        """A pipeline attempt counts only if every host and shard answered."""
+        failed = {d: r for d, r in outcome.rejected.items()}
+        for device_id in outcome.missing:
+            if not self.registry.is_alive(device_id):
+                failed[device_id] = "gone (no heartbeat)"
+            else:
+                failed.setdefault(device_id, "no result before the deadline")
+        failed.update({d: "no answer (its pipeline failed)" for d in assignments
+                       if d not in outcome.accepted and d not in failed})
+        if not failed:
+            return True
+        self._failures.append({"attempt": attempt, "time": round(time.time(), 3), "failed": failed})
+        for device_id, reason in failed.items():
+            a = assignments[device_id]
+            role = f"stage {a.stage.stage} host" if a.stage else "DP shard"
+            logger.error("[Coordinator.Trainer] step %d attempt %d: %s %s failed: %s", step, attempt, role,
+                         device_id, reason)
+        return False  # live boards stay: the plan decides who works next (re-plan by hand meanwhile)
 
     def _split(self, total: int, speeds: dict[str, SpeedEstimate]) -> dict[str, int]:
         if self.federated:
@@ -342,6 +416,15 @@ class DataParallelTrainer:
         rejected.update(self._late_rejected)
         self._late_rejected = {}
         fresh = list(outcome.accepted.values())
+        stages = {}
+        for c in fresh:
+            if c.stage is not None:
+                self.registry.observe_stage(c.device_id, c.samples, c.compute_s, c.comm_s, c.energy_j)
+                stages[c.device_id] = {"stage": c.stage.stage, "blocks": [c.stage.first_block, c.stage.end_block],
+                                       "compute_s": round(c.compute_s, 4), "wait_s": round(c.wait_s, 4),
+                                       "peak_activation_bytes": c.peak_activation_bytes,
+                                       "peer_bytes": c.peer_bytes}
+        fresh = merge_pipelines(fresh)
         usable = fresh[:]
         for c in late:
             tau = step - c.param_version
@@ -372,7 +455,7 @@ class DataParallelTrainer:
                                             window=agg.quarantine_window, quarantine_steps=agg.quarantine_steps):
                 quarantined.append(device_id)
         return StepRecord(step, 0, 0.0, outcome, {}, used=used, rejected=rejected, clipped=screening.clipped,
-                          quarantined=quarantined)
+                          quarantined=quarantined, stages=stages)
 
     def _log_step(self, record: StepRecord) -> None:
         samples = sum(w.contribution.samples for w in record.used)
@@ -396,6 +479,13 @@ class DataParallelTrainer:
         save_checkpoint(self.run_dir, self.model, self.optimizer, {
             "next_step": next_step, "train_seconds": self.train_seconds, "samples_done": self.samples_done,
             "job": self.job.name, "partitions": self._partitions})
+
+
+def describe_plan(plan: PipelineConfig) -> str:
+    """One line: stages (blocks and boards), micro-batches, schedule, DP shards."""
+    stages = "; ".join(f"{s.blocks} blocks on {'+'.join(s.boards)}" for s in plan.stages)
+    shards = f"; DP shards {'+'.join(plan.dp_boards)} ({plan.dp_share:.0%})" if plan.dp_boards else ""
+    return f"{stages}; {plan.microbatches} micro-batches, {plan.schedule}{shards}"
 
 
 def partition_indices(partition: int, partitions: int, train_size: int, seed: int, round_: int,

@@ -127,14 +127,20 @@ class CoordinatorConnection:
         request = pb.WorkRequest(device_id=device_id, max_wait_s=max_wait_s)
         return self._retrying(lambda: self._stub.GetWork(request, timeout=max_wait_s + 30))
 
-    def download_parameters(self, device_id: str, version: int,
-                            base_version: int | None = None) -> tuple[list[TensorMeta], bytearray]:
-        """Parameters of `version` (or the deltas since `base_version`), resuming an interrupted
-        stream from the last good byte."""
+    def download_parameters(self, device_id: str, version: int, base_version: int | None = None,
+                            prefixes: Sequence[str] = ()) -> tuple[list[TensorMeta], bytearray]:
+        """Parameters of `version` (or the deltas since `base_version`, or only the tensors named
+        with `prefixes`), resuming an interrupted stream from the last good byte."""
         with self._transfer():
-            return self._download(device_id, version, base_version)
+            return self._download(device_id, version, base_version, list(prefixes))
 
-    def _download(self, device_id: str, version: int, base_version: int | None) -> tuple[list[TensorMeta], bytearray]:
+    def report_failure(self, device_id: str, step: int, attempt: int, reason: str) -> None:
+        """Tell the coordinator this board cannot complete (step, attempt)."""
+        self._retrying(lambda: self._stub.ReportFailure(pb.FailureReport(
+            device_id=device_id, step=step, attempt=attempt, reason=reason), timeout=30))
+
+    def _download(self, device_id: str, version: int, base_version: int | None,
+                  prefixes: list[str]) -> tuple[list[TensorMeta], bytearray]:
         assembler: ChunkAssembler | None = None
         metas: list[TensorMeta] = []
         started, failures, progress = time.perf_counter(), 0, -1
@@ -143,7 +149,7 @@ class CoordinatorConnection:
             failures = 0 if offset > progress else failures  # an interruption after progress is not a failure
             progress = offset
             request = pb.ParameterRequest(device_id=device_id, version=version, offset=offset,
-                                          base_version=base_version)
+                                          base_version=base_version, prefixes=prefixes)
             try:
                 self._delay()
                 for message in self._stub.DownloadParameters(request, timeout=600):

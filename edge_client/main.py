@@ -45,17 +45,21 @@ def run_client(address: str | None, options: ClientOptions, *, threads: int | No
             logger.info("[Client] %s emulates %.2f of a core (%s)", options.name, options.emulated_speed,
                         limiter.mode)
         worker: DataParallelWorker | None = None
-        while True:
-            conn = CoordinatorConnection(address or _discover(cluster, interfaces), shaper=emulation.shaper,
-                                         link=link)
-            if worker is None:
-                worker = DataParallelWorker(conn, options, limiter, emulation)
-            worker.conn = conn
-            try:
-                return worker.run()
-            except CoordinatorUnreachable:
-                if address:
-                    raise
-                logger.warning("[Client] lost the coordinator at %s; looking for it again", conn.address)
-            finally:
-                conn.close()
+        try:
+            while True:
+                conn = CoordinatorConnection(address or _discover(cluster, interfaces), shaper=emulation.shaper,
+                                             link=link)
+                if worker is None:
+                    worker = DataParallelWorker(conn, options, limiter, emulation)
+                worker.conn = conn
+                try:
+                    return worker.run()
+                except CoordinatorUnreachable:
+                    if address:
+                        raise
+                    logger.warning("[Client] lost the coordinator at %s; looking for it again", conn.address)
+                finally:
+                    conn.close()
+        finally:
+            if worker is not None and worker.endpoint is not None:
+                worker.endpoint.close()

@@ -28,6 +28,7 @@ import edgetrain
 from edge_client.connection import CoordinatorConnection, upload_header
 from edge_client.emulation import BoardEmulation
 from edge_client.profiler import profile_device
+from edge_client.stage import StageEndpoint, StageFailure, run_stage
 from edge_client.telemetry import TelemetryCollector, probe_link
 from edgetrain import serde
 from edgetrain.compression import ErrorFeedback
@@ -69,6 +70,8 @@ class ClientOptions:
     """How often the link is probed when no large transfer measured it recently."""
     power_w: tuple[float, float] | None = None
     """(idle, busy) power draw in watts, for energy accounting on a real board."""
+    stage_bind: str = "0.0.0.0:0"
+    """Where the board serves pipeline traffic from its neighbours (port 0: any free port)."""
 
 
 class BatteryEmpty(Exception):
@@ -83,9 +86,21 @@ BATTERY_EMPTY = "battery empty"
 """What `run` returns when the emulated battery ran flat and the board shut down."""
 
 
-def device_info(options: ClientOptions) -> pb.RegisterRequest:
+def stage_address(coordinator: str, port: int) -> str:
+    """host:port where neighbours reach this board: the local address on the route to the coordinator."""
+    host = coordinator.rsplit(":", 1)[0].strip("[]")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, 9))  # no packet is sent: this only picks the route
+            local = probe.getsockname()[0]
+        except OSError:
+            local = "127.0.0.1"
+    return f"{local}:{port}"
+
+
+def device_info(options: ClientOptions, stage: str = "") -> pb.RegisterRequest:
     """This board's registration: description, software and protocol version."""
-    return pb.RegisterRequest(
+    return pb.RegisterRequest(stage_address=stage,
         device=pb.DeviceInfo(name=options.name, hostname=socket.gethostname(), arch=platform.machine(),
                              os=platform.platform(), cpu_count=os.cpu_count() or 0,
                              memory_total_bytes=psutil.virtual_memory().total,
@@ -127,14 +142,19 @@ class DataParallelWorker:
         self._deltas: dict[str, DeltaFormat] = {}
         self._feedback = ErrorFeedback()
         self._abandoned: tuple[int, int] | None = None
+        self.endpoint: StageEndpoint | None = None
+        """This board's pipeline peer endpoint (started on the first run)."""
+        self._stage_loaded: tuple[int, int, int] | None = None
         self._lost = threading.Event()
         self._energy_mark: float | None = None
         self._timings: tuple[tuple[int, float], ...] = ()
 
     def run(self) -> str:
         """Work until the job finishes; returns the coordinator's reason."""
+        if self.endpoint is None:
+            self.endpoint = StageEndpoint(self.options.stage_bind, shaper=self.conn.shaper)
         while True:
-            reply = self.conn.register(device_info(self.options))
+            reply = self.conn.register(device_info(self.options, stage_address(self.conn.address, self.endpoint.port)))
             self.device_id, self._lost = reply.device_id, threading.Event()
             stop_beat = threading.Event()
             threading.Thread(target=self._heartbeats, daemon=True,
@@ -210,7 +230,8 @@ class DataParallelWorker:
         """One assignment; a refusal (stale version, closed step) only abandons this step."""
         try:
             with self.emulation.energy.busy():
-                header, payload, commit = self._compute_step(work)
+                compute = self._compute_stage if work.HasField("stage") else self._compute_step
+                header, payload, commit = compute(work)
                 energy = self.emulation.energy.energy_j()
                 if energy is not None and self._energy_mark is not None:
                     header.report.energy_j = energy - self._energy_mark
@@ -221,6 +242,12 @@ class DataParallelWorker:
             report = header.report
             self.telemetry.last_step = (report.compute_s, report.download_s + report.encode_s
                                         + time.perf_counter() - started)
+        except StageFailure as e:
+            logger.warning("[Client.Stage] step %d attempt %d given up: %s", work.step, work.attempt, e)
+            try:
+                self.conn.report_failure(self.device_id, work.step, work.attempt, str(e))
+            except grpc.RpcError as report_error:
+                logger.info("[Client.Stage] failure report refused: %s", report_error.details())
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND and "unknown device" in (e.details() or ""):
                 raise Rejoin() from e
@@ -257,6 +284,33 @@ class DataParallelWorker:
         report = pb.StepReport(samples=result.samples, loss=result.loss, correct=result.correct,
                                compute_s=compute_s, download_s=download_s,
                                encode_s=time.perf_counter() - started)
+        return upload_header(self.device_id, work.step, work.attempt, metas, report), payload, commit
+
+    def _compute_stage(self, work: pb.StepWork):
+        """Run this board's pipeline stage for the step; returns (header, payload, commit)."""
+        st = work.stage
+        started = time.perf_counter()
+        loaded = (work.param_version, st.first_block, st.end_block)
+        if self._stage_loaded != loaded:
+            prefixes = [f"blocks.{key}." for key in list(self._model.blocks.keys())[st.first_block:st.end_block]]
+            metas, payload = self.conn.download_parameters(self.device_id, work.param_version, prefixes=prefixes)
+            load_state_tensors(self._model, unpack(metas, payload))
+            self._stage_loaded, self._version, self._loaded = loaded, -1, -1  # the full view is gone
+        download_s = time.perf_counter() - started
+        started = time.perf_counter()
+        with self.limiter.working():
+            result = run_stage(self._model, work, self._dataset, self.endpoint, self.device_id, self._job.job_id)
+        compute_s = time.perf_counter() - started - result.wait_s
+        self._stage_loaded = None if self._has_running_stats() else self._stage_loaded
+        started = time.perf_counter()
+        prefixes = tuple(f"blocks.{key}." for key in list(self._model.blocks.keys())[st.first_block:st.end_block])
+        fmt = self._formats(work.codec, prefixes)
+        wire, commit = fmt.encode(result.shard.tensors, None)
+        metas, payload = pack(wire)
+        shard = result.shard
+        report = pb.StepReport(samples=shard.samples, loss=shard.loss, correct=shard.correct, compute_s=compute_s,
+                               download_s=download_s, encode_s=time.perf_counter() - started, wait_s=result.wait_s,
+                               peak_activation_bytes=result.peak_activation_bytes, peer_bytes=result.peer_bytes)
         return upload_header(self.device_id, work.step, work.attempt, metas, report), payload, commit
 
     def _has_running_stats(self) -> bool:

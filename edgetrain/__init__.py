@@ -12,6 +12,7 @@
                    and the reference tests share.
 - ``compression.py`` update codecs (fp16 / bf16 / int8 / top-k) with error feedback.
 - ``updates.py``   wire layouts of a compressed update (up) and of parameter deltas (down).
+- ``pipeline.py``  pipeline schedules (GPipe, 1F1B), stage blocks, row splits of micro-batches.
 - ``sampling.py``  which sample indices make up each step (every sample once per epoch).
 - ``serde.py``     conversions between plain data and the wire messages.
 - ``telemetry.py`` a board's telemetry sample (None = unknown).

@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="emulate a board: speed, link, battery (written by `edgetrain fleet`)")
     client.add_argument("--power-watts", type=float, nargs=2, metavar=("IDLE", "BUSY"),
                         help="the board's power draw idle and training, W, for energy accounting")
+    client.add_argument("--stage-bind", default="0.0.0.0:0", metavar="HOST:PORT",
+                        help="where to serve pipeline traffic from neighbouring boards (default: any free port)")
     client.add_argument("--probe-interval", type=float, default=30.0, metavar="S",
                         help="probe the link this often when no large transfer measured it")
     client.add_argument("--name", default=None, help="device name (default: the hostname)")
@@ -114,7 +116,7 @@ def _client(args: argparse.Namespace) -> int:
     options = ClientOptions(name=args.name or socket.gethostname(), data_dir=args.data_dir,
                             download=args.download, emulated_speed=args.speed,
                             board_file=str(args.emulate) if args.emulate else None,
-                            probe_interval_s=args.probe_interval,
+                            probe_interval_s=args.probe_interval, stage_bind=args.stage_bind,
                             power_w=tuple(args.power_watts) if args.power_watts else None)
     reason = run_client(args.coordinator, options, threads=args.threads, cluster=args.cluster,
                         interfaces=args.interface)

@@ -231,6 +231,80 @@ class FederatedConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class StageConfig:
+    """One pipeline stage: how many consecutive blocks it holds, and the boards hosting it."""
+
+    blocks: int
+    """Number of consecutive blocks (of the model's block list) in this stage."""
+    boards: list
+    """Names of the boards hosting it; several boards split every micro-batch by rows."""
+
+    def __post_init__(self) -> None:
+        _require(self.blocks >= 1, "blocks", self.blocks, "must be >= 1")
+        _require(bool(self.boards) and all(isinstance(b, str) and b for b in self.boards), "boards",
+                 self.boards, "must be a non-empty list of board names")
+        _require(len(set(self.boards)) == len(self.boards), "boards", self.boards, "must not repeat a board")
+
+
+@dataclass(kw_only=True, frozen=True)
+class PipelineConfig:
+    """A pipeline plan: stages over boards, micro-batches, schedule (and optional DP shards)."""
+
+    stages: list = field(default_factory=list)
+    """StageConfig mappings, first stage first; their blocks must add up to the model's."""
+    microbatches: int = 4
+    """Micro-batches per step (the bubble is (S - 1) / (M + S - 1))."""
+    schedule: str = "1f1b"
+    """gpipe (all forwards, then all backwards) or 1f1b (bounded activations)."""
+    dp_boards: list = field(default_factory=list)
+    """Boards that join as data-parallel shards (whole model) next to the pipeline."""
+    dp_share: float = 0.0
+    """Fraction of the global batch the DP shards get (0: in proportion to their measured speed
+    against the pipeline's measured speed)."""
+    stage_timeout_s: float = 60.0
+    """Longest a stage host waits for a neighbour before it gives the step up."""
+    plan_file: str = ""
+    """A YAML file holding this section's keys; re-read when it changes (re-plan by hand)."""
+
+    def __post_init__(self) -> None:
+        from edgetrain.pipeline import SCHEDULES
+
+        _require(self.microbatches >= 1, "microbatches", self.microbatches, "must be >= 1")
+        _require(self.schedule in SCHEDULES, "schedule", self.schedule, f"must be one of {SCHEDULES}")
+        _require(0 <= self.dp_share < 1, "dp_share", self.dp_share, "must be in [0, 1)")
+        _require(self.stage_timeout_s > 0, "stage_timeout_s", self.stage_timeout_s, "must be > 0")
+        if self.stages:
+            stages = [s if isinstance(s, StageConfig) else _build(StageConfig, s, f"stages[{i}]")
+                      for i, s in enumerate(self.stages)]
+            object.__setattr__(self, "stages", stages)
+            names = [b for s in stages for b in s.boards] + list(self.dp_boards)
+            dupes = sorted({b for b in names if names.count(b) > 1})
+            _require(not dupes, "stages", dupes, "a board can host only one stage or DP shard")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the job trains as a pipeline."""
+        return bool(self.stages) or bool(self.plan_file)
+
+
+def load_pipeline_plan(path: str | Path) -> PipelineConfig:
+    """A pipeline plan from its own YAML file (the keys of the job's `pipeline` section)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    data = dict(data or {})
+    data.pop("plan_file", None)
+    try:
+        return _build(PipelineConfig, data, "pipeline")
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+@dataclass(kw_only=True, frozen=True)
 class JobConfig:
     """One training job: model, data, training loop and optimizer."""
 
@@ -252,6 +326,8 @@ class JobConfig:
     """Codecs on the links."""
     federated: FederatedConfig = field(default_factory=FederatedConfig)
     """Local training settings for federated rules."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Pipeline model parallelism (empty: data parallelism only)."""
 
     def __post_init__(self) -> None:
         _require(self.model in MODEL_NAMES, "model", self.model, f"must be one of {MODEL_NAMES}")
@@ -296,7 +372,7 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             return float(value)
         if typ is int and isinstance(value, int) and not isinstance(value, bool):
             return value
-        if typ in (str, bool) and isinstance(value, typ):
+        if typ in (str, bool, list) and isinstance(value, typ):
             return value
     names = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
     raise ConfigError(f"{where}: expected {names}, got {type(value).__name__} {value!r}")

@@ -77,16 +77,19 @@ class UpdateFormat:
 
 
 class UpdateFormats:
-    """`UpdateFormat`s of one model, built once per codec."""
+    """`UpdateFormat`s of one model, built once per codec (and per pipeline stage)."""
 
     def __init__(self, templates: Sequence[tuple[str, torch.Tensor]]) -> None:
         self._templates = list(templates)
-        self._formats: dict[str, UpdateFormat] = {}
+        self._formats: dict[tuple[str, tuple[str, ...] | None], UpdateFormat] = {}
 
-    def __call__(self, codec: str) -> UpdateFormat:
-        key = str(parse_codec(codec or "none"))
+    def __call__(self, codec: str, prefixes: tuple[str, ...] | None = None) -> UpdateFormat:
+        """The format for `codec`; with `prefixes` (a stage's ``blocks.<key>.``), only those tensors."""
+        key = (str(parse_codec(codec or "none")), prefixes)
         if key not in self._formats:
-            self._formats[key] = UpdateFormat(self._templates, key)
+            templates = self._templates if prefixes is None else [
+                (n, t) for n, t in self._templates if n.split(".", 1)[1].startswith(prefixes)]
+            self._formats[key] = UpdateFormat(templates, key[0])
         return self._formats[key]
 
 

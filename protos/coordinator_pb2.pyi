@@ -38,14 +38,16 @@ class SoftwareVersions(_message.Message):
     def __init__(self, edgetrain: _Optional[str] = ..., python: _Optional[str] = ..., torch: _Optional[str] = ..., grpcio: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("device", "versions", "protocol_version")
+    __slots__ = ("device", "versions", "protocol_version", "stage_address")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STAGE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     device: DeviceInfo
     versions: SoftwareVersions
     protocol_version: int
-    def __init__(self, device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., versions: _Optional[_Union[SoftwareVersions, _Mapping]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    stage_address: str
+    def __init__(self, device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., versions: _Optional[_Union[SoftwareVersions, _Mapping]] = ..., protocol_version: _Optional[int] = ..., stage_address: _Optional[str] = ...) -> None: ...
 
 class DatasetSpec(_message.Message):
     __slots__ = ("name", "seed", "train_size", "test_size", "augment")
@@ -168,7 +170,7 @@ class WorkRequest(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., max_wait_s: _Optional[float] = ...) -> None: ...
 
 class StepWork(_message.Message):
-    __slots__ = ("step", "attempt", "param_version", "indices", "augment", "data_seed", "codec", "delta_codec", "local")
+    __slots__ = ("step", "attempt", "param_version", "indices", "augment", "data_seed", "codec", "delta_codec", "local", "stage")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PARAM_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +180,7 @@ class StepWork(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     DELTA_CODEC_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     step: int
     attempt: int
     param_version: int
@@ -187,7 +190,50 @@ class StepWork(_message.Message):
     codec: str
     delta_codec: str
     local: LocalTraining
-    def __init__(self, step: _Optional[int] = ..., attempt: _Optional[int] = ..., param_version: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., augment: _Optional[bool] = ..., data_seed: _Optional[int] = ..., codec: _Optional[str] = ..., delta_codec: _Optional[str] = ..., local: _Optional[_Union[LocalTraining, _Mapping]] = ...) -> None: ...
+    stage: StageWork
+    def __init__(self, step: _Optional[int] = ..., attempt: _Optional[int] = ..., param_version: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., augment: _Optional[bool] = ..., data_seed: _Optional[int] = ..., codec: _Optional[str] = ..., delta_codec: _Optional[str] = ..., local: _Optional[_Union[LocalTraining, _Mapping]] = ..., stage: _Optional[_Union[StageWork, _Mapping]] = ...) -> None: ...
+
+class StageHost(_message.Message):
+    __slots__ = ("device_id", "address", "row_begin", "row_end")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROW_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    ROW_END_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    address: str
+    row_begin: _containers.RepeatedScalarFieldContainer[int]
+    row_end: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, device_id: _Optional[str] = ..., address: _Optional[str] = ..., row_begin: _Optional[_Iterable[int]] = ..., row_end: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StageWork(_message.Message):
+    __slots__ = ("pipeline", "stage", "stages", "first_block", "end_block", "schedule", "indices", "microbatch_sizes", "hosts", "prev_hosts", "next_hosts", "pipeline_samples", "timeout_s")
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    END_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    PREV_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    pipeline: int
+    stage: int
+    stages: int
+    first_block: int
+    end_block: int
+    schedule: str
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    microbatch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    hosts: _containers.RepeatedCompositeFieldContainer[StageHost]
+    prev_hosts: _containers.RepeatedCompositeFieldContainer[StageHost]
+    next_hosts: _containers.RepeatedCompositeFieldContainer[StageHost]
+    pipeline_samples: int
+    timeout_s: float
+    def __init__(self, pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., stages: _Optional[int] = ..., first_block: _Optional[int] = ..., end_block: _Optional[int] = ..., schedule: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., microbatch_sizes: _Optional[_Iterable[int]] = ..., hosts: _Optional[_Iterable[_Union[StageHost, _Mapping]]] = ..., prev_hosts: _Optional[_Iterable[_Union[StageHost, _Mapping]]] = ..., next_hosts: _Optional[_Iterable[_Union[StageHost, _Mapping]]] = ..., pipeline_samples: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class LocalTraining(_message.Message):
     __slots__ = ("steps", "batch_size", "lr", "momentum", "weight_decay", "prox_mu")
@@ -226,16 +272,18 @@ class WorkAssignment(_message.Message):
     def __init__(self, idle: _Optional[_Union[Idle, _Mapping]] = ..., step: _Optional[_Union[StepWork, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
 
 class ParameterRequest(_message.Message):
-    __slots__ = ("device_id", "version", "offset", "base_version")
+    __slots__ = ("device_id", "version", "offset", "base_version", "prefixes")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREFIXES_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     version: int
     offset: int
     base_version: int
-    def __init__(self, device_id: _Optional[str] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., base_version: _Optional[int] = ...) -> None: ...
+    prefixes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, device_id: _Optional[str] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., base_version: _Optional[int] = ..., prefixes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ParameterMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -246,7 +294,7 @@ class ParameterMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[_tensor_pb2.BundleHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("samples", "loss", "correct", "compute_s", "download_s", "encode_s", "energy_j")
+    __slots__ = ("samples", "loss", "correct", "compute_s", "download_s", "encode_s", "energy_j", "wait_s", "peak_activation_bytes", "peer_bytes")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     CORRECT_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +302,9 @@ class StepReport(_message.Message):
     DOWNLOAD_S_FIELD_NUMBER: _ClassVar[int]
     ENCODE_S_FIELD_NUMBER: _ClassVar[int]
     ENERGY_J_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    PEAK_ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEER_BYTES_FIELD_NUMBER: _ClassVar[int]
     samples: int
     loss: float
     correct: int
@@ -261,7 +312,10 @@ class StepReport(_message.Message):
     download_s: float
     encode_s: float
     energy_j: float
-    def __init__(self, samples: _Optional[int] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., compute_s: _Optional[float] = ..., download_s: _Optional[float] = ..., encode_s: _Optional[float] = ..., energy_j: _Optional[float] = ...) -> None: ...
+    wait_s: float
+    peak_activation_bytes: int
+    peer_bytes: int
+    def __init__(self, samples: _Optional[int] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., compute_s: _Optional[float] = ..., download_s: _Optional[float] = ..., encode_s: _Optional[float] = ..., energy_j: _Optional[float] = ..., wait_s: _Optional[float] = ..., peak_activation_bytes: _Optional[int] = ..., peer_bytes: _Optional[int] = ...) -> None: ...
 
 class UploadHeader(_message.Message):
     __slots__ = ("device_id", "step", "attempt", "bundle", "report", "resume_offset")
@@ -324,6 +378,22 @@ class ProbeReply(_message.Message):
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     received_bytes: int
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
+
+class FailureReport(_message.Message):
+    __slots__ = ("device_id", "step", "attempt", "reason")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    step: int
+    attempt: int
+    reason: str
+    def __init__(self, device_id: _Optional[str] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class FailureAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ListDevicesRequest(_message.Message):
     __slots__ = ()

@@ -79,6 +79,11 @@ class CoordinatorStub:
                 request_serializer=protos_dot_coordinator__pb2.ListDevicesRequest.SerializeToString,
                 response_deserializer=protos_dot_coordinator__pb2.ListDevicesReply.FromString,
                 _registered_method=True)
+        self.ReportFailure = channel.unary_unary(
+                '/edgetrain.v1.Coordinator/ReportFailure',
+                request_serializer=protos_dot_coordinator__pb2.FailureReport.SerializeToString,
+                response_deserializer=protos_dot_coordinator__pb2.FailureAck.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -147,6 +152,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportFailure(self, request, context):
+        """A board cannot complete its work for (step, attempt), e.g. a pipeline neighbour failed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,6 +206,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ListDevices,
                     request_deserializer=protos_dot_coordinator__pb2.ListDevicesRequest.FromString,
                     response_serializer=protos_dot_coordinator__pb2.ListDevicesReply.SerializeToString,
+            ),
+            'ReportFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFailure,
+                    request_deserializer=protos_dot_coordinator__pb2.FailureReport.FromString,
+                    response_serializer=protos_dot_coordinator__pb2.FailureAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -439,6 +456,33 @@ class Coordinator:
             '/edgetrain.v1.Coordinator/ListDevices',
             protos_dot_coordinator__pb2.ListDevicesRequest.SerializeToString,
             protos_dot_coordinator__pb2.ListDevicesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/edgetrain.v1.Coordinator/ReportFailure',
+            protos_dot_coordinator__pb2.FailureReport.SerializeToString,
+            protos_dot_coordinator__pb2.FailureAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,123 @@
+"""A pipeline plan turned into one step's assignments, and a pipeline's results merged back.
+
+The plan (job `pipeline` section or its plan file) names, for each stage, how many consecutive
+blocks it holds and which boards host it. Every step the pipeline takes its samples (the global
+batch, less the DP shards' share), cuts them into micro-batches, and splits every micro-batch
+among a stage's hosts by rows in proportion to the hosts' measured speed. Each host uploads the
+gradients of its stage's parameters — partial sums whose total over hosts and micro-batches is
+the gradient of the mean loss over the pipeline's samples — so `merge_pipelines` adds them up
+and the pipeline enters the step's aggregation as one contribution, next to DP shards.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from coordinator.steps import Assignment, Contribution, StageAssignment, StageHostPlan
+from edgetrain.config import PipelineConfig
+from edgetrain.pipeline import (
+    split_microbatches,
+    split_rows,
+    stage_blocks,
+    stage_parameter_prefixes,
+)
+from edgetrain.split import SpeedEstimate, split_proportional
+from edgetrain.training import GRAD_PREFIX
+
+
+@dataclass(frozen=True)
+class Host:
+    """A plan board as the registry knows it."""
+
+    device_id: str
+    address: str
+    speed: SpeedEstimate
+
+
+def missing_boards(plan: PipelineConfig, hosts: Mapping[str, Host]) -> list[str]:
+    """Plan boards (by name) that are not ready, or serve no stage endpoint."""
+    names = [b for s in plan.stages for b in s.boards] + list(plan.dp_boards)
+    return [n for n in names if n not in hosts or (n not in plan.dp_boards and not hosts[n].address)]
+
+
+def assign(plan: PipelineConfig, *, step: int, attempt: int, indices: Sequence[int], block_names: Sequence[str],
+           hosts: Mapping[str, Host], augment: bool, data_seed: int) -> dict[str, Assignment]:
+    """Every plan board's work for one attempt of `step` (pipeline 0, plus DP shards)."""
+    total = len(indices)
+    dp_samples = round(plan.dp_share * total) if plan.dp_boards else 0
+    pipe = list(indices[: total - dp_samples])
+    sizes = split_microbatches(len(pipe), min(plan.microbatches, len(pipe)))
+    starts = [sum(sizes[:m]) for m in range(len(sizes))]
+    ranges = stage_blocks([s.blocks for s in plan.stages], len(block_names))
+    groups: list[tuple[StageHostPlan, ...]] = []
+    for stage in plan.stages:
+        weights = [hosts[b].speed.samples_per_s for b in stage.boards]
+        rows = [split_rows(size, weights) for size in sizes]
+        groups.append(tuple(StageHostPlan(hosts[b].device_id, hosts[b].address, tuple(r[j] for r in rows))
+                            for j, b in enumerate(stage.boards)))
+    out: dict[str, Assignment] = {}
+    for i, (begin, end) in enumerate(ranges):
+        for host in groups[i]:
+            stage = StageAssignment(
+                pipeline=0, stage=i, stages=len(ranges), first_block=begin, end_block=end,
+                prefixes=stage_parameter_prefixes(block_names, begin, end), schedule=plan.schedule,
+                indices=tuple(pipe), microbatch_sizes=tuple(sizes), hosts=groups[i],
+                prev_hosts=groups[i - 1] if i else (), next_hosts=groups[i + 1] if i + 1 < len(groups) else (),
+                pipeline_samples=len(pipe), timeout_s=plan.stage_timeout_s)
+            mine = tuple(pipe[starts[m] + r] for m, (b, e) in enumerate(host.rows) for r in range(b, e))
+            out[host.device_id] = Assignment(step, attempt, step, mine, augment, data_seed, stage=stage)
+    if dp_samples:
+        shares = split_proportional(dp_samples, {hosts[b].device_id: hosts[b].speed for b in plan.dp_boards})
+        at = total - dp_samples
+        for device_id, count in shares.items():
+            if count:
+                out[device_id] = Assignment(step, attempt, step, tuple(indices[at: at + count]), augment, data_seed)
+                at += count
+    return out
+
+
+def merge_pipelines(contributions: Sequence[Contribution]) -> list[Contribution]:
+    """One contribution per pipeline (its hosts' stage gradients summed), DP shards unchanged."""
+    out = [c for c in contributions if c.stage is None]
+    by_pipeline: dict[int, list[Contribution]] = defaultdict(list)
+    for c in contributions:
+        if c.stage is not None:
+            by_pipeline[c.stage.pipeline].append(c)
+    for pipeline, parts in sorted(by_pipeline.items()):
+        tensors: dict[str, torch.Tensor] = {}
+        buffer_rows: dict[str, int] = defaultdict(int)
+        for c in parts:
+            for name in c.tensors:
+                if not name.startswith(GRAD_PREFIX):
+                    buffer_rows[name] += c.samples
+        for c in parts:
+            for name, tensor in c.tensors.items():
+                weight = 1.0 if name.startswith(GRAD_PREFIX) else c.samples / buffer_rows[name]
+                if name in tensors:
+                    tensors[name].add_(tensor, alpha=weight)
+                else:
+                    tensors[name] = tensor.mul(weight) if weight != 1.0 else tensor.clone()
+        last = [c for c in parts if c.stage.stage == c.stage.stages - 1]
+        rows = sum(c.samples for c in last) or 1
+        energies = [c.energy_j for c in parts]
+        first = parts[0]
+        out.append(Contribution(
+            device_id=f"pipeline{pipeline}", samples=first.stage.pipeline_samples,
+            loss=sum(c.loss * c.samples for c in last) / rows, correct=sum(c.correct for c in last),
+            compute_s=max(c.compute_s for c in parts), download_s=max(c.download_s for c in parts),
+            encode_s=max(c.encode_s for c in parts), upload_s=max(c.upload_s for c in parts), tensors=tensors,
+            energy_j=None if None in energies else sum(energies), step=first.step,
+            param_version=min(c.param_version for c in parts), codec=first.codec,
+            wire_bytes=sum(c.wire_bytes for c in parts), wait_s=max(c.wait_s for c in parts),
+            peak_activation_bytes=max(c.peak_activation_bytes for c in parts)))
+    return out
+
+
+def complete(parts: Sequence[Contribution], assignments: Mapping[str, Assignment]) -> bool:
+    """Whether every pipeline host of the attempt answered (a pipeline is all or nothing)."""
+    hosts = {d for d, a in assignments.items() if a.stage is not None}
+    return hosts <= {c.device_id for c in parts}

@@ -1,0 +1,352 @@
+"""A board's part of a pipeline: its peer endpoint, and running its stage for one step.
+
+Every board serves `StagePeer` next to its client. When it hosts a stage, activations of each
+micro-batch arrive from the previous stage's hosts and leave for the next stage's hosts, and the
+gradients of those activations travel back the same way — directly board to board, chunked and
+checksummed like every other tensor stream; the coordinator only hands out the plan (which
+blocks, which rows of each micro-batch, the neighbours' addresses) and collects each host's
+stage gradients at the end of the step.
+
+A stage hosted by a group of boards splits every micro-batch by rows; a sender ships each
+receiver exactly the rows they share (`edgetrain.pipeline.overlaps`), so groups of any size sit
+next to each other. The loss of a micro-batch is its summed cross-entropy divided by the
+pipeline's samples, so the gradients of all hosts and micro-batches add up to the gradient of
+the mean loss — the coordinator sums a pipeline's partial gradients and obtains exactly what
+single-device training computes.
+
+Every wait on a peer is bounded: a neighbour that died or stalled ends the step with
+`StageFailure` naming it, within the step's stage timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+import torch
+from torch import nn
+
+from edgetrain import serde
+from edgetrain.data import make_batch
+from edgetrain.grpc_options import CHANNEL_OPTIONS, SERVER_OPTIONS
+from edgetrain.pipeline import overlaps, schedule
+from edgetrain.shaping import LinkShaper
+from edgetrain.tensors import ChunkAssembler, TransferError, iter_chunks, pack, unpack
+from edgetrain.training import BUFFER_PREFIX, GRAD_PREFIX, ShardResult
+from protos import coordinator_pb2 as pb
+from protos import stage_pb2 as spb
+from protos import stage_pb2_grpc as spb_grpc
+
+logger = logging.getLogger(__name__)
+
+SEND_ATTEMPTS = 3
+
+
+class StageFailure(Exception):
+    """The step cannot complete on this board (a neighbour failed or stalled)."""
+
+
+@dataclass(frozen=True)
+class _Key:
+    step: int
+    attempt: int
+    pipeline: int
+    microbatch: int
+    backward: bool
+    from_stage: int
+    row_begin: int
+    row_end: int
+
+
+class Mailbox:
+    """Tensors from peers, kept until the stage runner takes them (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._items: dict[_Key, torch.Tensor] = {}
+        self._floor = (-1, -1)
+
+    def put(self, key: _Key, tensor: torch.Tensor) -> None:
+        with self._cond:
+            if (key.step, key.attempt) < self._floor:
+                return  # for an attempt this board has moved past
+            self._items[key] = tensor
+            self._cond.notify_all()
+
+    def take(self, key: _Key, deadline: float, what: str) -> torch.Tensor:
+        with self._cond:
+            while key not in self._items:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise StageFailure(f"no {what} within the stage timeout")
+                self._cond.wait(remaining)
+            return self._items.pop(key)
+
+    def advance(self, step: int, attempt: int) -> None:
+        """Forget everything for attempts before (step, attempt) (a future step's tensors stay)."""
+        with self._cond:
+            self._floor = max(self._floor, (step, attempt))
+            for key in [k for k in self._items if (k.step, k.attempt) < self._floor]:
+                del self._items[key]
+
+
+class StagePeerServicer(spb_grpc.StagePeerServicer):
+    """Receives stage tensors into the mailbox; bad streams get precise status codes."""
+
+    def __init__(self, mailbox: Mailbox, shaper: LinkShaper | None = None) -> None:
+        self.mailbox = mailbox
+        self.shaper = shaper
+
+    def Send(self, request_iterator: Iterator[spb.StageMessage], context) -> spb.StageAck:
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "header":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a stage stream must start with a StageHeader")
+        h = first.header
+        try:
+            metas, total = serde.header_from_proto(h.bundle)
+            rows = h.row_end - h.row_begin
+            if len(metas) != 1 or metas[0].name != "x" or metas[0].dtype != "float32" or (
+                    not metas[0].shape or metas[0].shape[0] != rows):
+                raise TransferError("invalid_argument", f"stage tensor must be one float32 'x' with {rows} rows, "
+                                    f"got {[(m.name, m.dtype, list(m.shape)) for m in metas]}")
+            assembler = ChunkAssembler(total)
+            for message in request_iterator:
+                if message.WhichOneof("kind") != "chunk":
+                    raise TransferError("invalid_argument", "only chunks may follow the stage header")
+                if self.shaper:
+                    self.shaper.after_receive(len(message.chunk.data))
+                assembler.add(message.chunk.offset, message.chunk.data, message.chunk.crc32)
+            tensor = unpack(metas, assembler.payload())["x"]
+        except TransferError as e:
+            code = {"data_loss": grpc.StatusCode.DATA_LOSS, "out_of_range": grpc.StatusCode.OUT_OF_RANGE}.get(
+                e.kind, grpc.StatusCode.INVALID_ARGUMENT)
+            context.abort(code, str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.mailbox.put(_Key(h.step, h.attempt, h.pipeline, h.microbatch, h.backward, h.from_stage, h.row_begin,
+                              h.row_end), tensor)
+        return spb.StageAck(received_bytes=total)
+
+
+class StageEndpoint:
+    """This board's StagePeer server and its channels to peers."""
+
+    def __init__(self, bind: str = "0.0.0.0:0", *, shaper: LinkShaper | None = None,
+                 chunk_bytes: int = 512 * 1024) -> None:
+        self.mailbox = Mailbox()
+        self.shaper = shaper
+        self.chunk_bytes = chunk_bytes
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=SERVER_OPTIONS)
+        spb_grpc.add_StagePeerServicer_to_server(StagePeerServicer(self.mailbox, shaper), self._server)
+        self.port = self._server.add_insecure_port(bind)
+        if self.port == 0:
+            raise OSError(f"cannot bind the stage endpoint to {bind}")
+        self._server.start()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+        self._senders = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="stage-send")
+
+    def close(self) -> None:
+        """Stop serving and close the channels."""
+        self._senders.shutdown(wait=False, cancel_futures=True)
+        self._server.stop(grace=0.5)
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+
+    def send(self, address: str, header: spb.StageHeader, tensor: torch.Tensor, timeout_s: float) -> futures.Future:
+        """Ship `tensor` to the peer at `address` in the background; the future fails with StageFailure."""
+        return self._senders.submit(self._send, address, header, tensor.detach().contiguous(), timeout_s)
+
+    def _send(self, address: str, header: spb.StageHeader, tensor: torch.Tensor, timeout_s: float) -> None:
+        metas, payload = pack({"x": tensor})
+        header.bundle.CopyFrom(serde.header_to_proto(metas))
+        stub = spb_grpc.StagePeerStub(self._channel(address))
+        for attempt in range(SEND_ATTEMPTS):
+            try:
+                stub.Send(self._messages(header, payload), timeout=timeout_s)
+                return
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == SEND_ATTEMPTS - 1:
+                    raise StageFailure(f"sending to {header_target(header)} at {address} failed: "
+                                       f"{e.code().name} {e.details()}") from e
+                time.sleep(0.2 * 2**attempt)
+
+    def _messages(self, header: spb.StageHeader, payload) -> Iterator[spb.StageMessage]:
+        yield spb.StageMessage(header=header)
+        for chunk in iter_chunks(payload, chunk_bytes=self.chunk_bytes):
+            if self.shaper:
+                self.shaper.before_send(len(chunk.data))
+            yield spb.StageMessage(chunk=serde.chunk_to_proto(chunk))
+
+    def _channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            return self._channels[address]
+
+
+def header_target(header: spb.StageHeader) -> str:
+    direction = "gradients" if header.backward else "activations"
+    return f"{direction} of micro-batch {header.microbatch}"
+
+
+@dataclass
+class StageResult:
+    """What a stage host computed in one step."""
+
+    shard: ShardResult
+    wait_s: float
+    """Seconds spent waiting for peers (pipeline bubble plus transfer time)."""
+    peak_activation_bytes: int
+    """Most bytes of activations held for backward at any time."""
+    peer_bytes: int = 0
+    """Bytes of activations and gradients sent to neighbouring stages."""
+
+
+def _rows(host: pb.StageHost, m: int) -> tuple[int, int]:
+    return host.row_begin[m], host.row_end[m]
+
+
+def run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndpoint, device_id: str,
+              job_id: str) -> StageResult:
+    """Run this board's stage of one pipeline step (see the module docstring)."""
+    st = work.stage
+    s, stages, m_count = st.stage, st.stages, len(st.microbatch_sizes)
+    first, last = s == 0, s == stages - 1
+    me = next(i for i, h in enumerate(st.hosts) if h.device_id == device_id)
+    mine = st.hosts[me]
+    starts = [sum(st.microbatch_sizes[:m]) for m in range(m_count)]
+    deadline = time.monotonic() + st.timeout_s
+    endpoint.mailbox.advance(work.step, work.attempt)
+    blocks = model.block_modules(st.first_block, st.end_block)
+    stage_params = [p for b in blocks for p in b.parameters()]
+    for p in stage_params:
+        p.grad = None
+    model.train()
+
+    local_x, local_y, offsets = None, None, {}
+    if first or last:  # inputs and labels come from this board's own copy of the data
+        rows = [(m, *_rows(mine, m)) for m in range(m_count)]
+        idx = [int(st.indices[starts[m] + r]) for m, b, e in rows for r in range(b, e)]
+        local_x, local_y = make_batch(dataset, idx, augment=work.augment, seed=work.data_seed, step=work.step)
+        at = 0
+        for m, b, e in rows:
+            offsets[m] = (at, at + e - b)
+            at += e - b
+
+    def header(m: int, backward: bool, begin: int, end: int) -> spb.StageHeader:
+        return spb.StageHeader(job_id=job_id, step=work.step, attempt=work.attempt, pipeline=st.pipeline,
+                               microbatch=m, backward=backward, from_stage=s, row_begin=begin, row_end=end,
+                               from_device=device_id)
+
+    group = st.hosts
+
+    def receive(m: int, backward: bool, peers) -> torch.Tensor:
+        pieces = []
+        for sender, receiver, begin, end in overlaps([_rows(h, m) for h in peers], [_rows(h, m) for h in group]):
+            if receiver != me:
+                continue
+            peer = peers[sender]
+            key = _Key(work.step, work.attempt, st.pipeline, m, backward, s + (1 if backward else -1), begin, end)
+            what = (f"{'gradients' if backward else 'activations'} of micro-batch {m} rows {begin}-{end} from "
+                    f"stage {key.from_stage} host {peer.device_id}")
+            pieces.append((begin, endpoint.mailbox.take(key, deadline, what)))
+        pieces.sort(key=lambda piece: piece[0])
+        return torch.cat([t for _, t in pieces]) if len(pieces) > 1 else pieces[0][1]
+
+    sends: list[futures.Future] = []
+    shipped = [0]
+
+    def ship(m: int, backward: bool, tensor: torch.Tensor, peers) -> None:
+        my_begin, _ = _rows(mine, m)
+        for sender, receiver, begin, end in overlaps([_rows(h, m) for h in group], [_rows(h, m) for h in peers]):
+            if sender != me:
+                continue
+            peer = peers[receiver]
+            shipped[0] += (end - begin) * tensor[0].numel() * tensor.element_size()
+            sends.append(endpoint.send(peer.address, header(m, backward, begin, end),
+                                       tensor[begin - my_begin:end - my_begin], max(1.0, deadline - time.monotonic())))
+
+    saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+    held = peak = 0
+    wait_s = compute_s = 0.0
+    loss_sum, correct, rows_done = 0.0, 0, 0
+    for op in schedule(st.schedule, stages, m_count, s):
+        m = op.microbatch
+        b, e = _rows(mine, m)
+        if e == b:
+            continue  # this host has no rows of this micro-batch
+        if op.kind == "F":
+            if first:
+                lo, hi = offsets[m]
+                inp = local_x[lo:hi]
+            else:
+                started = time.perf_counter()
+                inp = receive(m, False, st.prev_hosts).requires_grad_()
+                wait_s += time.perf_counter() - started
+            started = time.perf_counter()
+            out = _forward(blocks, inp)
+            if last:
+                lo, hi = offsets[m]
+                y = local_y[lo:hi]
+                loss = nn.functional.cross_entropy(out, y, reduction="sum") / st.pipeline_samples
+                loss_sum += float(loss.detach()) * st.pipeline_samples
+                correct += int((out.detach().argmax(dim=1) == y).sum())
+                rows_done += e - b
+                saved[m] = (None if first else inp, loss)
+            else:
+                ship(m, False, out.detach(), st.next_hosts)
+                saved[m] = (None if first else inp, out)
+            compute_s += time.perf_counter() - started
+            held += sum(t.numel() * t.element_size() for t in saved[m] if t is not None and t.dim())
+            peak = max(peak, held)
+        else:
+            inp, out = saved.pop(m)
+            if last:
+                started = time.perf_counter()
+                out.backward()
+            else:
+                started_wait = time.perf_counter()
+                grad = receive(m, True, st.next_hosts)
+                wait_s += time.perf_counter() - started_wait
+                started = time.perf_counter()
+                out.backward(grad)
+            if not first:
+                ship(m, True, inp.grad, st.prev_hosts)
+            compute_s += time.perf_counter() - started
+            held -= sum(t.numel() * t.element_size() for t in (inp, out) if t is not None and t.dim())
+    for future in sends:
+        try:
+            future.result(timeout=max(0.1, deadline - time.monotonic()))
+        except futures.TimeoutError:
+            raise StageFailure("sending to the neighbouring stage did not finish within the stage timeout") from None
+    tensors = {}
+    prefixes = tuple(f"blocks.{name}." for name in _block_names(model, st.first_block, st.end_block))
+    for name, p in model.named_parameters():
+        if name.startswith(prefixes):
+            tensors[GRAD_PREFIX + name] = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+    for name, buf in model.named_buffers():
+        if name.startswith(prefixes) and buf.is_floating_point():
+            tensors[BUFFER_PREFIX + name] = buf.detach()
+    samples = sum(_rows(mine, m)[1] - _rows(mine, m)[0] for m in range(m_count))
+    shard = ShardResult(loss=loss_sum / rows_done if rows_done else 0.0, correct=correct, samples=samples,
+                        tensors=tensors)
+    del compute_s
+    return StageResult(shard, wait_s, peak, shipped[0])
+
+
+def _forward(blocks, x: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        x = block(x)
+    return x
+
+
+def _block_names(model: nn.Module, begin: int, end: int) -> list[str]:
+    """Module keys of blocks [begin, end): parameter names start with blocks.<key>."""
+    return list(model.blocks.keys())[begin:end]

@@ -1,0 +1,47 @@
+from protos import tensor_pb2 as _tensor_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StageHeader(_message.Message):
+    __slots__ = ("job_id", "step", "attempt", "pipeline", "microbatch", "backward", "from_stage", "row_begin", "row_end", "from_device", "bundle")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
+    ROW_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    ROW_END_FIELD_NUMBER: _ClassVar[int]
+    FROM_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    step: int
+    attempt: int
+    pipeline: int
+    microbatch: int
+    backward: bool
+    from_stage: int
+    row_begin: int
+    row_end: int
+    from_device: str
+    bundle: _tensor_pb2.BundleHeader
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., pipeline: _Optional[int] = ..., microbatch: _Optional[int] = ..., backward: _Optional[bool] = ..., from_stage: _Optional[int] = ..., row_begin: _Optional[int] = ..., row_end: _Optional[int] = ..., from_device: _Optional[str] = ..., bundle: _Optional[_Union[_tensor_pb2.BundleHeader, _Mapping]] = ...) -> None: ...
+
+class StageMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: StageHeader
+    chunk: _tensor_pb2.Chunk
+    def __init__(self, header: _Optional[_Union[StageHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
+
+class StageAck(_message.Message):
+    __slots__ = ("received_bytes",)
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
