@@ -17,7 +17,7 @@ from coordinator.registry import DeviceRegistry
 from coordinator.report import summarize, summary_table
 from coordinator.servicer import CoordinatorServicer, create_server
 from coordinator.steps import StepBoard
-from coordinator.trainer import DataParallelTrainer
+from coordinator.trainer import Trainer
 from edgetrain.config import JobConfig, job_to_dict
 from edgetrain.data import dataset_is_synthetic, load_dataset
 from edgetrain.models import build_model
@@ -25,6 +25,17 @@ from edgetrain.training import shard_tensor_names
 from edgetrain.updates import UpdateFormats
 
 logger = logging.getLogger(__name__)
+
+
+def check_plan(plan, model) -> None:
+    """Refuse a pipeline plan whose stages do not cover the model's blocks exactly."""
+    from edgetrain.config import ConfigError
+    from edgetrain.pipeline import stage_blocks
+
+    try:
+        stage_blocks([s.blocks for s in plan.stages], len(model.block_names))
+    except ValueError as e:
+        raise ConfigError(f"pipeline.stages: {e} ({', '.join(model.block_names)})") from None
 
 
 def profile_batch_sizes(global_batch: int) -> list[int]:
@@ -59,6 +70,8 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
     test_set = load_dataset(job.dataset, train=False)
     if dataset_is_synthetic(job.dataset):
         logger.info("[Coordinator] dataset: SYNTHETIC CIFAR-shaped data (seed %d), not CIFAR-10", job.dataset.seed)
+    if job.pipeline.stages:
+        check_plan(job.pipeline, model)
     registry = DeviceRegistry()
     formats = UpdateFormats(shard_tensor_names(model))
     board = StepBoard(formats)
@@ -66,7 +79,7 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
     store = ParameterStore(job.compression.downlink, keep_full=keep_full)
     servicer = CoordinatorServicer(job, registry, board, store, profile_batch_sizes(job.training.global_batch),
                                    cluster=cluster)
-    trainer = DataParallelTrainer(job, registry, board, model, train_size, test_set, run_dir, stop,
+    trainer = Trainer(job, registry, board, model, train_size, test_set, run_dir, stop,
                                   store=store, formats=formats)
     server, port = create_server(bind, servicer)
     advertiser = None

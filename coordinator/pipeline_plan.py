@@ -48,7 +48,7 @@ def assign(plan: PipelineConfig, *, step: int, attempt: int, indices: Sequence[i
            hosts: Mapping[str, Host], augment: bool, data_seed: int) -> dict[str, Assignment]:
     """Every plan board's work for one attempt of `step` (pipeline 0, plus DP shards)."""
     total = len(indices)
-    dp_samples = round(plan.dp_share * total) if plan.dp_boards else 0
+    dp_samples = min(round(plan.dp_share * total), total - 1) if plan.dp_boards else 0
     pipe = list(indices[: total - dp_samples])
     sizes = split_microbatches(len(pipe), min(plan.microbatches, len(pipe)))
     starts = [sum(sizes[:m]) for m in range(len(sizes))]

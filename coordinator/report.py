@@ -7,7 +7,7 @@ from edgetrain.data import dataset_is_synthetic
 
 
 def summarize(job: JobConfig, final_eval: dict, trainer, devices) -> dict:
-    """Plain-data summary of a finished run (`trainer` is a DataParallelTrainer)."""
+    """Plain-data summary of a finished run (`trainer` is a Trainer)."""
     total = sum(r.stats["samples"] for r in devices) or 1
     rows = []
     for record in devices:

@@ -133,7 +133,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         sample = serde.telemetry_from_proto(request.telemetry) if request.HasField("telemetry") else None
         self._registry.heartbeat(request.device_id, sample)
-        return pb.HeartbeatReply()
+        newest = self._board.newest()
+        return pb.HeartbeatReply(newest_step=newest[0], newest_attempt=newest[1]) if newest else pb.HeartbeatReply()
 
     @_guarded("Probe")
     def Probe(self, request: pb.ProbeRequest, context) -> pb.ProbeReply:

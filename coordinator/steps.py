@@ -247,6 +247,11 @@ class StepBoard:
             for key in [k for k in self._tickets if k[1] == step]:
                 self._close(key)
 
+    def newest(self) -> tuple[int, int] | None:
+        """The newest (step, attempt) opened, or None before the first."""
+        with self._cond:
+            return self._current
+
     def busy(self) -> set[str]:
         """Devices holding an open, unanswered ticket (still computing an earlier step)."""
         with self._cond:

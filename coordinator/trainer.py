@@ -42,6 +42,7 @@ from coordinator.registry import DeviceRegistry
 from coordinator.steps import Assignment, AttemptOutcome, Contribution, LocalWork, StepBoard
 from edgetrain.config import JobConfig, OptimizerConfig, PipelineConfig, load_pipeline_plan
 from edgetrain.data import make_batch
+from edgetrain.pipeline import stage_blocks
 from edgetrain.sampling import batch_indices, epoch_of
 from edgetrain.split import SpeedEstimate, predicted_step_seconds, split_equal, split_proportional
 from edgetrain.training import evaluate, lr_factor, make_optimizer, set_learning_rate, state_tensors
@@ -80,8 +81,9 @@ class StepRecord:
     """Failed attempts of a pipeline step: when, and which board failed how."""
 
 
-class DataParallelTrainer:
-    """Runs one job's steps over the devices in `registry`, through `board`."""
+class Trainer:
+    """Runs one job's steps — data parallel, federated or pipelined — over the devices in
+    `registry`, through `board`."""
 
     def __init__(self, job: JobConfig, registry: DeviceRegistry, board: StepBoard, model: torch.nn.Module,
                  train_size: int, test_set, run_dir: Path, stop: threading.Event | None = None, *,
@@ -194,13 +196,16 @@ class DataParallelTrainer:
                 plan, assignments = self._pipeline_assignments(step, attempt, indices)
                 self.board.open_attempt(assignments)
                 opened = time.monotonic()
-                timeout = cfg.step_timeout_s or plan.stage_timeout_s + 10.0
+                timeout = cfg.step_timeout_s or 3 * plan.stage_timeout_s + 30.0  # a backstop: hosts report sooner
                 outcome = self.board.wait_attempt(step, attempt, opened + timeout, self.registry.is_alive,
                                                   all_or_nothing=True)
                 if self.stop.is_set():
                     raise JobAborted(f"stopped during step {step}")
                 if self._pipeline_done(step, attempt, outcome, assignments):
                     break
+                # give a board that died time to miss its heartbeats: the next attempt then waits
+                # for a plan without it instead of failing again at once
+                self.stop.wait(cfg.heartbeat_timeout_s)
                 continue
             speeds = self._available(step)
             shares = self._split(len(indices), speeds)
@@ -257,11 +262,20 @@ class DataParallelTrainer:
         plan = self.job.pipeline
         if not plan.plan_file:
             return plan
-        mtime = Path(plan.plan_file).stat().st_mtime
-        if self._plan_cache is None or self._plan_cache[0] != mtime:
-            self._plan_cache = (mtime, load_pipeline_plan(plan.plan_file))
-            logger.info("[Coordinator.Trainer] pipeline plan from %s: %s", plan.plan_file, describe_plan(
-                self._plan_cache[1]))
+        cached = self._plan_cache
+        try:
+            mtime = Path(plan.plan_file).stat().st_mtime
+            if cached is None or cached[0] != mtime:
+                fresh = load_pipeline_plan(plan.plan_file)
+                stage_blocks([s.blocks for s in fresh.stages], len(self.model.block_names))
+                self._plan_cache = (mtime, fresh)
+                logger.info("[Coordinator.Trainer] pipeline plan from %s: %s", plan.plan_file, describe_plan(fresh))
+        except (OSError, ValueError) as e:  # ConfigError is a ValueError
+            if cached is None:
+                raise JobAborted(f"pipeline plan {plan.plan_file}: {e}") from None
+            logger.error("[Coordinator.Trainer] pipeline plan %s refused (%s); keeping the previous plan",
+                         plan.plan_file, e)
+            self._plan_cache = (mtime if isinstance(e, ValueError) else cached[0], cached[1])
         return self._plan_cache[1]
 
     def _pipeline_assignments(self, step: int, attempt: int, indices: list[int]):

@@ -100,12 +100,13 @@ class CoordinatorConnection:
         """Send the join-time profile."""
         self._retrying(lambda: self._stub.ReportProfile(report, timeout=30))
 
-    def heartbeat(self, device_id: str, telemetry: pb.Telemetry | None = None) -> None:
+    def heartbeat(self, device_id: str, telemetry: pb.Telemetry | None = None) -> pb.HeartbeatReply:
         """One liveness ping with a telemetry sample (no retry: the next one follows soon)."""
         started = time.perf_counter()
         self._delay()
-        self._stub.Heartbeat(pb.HeartbeatRequest(device_id=device_id, telemetry=telemetry), timeout=10)
+        reply = self._stub.Heartbeat(pb.HeartbeatRequest(device_id=device_id, telemetry=telemetry), timeout=10)
         self.link.observe_rtt(time.perf_counter() - started)
+        return reply
 
     def probe(self, device_id: str, payload: bytes) -> None:
         """Send `payload` to the coordinator and wait for the acknowledgement (a link probe)."""

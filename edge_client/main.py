@@ -11,7 +11,7 @@ from edge_client.discovery import default_interfaces, find_coordinator
 from edge_client.emulation import BoardEmulation
 from edge_client.profiler import set_threads, torch_threads_for
 from edge_client.telemetry import LinkMeter
-from edge_client.worker import BATTERY_EMPTY, ClientOptions, DataParallelWorker
+from edge_client.worker import BATTERY_EMPTY, ClientOptions, EdgeWorker
 from edgetrain.throttle import limit_cpu
 
 logger = logging.getLogger(__name__)
@@ -44,13 +44,13 @@ def run_client(address: str | None, options: ClientOptions, *, threads: int | No
         if options.emulated_speed:
             logger.info("[Client] %s emulates %.2f of a core (%s)", options.name, options.emulated_speed,
                         limiter.mode)
-        worker: DataParallelWorker | None = None
+        worker: EdgeWorker | None = None
         try:
             while True:
                 conn = CoordinatorConnection(address or _discover(cluster, interfaces), shaper=emulation.shaper,
                                              link=link)
                 if worker is None:
-                    worker = DataParallelWorker(conn, options, limiter, emulation)
+                    worker = EdgeWorker(conn, options, limiter, emulation)
                 worker.conn = conn
                 try:
                     return worker.run()

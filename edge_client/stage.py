@@ -15,15 +15,17 @@ the mean loss — the coordinator sums a pipeline's partial gradients and obtain
 single-device training computes.
 
 Every wait on a peer is bounded: a neighbour that died or stalled ends the step with
-`StageFailure` naming it, within the step's stage timeout.
+`StageFailure` naming it, within the stage timeout; so does the coordinator opening a newer
+attempt (heard with the heartbeat), so the hosts of a failed attempt are free again at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -61,6 +63,8 @@ class _Key:
     from_stage: int
     row_begin: int
     row_end: int
+    from_device: str
+    """The sender's registration: a message from an earlier run of the coordinator never matches."""
 
 
 class Mailbox:
@@ -70,6 +74,7 @@ class Mailbox:
         self._cond = threading.Condition()
         self._items: dict[_Key, torch.Tensor] = {}
         self._floor = (-1, -1)
+        self._newest = (-1, -1)
 
     def put(self, key: _Key, tensor: torch.Tensor) -> None:
         with self._cond:
@@ -78,14 +83,34 @@ class Mailbox:
             self._items[key] = tensor
             self._cond.notify_all()
 
-    def take(self, key: _Key, deadline: float, what: str) -> torch.Tensor:
+    def take(self, key: _Key, timeout_s: float, what: str, check: Callable[[], None] = lambda: None) -> torch.Tensor:
+        """The tensor for `key`; StageFailure after `timeout_s` without it, or as soon as the
+        coordinator opened a newer attempt (this one is dead), or when `check` raises."""
+        deadline = time.monotonic() + timeout_s
         with self._cond:
             while key not in self._items:
+                if (key.step, key.attempt) < self._newest:
+                    raise StageFailure(f"step {key.step} attempt {key.attempt} was closed by the coordinator "
+                                       f"while waiting for {what}")
+                check()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise StageFailure(f"no {what} within the stage timeout")
-                self._cond.wait(remaining)
+                    raise StageFailure(f"no {what} within the stage timeout ({timeout_s:g} s)")
+                self._cond.wait(min(remaining, 0.5))
             return self._items.pop(key)
+
+    def supersede(self, step: int, attempt: int) -> None:
+        """The coordinator's newest attempt: waits for older ones end at once."""
+        with self._cond:
+            if (step, attempt) > self._newest:
+                self._newest = (step, attempt)
+                self._cond.notify_all()
+
+    def reset(self) -> None:
+        """Forget everything (a new registration: the coordinator may have restarted)."""
+        with self._cond:
+            self._items.clear()
+            self._floor = self._newest = (-1, -1)
 
     def advance(self, step: int, attempt: int) -> None:
         """Forget everything for attempts before (step, attempt) (a future step's tensors stay)."""
@@ -129,7 +154,7 @@ class StagePeerServicer(spb_grpc.StagePeerServicer):
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self.mailbox.put(_Key(h.step, h.attempt, h.pipeline, h.microbatch, h.backward, h.from_stage, h.row_begin,
-                              h.row_end), tensor)
+                              h.row_end, h.from_device), tensor)
         return spb.StageAck(received_bytes=total)
 
 
@@ -169,6 +194,8 @@ class StageEndpoint:
         stub = spb_grpc.StagePeerStub(self._channel(address))
         for attempt in range(SEND_ATTEMPTS):
             try:
+                if self.shaper:
+                    self.shaper.rpc_delay()
                 stub.Send(self._messages(header, payload), timeout=timeout_s)
                 return
             except grpc.RpcError as e:
@@ -214,25 +241,40 @@ def _rows(host: pb.StageHost, m: int) -> tuple[int, int]:
 
 
 def run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndpoint, device_id: str,
-              job_id: str) -> StageResult:
-    """Run this board's stage of one pipeline step (see the module docstring)."""
+              job_id: str, limiter=None) -> StageResult:
+    """Run this board's stage of one pipeline step (see the module docstring).
+
+    Any error (a neighbour failing, a malformed tensor from a peer) becomes StageFailure, so the
+    board reports it and stays available.
+    """
+    try:
+        return _run_stage(model, work, dataset, endpoint, device_id, job_id, limiter)
+    except StageFailure:
+        raise
+    except Exception as e:  # a peer's tensor that does not fit, or a bug: the board must survive it
+        logger.exception("[Client.Stage] step %d failed", work.step)
+        raise StageFailure(f"{type(e).__name__}: {e}") from e
+
+
+def _run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndpoint, device_id: str,
+               job_id: str, limiter) -> StageResult:
     st = work.stage
     s, stages, m_count = st.stage, st.stages, len(st.microbatch_sizes)
     first, last = s == 0, s == stages - 1
     me = next(i for i, h in enumerate(st.hosts) if h.device_id == device_id)
     mine = st.hosts[me]
+    group = st.hosts
     starts = [sum(st.microbatch_sizes[:m]) for m in range(m_count)]
-    deadline = time.monotonic() + st.timeout_s
-    endpoint.mailbox.advance(work.step, work.attempt)
+    working = limiter.working if limiter is not None else contextlib.nullcontext
     blocks = model.block_modules(st.first_block, st.end_block)
-    stage_params = [p for b in blocks for p in b.parameters()]
-    for p in stage_params:
-        p.grad = None
+    for block in blocks:
+        for p in block.parameters():
+            p.grad = None
     model.train()
 
     local_x, local_y, offsets = None, None, {}
-    if first or last:  # inputs and labels come from this board's own copy of the data
-        rows = [(m, *_rows(mine, m)) for m in range(m_count)]
+    rows = [(m, *_rows(mine, m)) for m in range(m_count)]
+    if (first or last) and any(e > b for _, b, e in rows):  # inputs and labels from the board's own data
         idx = [int(st.indices[starts[m] + r]) for m, b, e in rows for r in range(b, e)]
         local_x, local_y = make_batch(dataset, idx, augment=work.augment, seed=work.data_seed, step=work.step)
         at = 0
@@ -245,7 +287,13 @@ def run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndpo
                                microbatch=m, backward=backward, from_stage=s, row_begin=begin, row_end=end,
                                from_device=device_id)
 
-    group = st.hosts
+    sends: list[futures.Future] = []
+    shipped = [0]
+
+    def check_sends() -> None:
+        for future in sends:
+            if future.done() and future.exception() is not None:
+                raise future.exception()
 
     def receive(m: int, backward: bool, peers) -> torch.Tensor:
         pieces = []
@@ -253,15 +301,13 @@ def run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndpo
             if receiver != me:
                 continue
             peer = peers[sender]
-            key = _Key(work.step, work.attempt, st.pipeline, m, backward, s + (1 if backward else -1), begin, end)
+            key = _Key(work.step, work.attempt, st.pipeline, m, backward, s + (1 if backward else -1), begin, end,
+                       peer.device_id)
             what = (f"{'gradients' if backward else 'activations'} of micro-batch {m} rows {begin}-{end} from "
                     f"stage {key.from_stage} host {peer.device_id}")
-            pieces.append((begin, endpoint.mailbox.take(key, deadline, what)))
+            pieces.append((begin, endpoint.mailbox.take(key, st.timeout_s, what, check_sends)))
         pieces.sort(key=lambda piece: piece[0])
         return torch.cat([t for _, t in pieces]) if len(pieces) > 1 else pieces[0][1]
-
-    sends: list[futures.Future] = []
-    shipped = [0]
 
     def ship(m: int, backward: bool, tensor: torch.Tensor, peers) -> None:
         my_begin, _ = _rows(mine, m)
@@ -271,73 +317,77 @@ def run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndpo
             peer = peers[receiver]
             shipped[0] += (end - begin) * tensor[0].numel() * tensor.element_size()
             sends.append(endpoint.send(peer.address, header(m, backward, begin, end),
-                                       tensor[begin - my_begin:end - my_begin], max(1.0, deadline - time.monotonic())))
+                                       tensor[begin - my_begin:end - my_begin], st.timeout_s))
 
     saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
     held = peak = 0
-    wait_s = compute_s = 0.0
+    wait_s = 0.0
     loss_sum, correct, rows_done = 0.0, 0, 0
-    for op in schedule(st.schedule, stages, m_count, s):
-        m = op.microbatch
-        b, e = _rows(mine, m)
-        if e == b:
-            continue  # this host has no rows of this micro-batch
-        if op.kind == "F":
-            if first:
-                lo, hi = offsets[m]
-                inp = local_x[lo:hi]
+    try:
+        for op in schedule(st.schedule, stages, m_count, s):
+            m = op.microbatch
+            b, e = _rows(mine, m)
+            if e == b:
+                continue  # this host has no rows of this micro-batch
+            if op.kind == "F":
+                if first:
+                    lo, hi = offsets[m]
+                    inp = local_x[lo:hi]
+                else:
+                    started = time.perf_counter()
+                    inp = receive(m, False, st.prev_hosts).requires_grad_()
+                    wait_s += time.perf_counter() - started
+                with working():
+                    out = _forward(blocks, inp)
+                    if last:
+                        lo, hi = offsets[m]
+                        y = local_y[lo:hi]
+                        loss = nn.functional.cross_entropy(out, y, reduction="sum") / st.pipeline_samples
+                        loss_sum += float(loss.detach()) * st.pipeline_samples
+                        correct += int((out.detach().argmax(dim=1) == y).sum())
+                        rows_done += e - b
+                        saved[m] = (None if first else inp, loss)
+                    else:
+                        saved[m] = (None if first else inp, out)
+                if not last:
+                    ship(m, False, out.detach(), st.next_hosts)
+                held += sum(t.numel() * t.element_size() for t in saved[m] if t is not None and t.dim())
+                peak = max(peak, held)
             else:
-                started = time.perf_counter()
-                inp = receive(m, False, st.prev_hosts).requires_grad_()
-                wait_s += time.perf_counter() - started
-            started = time.perf_counter()
-            out = _forward(blocks, inp)
-            if last:
-                lo, hi = offsets[m]
-                y = local_y[lo:hi]
-                loss = nn.functional.cross_entropy(out, y, reduction="sum") / st.pipeline_samples
-                loss_sum += float(loss.detach()) * st.pipeline_samples
-                correct += int((out.detach().argmax(dim=1) == y).sum())
-                rows_done += e - b
-                saved[m] = (None if first else inp, loss)
-            else:
-                ship(m, False, out.detach(), st.next_hosts)
-                saved[m] = (None if first else inp, out)
-            compute_s += time.perf_counter() - started
-            held += sum(t.numel() * t.element_size() for t in saved[m] if t is not None and t.dim())
-            peak = max(peak, held)
-        else:
-            inp, out = saved.pop(m)
-            if last:
-                started = time.perf_counter()
-                out.backward()
-            else:
-                started_wait = time.perf_counter()
-                grad = receive(m, True, st.next_hosts)
-                wait_s += time.perf_counter() - started_wait
-                started = time.perf_counter()
-                out.backward(grad)
-            if not first:
-                ship(m, True, inp.grad, st.prev_hosts)
-            compute_s += time.perf_counter() - started
-            held -= sum(t.numel() * t.element_size() for t in (inp, out) if t is not None and t.dim())
-    for future in sends:
-        try:
-            future.result(timeout=max(0.1, deadline - time.monotonic()))
-        except futures.TimeoutError:
-            raise StageFailure("sending to the neighbouring stage did not finish within the stage timeout") from None
+                inp, out = saved.pop(m)
+                grad = None
+                if not last:
+                    started = time.perf_counter()
+                    grad = receive(m, True, st.next_hosts)
+                    wait_s += time.perf_counter() - started
+                with working():
+                    out.backward(grad)
+                if not first:
+                    ship(m, True, inp.grad, st.prev_hosts)
+                held -= sum(t.numel() * t.element_size() for t in (inp, out) if t is not None and t.dim())
+        started = time.perf_counter()
+        for future in sends:
+            try:
+                future.result(timeout=st.timeout_s)
+            except futures.TimeoutError:
+                raise StageFailure(f"sending to a neighbouring stage did not finish within {st.timeout_s:g} s") from None
+        wait_s += time.perf_counter() - started
+    except BaseException:
+        for future in sends:
+            future.cancel()
+        raise
+    keys = _block_names(model, st.first_block, st.end_block)
+    prefixes = tuple(f"blocks.{key}." for key in keys)
     tensors = {}
-    prefixes = tuple(f"blocks.{name}." for name in _block_names(model, st.first_block, st.end_block))
     for name, p in model.named_parameters():
         if name.startswith(prefixes):
             tensors[GRAD_PREFIX + name] = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
     for name, buf in model.named_buffers():
         if name.startswith(prefixes) and buf.is_floating_point():
             tensors[BUFFER_PREFIX + name] = buf.detach()
-    samples = sum(_rows(mine, m)[1] - _rows(mine, m)[0] for m in range(m_count))
+    samples = sum(e - b for _, b, e in rows)
     shard = ShardResult(loss=loss_sum / rows_done if rows_done else 0.0, correct=correct, samples=samples,
                         tensors=tensors)
-    del compute_s
     return StageResult(shard, wait_s, peak, shipped[0])
 
 

@@ -120,8 +120,9 @@ def _rejoin_if_forgotten(call: Callable[[], T]) -> T:
         raise
 
 
-class DataParallelWorker:
-    """Runs one board's part of a data-parallel job until the coordinator says it is finished."""
+class EdgeWorker:
+    """Runs one board's part of a job — data-parallel shards, federated rounds, pipeline stages —
+    until the coordinator says it is finished."""
 
     def __init__(self, conn: CoordinatorConnection, options: ClientOptions, limiter: CpuLimiter,
                  emulation: BoardEmulation) -> None:
@@ -169,6 +170,8 @@ class DataParallelWorker:
                 logger.warning("[Client] coordinator forgot %s; joining again", self.device_id)
                 # the coordinator may have restarted: what this board holds may not be its view
                 self._version, self._loaded, self._view, self._feedback = -1, -1, {}, ErrorFeedback()
+                self._stage_loaded = None
+                self.endpoint.mailbox.reset()
             finally:
                 stop_beat.set()
 
@@ -185,6 +188,9 @@ class DataParallelWorker:
 
     def _setup(self, job: pb.JobSpec) -> None:
         self._job, self._version, self._loaded, self._view = job, -1, -1, {}
+        self._stage_loaded = None
+        if self.endpoint is not None:
+            self.endpoint.mailbox.reset()
         self._deltas, self._feedback = {}, ErrorFeedback()
         spec = serde.dataset_from_proto(job.dataset, data_dir=self.options.data_dir,
                                         download=self.options.download)
@@ -201,7 +207,9 @@ class DataParallelWorker:
         while not stop.wait(interval_s):
             try:
                 self.emulation.refresh()
-                self.conn.heartbeat(self.device_id, serde.telemetry_to_proto(self.telemetry.sample()))
+                reply = self.conn.heartbeat(self.device_id, serde.telemetry_to_proto(self.telemetry.sample()))
+                if reply.HasField("newest_step") and self.endpoint is not None:
+                    self.endpoint.mailbox.supersede(reply.newest_step, reply.newest_attempt)
                 if self.conn.link.age_s() > self.options.probe_interval_s and not self.conn.transferring and (
                         time.monotonic() - last_probe > self.options.probe_interval_s):
                     probe_link(lambda payload: self.conn.probe(self.device_id, payload), self.conn.link)
@@ -229,6 +237,8 @@ class DataParallelWorker:
     def _do_step(self, work: pb.StepWork) -> None:
         """One assignment; a refusal (stale version, closed step) only abandons this step."""
         try:
+            if self.endpoint is not None:
+                self.endpoint.mailbox.advance(work.step, work.attempt)
             with self.emulation.energy.busy():
                 compute = self._compute_stage if work.HasField("stage") else self._compute_step
                 header, payload, commit = compute(work)
@@ -295,11 +305,11 @@ class DataParallelWorker:
             prefixes = [f"blocks.{key}." for key in list(self._model.blocks.keys())[st.first_block:st.end_block]]
             metas, payload = self.conn.download_parameters(self.device_id, work.param_version, prefixes=prefixes)
             load_state_tensors(self._model, unpack(metas, payload))
-            self._stage_loaded, self._version, self._loaded = loaded, -1, -1  # the full view is gone
+            self._stage_loaded, self._version, self._loaded, self._view = loaded, -1, -1, {}  # the view is gone
         download_s = time.perf_counter() - started
         started = time.perf_counter()
-        with self.limiter.working():
-            result = run_stage(self._model, work, self._dataset, self.endpoint, self.device_id, self._job.job_id)
+        result = run_stage(self._model, work, self._dataset, self.endpoint, self.device_id, self._job.job_id,
+                           self.limiter)
         compute_s = time.perf_counter() - started - result.wait_s
         self._stage_loaded = None if self._has_running_stats() else self._stage_loaded
         started = time.perf_counter()

@@ -259,10 +259,9 @@ class PipelineConfig:
     dp_boards: list = field(default_factory=list)
     """Boards that join as data-parallel shards (whole model) next to the pipeline."""
     dp_share: float = 0.0
-    """Fraction of the global batch the DP shards get (0: in proportion to their measured speed
-    against the pipeline's measured speed)."""
+    """Fraction of the global batch the DP shards get (required with dp_boards)."""
     stage_timeout_s: float = 60.0
-    """Longest a stage host waits for a neighbour before it gives the step up."""
+    """Longest a stage host waits for a neighbour (each wait) before it gives the step up."""
     plan_file: str = ""
     """A YAML file holding this section's keys; re-read when it changes (re-plan by hand)."""
 
@@ -272,6 +271,8 @@ class PipelineConfig:
         _require(self.microbatches >= 1, "microbatches", self.microbatches, "must be >= 1")
         _require(self.schedule in SCHEDULES, "schedule", self.schedule, f"must be one of {SCHEDULES}")
         _require(0 <= self.dp_share < 1, "dp_share", self.dp_share, "must be in [0, 1)")
+        _require(not self.dp_boards or self.dp_share > 0, "dp_share", self.dp_share,
+                 "must be > 0 when dp_boards are given (their share of the global batch)")
         _require(self.stage_timeout_s > 0, "stage_timeout_s", self.stage_timeout_s, "must be > 0")
         if self.stages:
             stages = [s if isinstance(s, StageConfig) else _build(StageConfig, s, f"stages[{i}]")

@@ -158,8 +158,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("newest_step", "newest_attempt")
+    NEWEST_STEP_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    newest_step: int
+    newest_attempt: int
+    def __init__(self, newest_step: _Optional[int] = ..., newest_attempt: _Optional[int] = ...) -> None: ...
 
 class WorkRequest(_message.Message):
     __slots__ = ("device_id", "max_wait_s")

@@ -92,7 +92,7 @@ def test_unshaped_is_instant() -> None:
     rng = random.Random(0)
     elapsed = _timed(lambda: [(shaper.before_send(MB), shaper.after_receive(MB), shaper.rpc_delay(),
                                shaper.lost(rng)) for _ in range(10_000)])
-    assert elapsed < 0.2
+    assert elapsed < 2.0  # 20 GB each way: any shaping at all would take minutes, not seconds
     assert not any(shaper.lost(rng) for _ in range(1000))
 
 
