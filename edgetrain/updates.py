@@ -60,7 +60,8 @@ class UpdateFormat:
                feedback: ErrorFeedback | None) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
         """Wire tensors for `tensors` (gradients and buffers) and the error-feedback commit."""
         grads = {n: t for n, t in tensors.items() if n.startswith(GRAD_PREFIX)}
-        wire, commit = encode_with_feedback(self.codec, feedback, grads)
+        encoded, commit = encode_with_feedback(self.codec, feedback, grads)
+        wire = dict(encoded)  # the commit decodes `encoded`: buffers must not join it
         for name, _ in self._buffers:
             wire[name] = tensors[name]
         return wire, commit

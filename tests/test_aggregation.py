@@ -276,3 +276,26 @@ def test_update_formats_shrink_the_update_by_the_codec_factor():
     assert 0.49 < ratios["fp16"] < 0.53
     assert 0.24 < ratios["int8"] < 0.28
     assert ratios["topk:0.01"] < 0.06  # small tensors and BN statistics travel dense
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8", "topk:0.01"])
+def test_a_model_with_batchnorm_encodes_and_commits_its_error_feedback(codec):
+    # Prepare: MobileNetV2's update has BN running statistics next to the gradients
+    from edgetrain.compression import ErrorFeedback
+
+    model = build_model("mobilenet_v2", seed=0)
+    fmt = UpdateFormats(shard_tensor_names(model))(codec)
+    tensors = {n: torch.randn_like(t) for n, t in shard_tensor_names(model)}
+    feedback = ErrorFeedback()
+
+    # Execute
+    wire, commit = fmt.encode(tensors, feedback)
+    commit()
+    decoded = fmt.decode(wire)
+
+    # Assert: the buffers travel dense and exactly; the residual is what the codec did not send
+    assert [m.name for m in fmt.metas()] == list(wire)
+    for name, tensor in tensors.items():
+        if name.startswith("buf."):
+            assert torch.equal(decoded[name], tensor)
+    assert feedback.norm() > 0

@@ -1,0 +1,809 @@
+"""The hybrid planner: which boards host which blocks as pipeline stages, which join as DP shards.
+
+A pure function of plain data (no torch, sockets or clocks): ``plan_optimal(fleet, model,
+global_batch, objective) -> Plan``. A plan is a pipeline of S stages of consecutive blocks, each
+hosted by a group of boards that split every micro-batch by rows in proportion to their speed,
+with M micro-batches under 1F1B; next to it, DP shards (whole model) may take a share of the
+global batch; a pure-DP plan has no pipeline; boards that would slow the whole are left out.
+
+Cost model (units: bytes, FLOP, s, W, J; board k moves 1/σ_k = 1e6/8 · mbit_per_s bytes/s).
+Stage [i, j) on group G, with f_G = Σ flops_per_s and row weights w_k = f_k / f_G:
+    P, F  param bytes, training FLOPs per sample (forward + backward) of its blocks
+    X     activation bytes per sample crossing its boundaries (out of block i-1, out of j-1)
+    A     activation bytes per sample it keeps for backward (its input and its blocks' outputs)
+    γ_s = (F + 2 X · max_k f_k σ_k) / f_G      seconds per sample: compute, plus activations
+                                              forward and gradients back, each host on its link
+    c_k = 2 P σ_k + rtt_k                      stage parameters down, gradients up, every step
+    mem_k = 2 P + min(S − s, M) · w_k · (B / M) · A      params, grads, 1F1B in-flight rows
+Pipeline with B_p samples, b = B_p / M, hosts H:
+    λ = max_H overhead_s + (min(S, 3) − 1) · max_H rtt_s    per micro-batch latency, worst case
+    t_s = b γ_s + λ;   T_pipe = max_H c_k + (M + S − 1) · max_s t_s
+DP shard k with n_k samples: T_k = o_k + n_k F / f_k with o_k = 2 P σ_k + rtt_k + overhead_s
+(whole model); its memory is 2 P + n_k A. Shares are water-filled so every active shard finishes
+together (``split_proportional``'s rule); a shard that cannot start before that gets none.
+    step = max(T_pipe, T_k);  energy/step = Σ_used idle_w · step + (busy_w − idle_w) · busy_k
+with busy = compute seconds; objective cost = (η · energy + (1 − η) · P_ref · step) / B, η = 0
+for time, 1 for energy, P_ref = Σ busy_w of the fleet (Zeus). Stage-host memory is checked at the
+full batch (B / M), so a plan still fits when its DP shards drop out.
+
+Search. The DP runs right to left over blocks: state (j, U) = blocks j.. covered, U = boards used
+(a count vector over classes of identical boards: a bitmask when all differ, PipeEdge's type
+multiset otherwise); a step prepends a stage [i, j) on any group G ⊆ rest. Each state keeps the
+Pareto set of labels (max c, max γ, Σ energy/sample, least feasible M, S): every cost is monotone
+in each, so pruning dominated labels is exact. Per final label and M the pipeline/DP split
+(dp_share) is exact too: cost is piecewise linear in it, so only the ends, the balanced split
+and the points where a shard starts need checking. When the DP's transition count exceeds
+``exact_budget`` (about 8 distinct boards at 10 blocks), boards are coarsened into bundles that
+always act together (identical boards paired first, then the two most alike merged), the DP runs
+over bundles, and a hill climb at board level (shift a cut, move, swap, add or drop a board,
+merge two stages) polishes its best few structures with the exact cost: a heuristic, no bound claimed.
+Boards on battery below ``battery_floor`` and not plugged in are left out under every objective.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+MICROBATCH_CANDIDATES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+"""Micro-batch counts the planner tries (those above the pipeline's samples are skipped)."""
+BATTERY_FLOOR_PERCENT = 20.0
+"""A board below this charge and not plugged in gets no work."""
+EXACT_BUDGET = 60_000
+"""Most DP transitions (block ranges x groups) the exact search may take before coarsening."""
+LOCAL_SEARCH_ROUNDS = 12
+"""Most improving moves the heuristic's hill climb makes from each start."""
+POLISH_STARTS = 3
+"""How many of the bundled DP's best structures the heuristic hill-climbs from."""
+
+_EPS = 1e-12
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(what)
+
+
+@dataclass(kw_only=True, frozen=True)
+class BlockCost:
+    """What one block costs per sample: the unit the planner cuts the model into stages by."""
+
+    name: str
+    """Block name, as in ``BlockModel.block_names``."""
+    param_bytes: float
+    """Bytes of the block's parameters (moved down, and as gradients up, every step)."""
+    activation_bytes: float
+    """Bytes per sample of the block's output (sent to the next stage when cut after it)."""
+    forward_flops: float
+    """Forward FLOPs per sample."""
+    backward_flops: float | None = None
+    """Backward FLOPs per sample; twice the forward when not given."""
+
+    def __post_init__(self) -> None:
+        for key in ("param_bytes", "activation_bytes", "forward_flops"):
+            value = getattr(self, key)
+            _check(math.isfinite(value) and value >= 0, f"{self.name}: {key} must be >= 0, got {value}")
+        back = self.backward_flops
+        _check(back is None or (math.isfinite(back) and back >= 0),
+               f"{self.name}: backward_flops must be >= 0, got {back}")
+
+    @property
+    def train_flops(self) -> float:
+        """Forward plus backward FLOPs per sample."""
+        back = 2 * self.forward_flops if self.backward_flops is None else self.backward_flops
+        return self.forward_flops + back
+
+
+class _MeasuredBlock(Protocol):
+    name: str
+    param_bytes: int
+    forward_flops: int
+    output_shape: tuple[int, ...]
+    output_bytes: int
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """A model as the planner sees it: its blocks in order."""
+
+    blocks: tuple[BlockCost, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "blocks", tuple(self.blocks))
+        _check(bool(self.blocks), "a model needs at least one block")
+        _check(sum(b.train_flops for b in self.blocks) > 0, "a model needs FLOPs > 0")
+
+    @classmethod
+    def from_blocks(cls, measured: Sequence[_MeasuredBlock]) -> ModelCost:
+        """Per-sample costs from ``edgetrain.models.block_costs`` (measured for a whole batch)."""
+        return cls(tuple(
+            BlockCost(name=b.name, param_bytes=b.param_bytes, forward_flops=b.forward_flops / b.output_shape[0],
+                      activation_bytes=b.output_bytes / b.output_shape[0])
+            for b in measured))
+
+
+@dataclass(kw_only=True, frozen=True)
+class BoardCost:
+    """One board as the planner sees it: speed, memory, link, power and battery."""
+
+    name: str
+    """Unique board name."""
+    flops_per_s: float
+    """Effective training FLOP/s (measured, not peak)."""
+    memory_bytes: float
+    """Memory available for parameters, gradients and activations."""
+    mbit_per_s: float
+    """Link rate to the LAN (both directions)."""
+    rtt_s: float = 0.0
+    """Round-trip time to its peers and the coordinator."""
+    idle_w: float = 0.0
+    """Power when idle or waiting on the network."""
+    busy_w: float = 0.0
+    """Power when computing."""
+    battery_percent: float | None = None
+    """Charge; None for boards without a battery."""
+    plugged: bool | None = None
+    """Whether it runs on mains; None when unknown (a battery board is then taken as unplugged)."""
+    overhead_s: float = 0.0
+    """Fixed cost of one forward+backward call whatever its size: what many micro-batches cost."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "a board needs a name")
+        for key in ("flops_per_s", "memory_bytes", "mbit_per_s"):
+            value = getattr(self, key)
+            _check(math.isfinite(value) and value > 0, f"{self.name}: {key} must be > 0, got {value}")
+        for key in ("rtt_s", "idle_w", "overhead_s"):
+            value = getattr(self, key)
+            _check(math.isfinite(value) and value >= 0, f"{self.name}: {key} must be >= 0, got {value}")
+        _check(self.busy_w >= self.idle_w, f"{self.name}: busy_w must be >= idle_w, got {self.busy_w}")
+
+    @property
+    def seconds_per_byte(self) -> float:
+        """Transfer time of one byte over its link."""
+        return 8.0 / (self.mbit_per_s * 1e6)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a plan is predicted to do per step (see the module docstring for the formulas)."""
+
+    step_s: float
+    samples_per_s: float
+    energy_per_sample_j: float
+    pipeline_s: float
+    """T_pipe (0 without a pipeline)."""
+    dp_s: float
+    """When the DP shards finish (0 without shards)."""
+    stage_s: tuple[float, ...]
+    """Each stage's time per micro-batch, t_s."""
+    share: dict[str, float]
+    """Fraction of the global batch whose rows each working board computes."""
+    time_s: dict[str, float]
+    """Each board's working seconds per step: its transfers and compute, bubble excluded."""
+    busy_s: dict[str, float]
+    """Each board's compute seconds per step (what it draws busy_w for)."""
+    memory_bytes: dict[str, float]
+    fits: bool
+    """Whether every board's memory holds its part."""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: blocks [begin, end) hosted by ``boards``."""
+
+    begin: int
+    end: int
+    boards: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A placement: pipeline stages, micro-batches, DP shards with their share, boards left out.
+
+    No stages means pure data parallelism over ``dp_boards`` (``dp_share`` 1).
+    """
+
+    stages: tuple[StagePlan, ...] = ()
+    microbatches: int = 1
+    dp_boards: tuple[str, ...] = ()
+    dp_share: float = 0.0
+    """Fraction of the global batch the DP shards take, water-filled among them."""
+    left_out: tuple[tuple[str, str], ...] = ()
+    """(board, why) for fleet boards that get no work."""
+    prediction: Prediction | None = field(default=None, compare=False)
+    """Filled by the planner."""
+
+    def __post_init__(self) -> None:
+        _check(self.microbatches >= 1, f"microbatches must be >= 1, got {self.microbatches}")
+        if self.stages:
+            _check(0 <= self.dp_share < 1, f"dp_share must be in [0, 1) with a pipeline, got {self.dp_share}")
+            _check(bool(self.dp_boards) == (self.dp_share > 0), "dp_share > 0 exactly when there are dp_boards")
+        else:
+            _check(bool(self.dp_boards) and self.dp_share == 1, "a pure-DP plan needs dp_boards and dp_share 1")
+
+    @property
+    def kind(self) -> str:
+        """``"dp"``, ``"pipeline"`` or ``"hybrid"`` (pipeline and DP shards)."""
+        return "dp" if not self.stages else "hybrid" if self.dp_boards else "pipeline"
+
+    def to_pipeline_section(self) -> dict:
+        """The job's ``pipeline`` section (``PipelineConfig``); pure DP gives an empty pipeline,
+        i.e. the trainer's data-parallel mode with its own proportional split."""
+        if not self.stages:
+            return {"stages": [], "microbatches": 1, "schedule": "1f1b", "dp_boards": [], "dp_share": 0.0}
+        return {"stages": [{"blocks": s.end - s.begin, "boards": list(s.boards)} for s in self.stages],
+                "microbatches": self.microbatches, "schedule": "1f1b",
+                "dp_boards": list(self.dp_boards), "dp_share": self.dp_share}
+
+    def explain(self) -> str:
+        """A table: board -> role, blocks, batch share, predicted time, memory; then the totals."""
+        p = self.prediction
+        _check(p is not None, "explain needs a plan with a prediction (from the planner)")
+        head = {"dp": "pure data parallelism",
+                "pipeline": f"{len(self.stages)} stages",
+                "hybrid": f"{len(self.stages)} stages + DP shards taking {self.dp_share:.1%}"}[self.kind]
+        if self.stages:
+            head += f", {self.microbatches} micro-batches (1f1b)"
+        rows = [("board", "role", "blocks", "share", "time_s", "memory_MB")]
+        for s, stage in enumerate(self.stages):
+            rows += [(b, f"stage {s}", f"{stage.begin}-{stage.end - 1}", f"{p.share[b]:.1%}",
+                      f"{p.time_s[b]:.3f}", f"{p.memory_bytes[b] / 1e6:.1f}") for b in stage.boards]
+        rows += [(b, "dp", "all", f"{p.share[b]:.1%}", f"{p.time_s[b]:.3f}", f"{p.memory_bytes[b] / 1e6:.1f}")
+                 for b in self.dp_boards]
+        rows += [(b, "left out", "-", "-", "-", why) for b, why in self.left_out]
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = [f"plan: {head}"] + ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+        lines.append(f"predicted: step {p.step_s:.3f} s, {p.samples_per_s:.1f} samples/s, "
+                     f"{p.energy_per_sample_j:.3f} J/sample")
+        return "\n".join(lines)
+
+
+# --- the cost model ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Stage:
+    c: float
+    gamma: float
+    e: float
+    """Busy energy above idle per pipeline sample."""
+    q: float
+    """Memory headroom: min over hosts of (memory − 2P) / (w_k B A); < 0 when params do not fit."""
+
+
+@dataclass(frozen=True)
+class _Pipe:
+    c: float
+    gamma: float
+    e: float
+    m: int
+    """Index of the least micro-batch count whose activations fit."""
+    stages: int
+    lam: float
+    idle: float
+
+
+@dataclass(frozen=True)
+class _Shard:
+    board: BoardCost
+    o: float
+    r: float
+    """Samples per second."""
+    cap: float
+    """Most samples its memory holds."""
+
+
+@dataclass(frozen=True)
+class _Point:
+    cost: float
+    step: float
+    energy: float
+    microbatches: int
+    dp_samples: float
+    active: int
+    """The first ``active`` shards (sorted by o) get work."""
+
+    @property
+    def key(self) -> tuple[float, float, float]:
+        return self.cost, self.step, self.energy
+
+
+def _waterfill(shards: Sequence[_Shard], n: float) -> tuple[float, int]:
+    """When shards sorted by o finish ``n`` samples together, and how many of them work."""
+    rate = offset = 0.0
+    for a, s in enumerate(shards, 1):
+        rate += s.r
+        offset += s.r * s.o
+        tau = (n + offset) / rate
+        if a == len(shards) or tau <= shards[a].o * (1 + _EPS):
+            return tau, a
+    return 0.0, 0
+
+
+def _capacity(shards: Sequence[_Shard], tau: float) -> float:
+    """Samples the shards finish by ``tau``."""
+    return sum(s.r * (tau - s.o) for s in shards if s.o < tau)
+
+
+def _balanced(shards: Sequence[_Shard], o_p: float, g_p: float, total: float) -> float:
+    """DP samples at which a pipeline taking o_p + g_p·samples and the shards finish together."""
+    rate = offset = 0.0
+    for s in shards:
+        if o_p + g_p * (total - (rate * s.o - offset)) <= s.o:
+            break
+        rate += s.r
+        offset += s.r * s.o
+    tau = (o_p + g_p * (total + offset)) / (1 + g_p * rate)
+    return rate * tau - offset
+
+
+class _Problem:
+    """A fleet, a model, a batch and an objective, with the cost model's pieces precomputed."""
+
+    def __init__(self, fleet: Sequence[BoardCost], model: ModelCost, global_batch: int,
+                 eta: float = 0.0, microbatches: Sequence[int] = MICROBATCH_CANDIDATES,
+                 battery_floor: float = BATTERY_FLOOR_PERCENT) -> None:
+        names = [k.name for k in fleet]
+        _check(bool(fleet), "the fleet is empty")
+        _check(len(set(names)) == len(names), f"board names must be unique, got {names}")
+        _check(global_batch >= 1, f"global_batch must be >= 1, got {global_batch}")
+        self.fleet, self.model, self.B, self.eta = list(fleet), model, global_batch, eta
+        self.by_name = {k.name: k for k in fleet}
+        self.L = len(model.blocks)
+        self.ms = tuple(sorted({m for m in microbatches if 1 <= m <= global_batch}))
+        _check(bool(self.ms), f"no micro-batch count in {list(microbatches)} fits a batch of {global_batch}")
+        self.p_ref = sum(k.busy_w for k in fleet) or 1.0
+        self._pc, self._fc, self._ac = [0.0], [0.0], [0.0]
+        for b in model.blocks:
+            self._pc.append(self._pc[-1] + b.param_bytes)
+            self._fc.append(self._fc[-1] + b.train_flops)
+            self._ac.append(self._ac[-1] + b.activation_bytes)
+        self.left = {k.name: f"battery {k.battery_percent:.0f}% unplugged" for k in fleet
+                     if k.battery_percent is not None and k.battery_percent < battery_floor and k.plugged is not True}
+        self.eligible = [k for k in fleet if k.name not in self.left]
+        self.shard_of = {k.name: self._shard(k) for k in fleet}
+        self.shards = sorted((self.shard_of[k.name] for k in self.eligible if self.shard_of[k.name].cap > 0),
+                             key=lambda s: (s.o, s.board.name))
+        self._stage_cache: dict[tuple, _Stage] = {}
+
+    def _span(self, i: int, j: int) -> tuple[float, float, float, float]:
+        """P, F, X, A of blocks [i, j) (see the module docstring)."""
+        act = [b.activation_bytes for b in self.model.blocks]
+        a_in = act[i - 1] if i > 0 else 0.0
+        a_out = act[j - 1] if j < self.L else 0.0
+        return (self._pc[j] - self._pc[i], self._fc[j] - self._fc[i], a_in + a_out,
+                a_in + self._ac[j] - self._ac[i])
+
+    def _shard(self, k: BoardCost) -> _Shard:
+        p, f, a = self._pc[-1], self._fc[-1], self._ac[-1]
+        slack = k.memory_bytes - 2 * p
+        return _Shard(k, 2 * p * k.seconds_per_byte + k.rtt_s + k.overhead_s, k.flops_per_s / f,
+                      slack / a if a > 0 else (math.inf if slack >= 0 else -1.0))
+
+    def stage(self, i: int, j: int, members: Sequence[BoardCost]) -> _Stage:
+        """Cost terms of blocks [i, j) on a group (cached by the members' names)."""
+        key = (i, j, tuple(k.name for k in members))
+        if key not in self._stage_cache:
+            p, f, x, a = self._span(i, j)
+            speed = sum(k.flops_per_s for k in members)
+            q = math.inf
+            for k in members:
+                slack, need = k.memory_bytes - 2 * p, k.flops_per_s / speed * self.B * a
+                q = min(q, -1.0 if slack < 0 else slack / need if need > 0 else math.inf)
+            self._stage_cache[key] = _Stage(
+                c=max(2 * p * k.seconds_per_byte + k.rtt_s for k in members),
+                gamma=(f + 2 * x * max(k.flops_per_s * k.seconds_per_byte for k in members)) / speed,
+                e=sum(k.busy_w - k.idle_w for k in members) * f / speed, q=q)
+        return self._stage_cache[key]
+
+    def fit_index(self, q: float, position: int) -> int | None:
+        """Least micro-batch candidate whose min(position, M) in-flight rows fit, if any."""
+        if q < 0:
+            return None
+        return next((t for t, m in enumerate(self.ms) if min(position, m) <= q * m), None)
+
+    def latency(self, hosts: Sequence[BoardCost], stages: int) -> float:
+        """λ: per micro-batch latency of a pipeline on ``hosts``."""
+        return max(k.overhead_s for k in hosts) + (min(stages, 3) - 1) * max(k.rtt_s for k in hosts)
+
+    def cost(self, step: float, energy: float) -> float:
+        return (self.eta * energy + (1 - self.eta) * self.p_ref * step) / self.B
+
+    def points(self, pipe: _Pipe | None, shards: Sequence[_Shard]) -> Iterator[_Point]:
+        """Every (M, DP samples) candidate of a pipeline next to ``shards`` (sorted by o)."""
+        total = self.B
+        most = _capacity(shards, min((s.o + s.cap / s.r for s in shards), default=0.0))
+        if pipe is None:
+            if shards and most >= total * (1 - _EPS):
+                yield self._point(None, shards, 1, total)
+            return
+        starts = sorted({_capacity(shards, s.o) for s in shards})
+        for t in range(pipe.m, len(self.ms)):
+            m = self.ms[t]
+            hi = min(total - m, most)
+            cands = {0.0}
+            if shards and hi > 0:
+                k = m + pipe.stages - 1
+                bal = _balanced(shards, pipe.c + k * pipe.lam, k * pipe.gamma / m, total)
+                cands.update([hi, min(hi, bal)], (n for n in starts if n <= hi))
+            for n in sorted(cands):
+                yield self._point(pipe, shards, m, n)
+
+    def _point(self, pipe: _Pipe | None, shards: Sequence[_Shard], m: int, n: float) -> _Point:
+        tau, active = _waterfill(shards, n) if n > 0 else (0.0, 0)
+        step, energy, rows = tau, 0.0, self.B - n
+        if pipe is not None:
+            k = m + pipe.stages - 1
+            step = max(tau, pipe.c + k * (rows / m * pipe.gamma + pipe.lam))
+            energy = pipe.idle * step + pipe.e * rows
+        for s in shards[:active]:
+            energy += s.board.idle_w * step + (s.board.busy_w - s.board.idle_w) * (tau - s.o)
+        return _Point(self.cost(step, energy), step, energy, m, n, active)
+
+    def pipe(self, stages: Sequence[tuple[int, int, Sequence[BoardCost]]]) -> _Pipe | None:
+        """The label of a concrete pipeline, or None when some stage does not fit."""
+        c = gamma = e = 0.0
+        m = 0
+        for s in range(len(stages) - 1, -1, -1):
+            i, j, members = stages[s]
+            st = self.stage(i, j, members)
+            t = self.fit_index(st.q, len(stages) - s)
+            if t is None:
+                return None
+            c, gamma, e, m = max(c, st.c), max(gamma, st.gamma), e + st.e, max(m, t)
+        hosts = [k for *_, g in stages for k in g]
+        return _Pipe(c, gamma, e, m, len(stages), self.latency(hosts, len(stages)), sum(k.idle_w for k in hosts))
+
+    def outside(self, stages: Sequence[tuple[int, int, Sequence[BoardCost]]]) -> list[_Shard]:
+        used = {k.name for *_, g in stages for k in g}
+        return [s for s in self.shards if s.board.name not in used]
+
+    def best(self, stages: Sequence[tuple[int, int, Sequence[BoardCost]]]) -> _Point | None:
+        """The best candidate of a concrete structure (no stages: pure DP)."""
+        pipe = self.pipe(stages) if stages else None
+        if stages and pipe is None:
+            return None
+        return min(self.points(pipe, self.outside(stages)), key=lambda p: p.key, default=None)
+
+    def plan(self, stages: Sequence[tuple[int, int, Sequence[BoardCost]]], point: _Point) -> Plan:
+        """The Plan of a structure and one of its candidates, with its prediction."""
+        shards = self.outside(stages)[:point.active]
+        used = {k.name for *_, g in stages for k in g} | {s.board.name for s in shards}
+        plan = Plan(stages=tuple(StagePlan(i, j, tuple(k.name for k in g)) for i, j, g in stages),
+                    microbatches=point.microbatches if stages else 1,
+                    dp_boards=tuple(s.board.name for s in shards),
+                    dp_share=point.dp_samples / self.B if stages else 1.0,
+                    left_out=tuple((k.name, self.left.get(k.name, "no gain")) for k in self.fleet
+                                   if k.name not in used))
+        return replace(plan, prediction=self.predict(plan))
+
+    def predict(self, plan: Plan) -> Prediction:
+        """Predicted step time, energy, per-board time and memory of any plan on this fleet."""
+        self._validate(plan)
+        n_dp = plan.dp_share * self.B if plan.stages else float(self.B)
+        rows = self.B - n_dp
+        share, time_s, busy, memory, stage_s, t_pipe = {}, {}, {}, {}, [], 0.0
+        if plan.stages:
+            m, depth = plan.microbatches, len(plan.stages)
+            hosts = [self.by_name[b] for s in plan.stages for b in s.boards]
+            lam, b = self.latency(hosts, depth), rows / m
+            for s, st in enumerate(plan.stages):
+                members = [self.by_name[n] for n in st.boards]
+                p, f, x, a = self._span(st.begin, st.end)
+                speed = sum(k.flops_per_s for k in members)
+                stage_s.append(b * self.stage(st.begin, st.end, members).gamma + lam)
+                for k in members:
+                    w, c = k.flops_per_s / speed, 2 * p * k.seconds_per_byte + k.rtt_s
+                    share[k.name], busy[k.name] = w * rows / self.B, rows * f / speed
+                    time_s[k.name] = c + m * (b * (f / speed + 2 * x * w * k.seconds_per_byte) + lam)
+                    memory[k.name] = 2 * p + min(depth - s, m) * w * self.B / m * a
+            t_pipe = max(2 * self._span(s.begin, s.end)[0] * k.seconds_per_byte + k.rtt_s
+                         for s in plan.stages for k in (self.by_name[n] for n in s.boards))
+            t_pipe += (m + depth - 1) * max(stage_s)
+        shards = sorted((self.shard_of[n] for n in plan.dp_boards), key=lambda s: (s.o, s.board.name))
+        tau, active = _waterfill(shards, n_dp) if n_dp > 0 else (0.0, 0)
+        for s in shards[:active]:
+            n = s.r * (tau - s.o)
+            share[s.board.name], busy[s.board.name], time_s[s.board.name] = n / self.B, n / s.r, tau
+            memory[s.board.name] = 2 * self._pc[-1] + n * self._ac[-1]
+        step = max(t_pipe, tau)
+        energy = sum(k.idle_w * (step - busy[k.name]) + k.busy_w * busy[k.name]
+                     for k in map(self.by_name.get, busy))
+        return Prediction(step_s=step, samples_per_s=self.B / step, energy_per_sample_j=energy / self.B,
+                          pipeline_s=t_pipe, dp_s=tau, stage_s=tuple(stage_s), share=share, time_s=time_s,
+                          busy_s=busy, memory_bytes=memory,
+                          fits=all(v <= self.by_name[k].memory_bytes * (1 + 1e-9) for k, v in memory.items()))
+
+    def _validate(self, plan: Plan) -> None:
+        names = [b for s in plan.stages for b in s.boards] + list(plan.dp_boards)
+        unknown = sorted(set(names) - set(self.by_name))
+        _check(not unknown, f"plan boards not in the fleet: {unknown}")
+        _check(len(set(names)) == len(names), f"a board appears twice in the plan: {names}")
+        if plan.stages:
+            bounds = [(s.begin, s.end) for s in plan.stages]
+            _check(bounds[0][0] == 0 and bounds[-1][1] == self.L and all(b < e for b, e in bounds)
+                   and all(e == b for (_, e), (b, _) in zip(bounds, bounds[1:])),
+                   f"stages must tile blocks 0..{self.L} in order, got {bounds}")
+            _check(all(s.boards for s in plan.stages), "every stage needs a board")
+            _check(plan.microbatches <= self.B * (1 - plan.dp_share) * (1 + 1e-9),
+                   f"{plan.microbatches} micro-batches need as many pipeline samples")
+
+
+# --- the exact search over classes of interchangeable boards -----------------------------------
+
+Stages = list[tuple[int, int, tuple[BoardCost, ...]]]
+
+
+@dataclass
+class _Unit:
+    """Interchangeable items (single boards, or bundles that always act together)."""
+
+    items: list[tuple[BoardCost, ...]]
+
+
+def _attributes(k: BoardCost) -> tuple:
+    return (k.flops_per_s, k.memory_bytes, k.mbit_per_s, k.rtt_s, k.idle_w, k.busy_w, k.overhead_s)
+
+
+def _classes(boards: Sequence[BoardCost]) -> list[_Unit]:
+    """Boards with equal cost attributes form one unit."""
+    units: dict[tuple, _Unit] = {}
+    for k in boards:
+        units.setdefault(_attributes(k), _Unit([])).items.append((k,))
+    return list(units.values())
+
+
+def _transitions(units: Sequence[_Unit], blocks: int) -> int:
+    """An upper bound on the DP's (block range, group) transitions."""
+    return blocks * (blocks + 1) // 2 * math.prod((len(u.items) + 1) * (len(u.items) + 2) // 2 for u in units)
+
+
+def _coarsen(units: list[_Unit], blocks: int, budget: int) -> list[_Unit]:
+    """Bundle boards until the DP fits ``budget``: pair identical items, else merge the two most
+    alike single bundles (by per-board log speed and log link rate)."""
+    def profile(item: tuple[BoardCost, ...]) -> tuple[float, float]:
+        return (sum(math.log(k.flops_per_s) for k in item) / len(item),
+                sum(math.log(k.mbit_per_s) for k in item) / len(item))
+
+    units = list(units)
+    while _transitions(units, blocks) > budget:
+        big = max(units, key=lambda u: len(u.items))
+        if len(big.items) > 1:
+            units.remove(big)
+            units.append(_Unit([big.items[t] + big.items[t + 1] for t in range(0, len(big.items) - 1, 2)]))
+            if len(big.items) % 2:
+                units.append(_Unit([big.items[-1]]))
+        elif len(units) > 1:
+            x, y = min(itertools.combinations(units, 2), key=lambda p: (
+                sum(abs(a - b) for a, b in zip(profile(p[0].items[0]), profile(p[1].items[0]))),
+                len(p[0].items[0]) + len(p[1].items[0])))
+            units = [u for u in units if u is not x and u is not y] + [_Unit([x.items[0] + y.items[0]])]
+        else:
+            break
+    return units
+
+
+def _insert(bucket: list[tuple], new: tuple) -> None:
+    """Add a label (c, γ, e, m, S, parent, stage) unless one in ``bucket`` is no worse in all
+    five; drop those it is no worse than."""
+    c, g, e, m, n = new[:5]
+    for o in bucket:
+        if o[0] <= c and o[1] <= g and o[2] <= e and o[3] <= m and o[4] <= n:
+            return
+    bucket[:] = [o for o in bucket if not (c <= o[0] and g <= o[1] and e <= o[2] and m <= o[3] and n <= o[4])]
+    bucket.append(new)
+
+
+def _search(prob: _Problem, units: list[_Unit], energy: bool) -> Iterator[tuple[tuple, _Point]]:
+    """Every candidate of every non-dominated final DP label: (label, point). Without
+    ``energy``, labels are compared on time alone (e is kept only as a tie-break)."""
+    counts = tuple(len(u.items) for u in units)
+    reps = [u.items[0] for u in units]
+    layers: list[dict[tuple, list[tuple]]] = [{} for _ in range(prob.L + 1)]
+    layers[prob.L][(0,) * len(units)] = [(0.0, 0.0, 0.0, 0, 0, None, None, 0.0)]
+    subs: dict[tuple, list[tuple]] = {}
+    terms: dict[tuple, _Stage] = {}
+    for j in range(prob.L, 0, -1):
+        for used, labels in layers[j].items():
+            rest = tuple(c - u for c, u in zip(counts, used))
+            if rest not in subs:
+                subs[rest] = [g for g in itertools.product(*(range(r + 1) for r in rest)) if any(g)]
+            for g in subs[rest]:
+                after = tuple(u + n for u, n in zip(used, g))
+                for i in range(j):
+                    st = terms.get((i, j, g))
+                    if st is None:
+                        members = [k for rep, n in zip(reps, g) for _ in range(n) for k in rep]
+                        st = terms[i, j, g] = prob.stage(i, j, members)
+                    if st.q < 0:
+                        continue
+                    bucket = layers[i].setdefault(after, [])
+                    for lab in labels:
+                        t = prob.fit_index(st.q, lab[4] + 1)
+                        if t is not None:
+                            e = lab[7] + st.e
+                            _insert(bucket, (max(lab[0], st.c), max(lab[1], st.gamma), e if energy else 0.0,
+                                             max(lab[3], t), lab[4] + 1, lab, (i, j, g), e))
+    for used, labels in layers[0].items():
+        hosts = [k for rep, n in zip(reps, used) for _ in range(n) for k in rep]
+        spare = [k for rep, c, u in zip(reps, counts, used) for _ in range(c - u) for k in rep]
+        shards = sorted((prob.shard_of[k.name] for k in spare if prob.shard_of[k.name].cap > 0), key=lambda s: s.o)
+        idle = sum(k.idle_w for k in hosts)
+        for lab in labels:
+            pipe = _Pipe(lab[0], lab[1], lab[7], lab[3], lab[4], prob.latency(hosts, lab[4]), idle)
+            for point in prob.points(pipe, shards):
+                yield lab, point
+
+
+def _concrete(units: list[_Unit], label: tuple | None) -> Stages:
+    """The stages of a label chain (None: pure DP), with boards taken from each unit in turn."""
+    pools = [list(u.items) for u in units]
+    stages = []
+    while label is not None and label[6] is not None:
+        i, j, g = label[6]
+        stages.append((i, j, tuple(k for u, n in enumerate(g) for _ in range(n) for k in pools[u].pop(0))))
+        label = label[5]
+    return stages
+
+
+# --- the local search of the heuristic ----------------------------------------------------------
+
+
+def _neighbours(prob: _Problem, stages: Stages) -> Iterator[Stages]:
+    """Shift a cut, move a board between stages or out, add or swap in an outside board, merge."""
+    used = {k.name for *_, g in stages for k in g}
+    outside = [k for k in prob.eligible if k.name not in used]
+
+    def put(s: int, g: tuple[BoardCost, ...], base: Stages = stages) -> Stages:
+        return base[:s] + [(base[s][0], base[s][1], g)] + base[s + 1:]
+
+    for s in range(len(stages) - 1):
+        (i, j, g), (_, end, h) = stages[s], stages[s + 1]
+        for cut in (j - 1, j + 1):
+            if i < cut < end:
+                yield stages[:s] + [(i, cut, g), (cut, end, h)] + stages[s + 2:]
+        yield stages[:s] + [(i, end, g + h)] + stages[s + 2:]
+    for s, (_, _, g) in enumerate(stages):
+        for k in g:
+            rest = tuple(x for x in g if x is not k)
+            if rest:
+                yield put(s, rest)
+                for t in range(len(stages)):
+                    if t != s:
+                        yield put(t, stages[t][2] + (k,), put(s, rest))
+            for o in outside:
+                yield put(s, tuple(o if x is k else x for x in g))
+        for o in outside:
+            yield put(s, g + (o,))
+
+
+def _polish(prob: _Problem, stages: Stages, point: _Point) -> tuple[Stages, _Point]:
+    """Best-improvement hill climb with the exact cost, at most LOCAL_SEARCH_ROUNDS moves."""
+    for _ in range(LOCAL_SEARCH_ROUNDS):
+        scored = ((prob.best(n), n) for n in _neighbours(prob, stages))
+        cand, nxt = min(((p, n) for p, n in scored if p is not None), key=lambda x: x[0].key,
+                        default=(None, None))
+        if cand is None or cand.key >= point.key:
+            break
+        stages, point = nxt, cand
+    return stages, point
+
+
+# --- the public planner ------------------------------------------------------------------------
+
+def _weight(objective: str | float) -> float:
+    if objective == "time":
+        return 0.0
+    if objective == "energy":
+        return 1.0
+    _check(isinstance(objective, (int, float)) and not isinstance(objective, bool) and 0 <= objective <= 1,
+           f"objective must be 'time', 'energy' or a weight in [0, 1], got {objective!r}")
+    return float(objective)
+
+
+def _candidates(prob: _Problem, exact_budget: int, energy: bool) -> tuple[list[_Unit], Iterator[tuple], bool]:
+    """The units searched, every candidate (label or None for pure DP, point), and whether the
+    search is exact."""
+    units = _classes(prob.eligible)
+    exact = _transitions(units, prob.L) <= exact_budget
+    if not exact:
+        units = _coarsen(units, prob.L, exact_budget)
+    pure = prob.best([])
+    head = [(None, pure)] if pure is not None else []
+    found = _search(prob, units, energy) if units else ()
+    return units, itertools.chain(head, found), exact
+
+
+def predict(plan: Plan, fleet: Sequence[BoardCost], model: ModelCost, global_batch: int) -> Prediction:
+    """Predicted step time, samples/s, energy per sample, per-stage time, per-board memory and
+    busy seconds of ``plan`` (formulas in the module docstring)."""
+    return _Problem(fleet, model, global_batch).predict(plan)
+
+
+def objective_cost(prediction: Prediction, fleet: Sequence[BoardCost], objective: str | float) -> float:
+    """The value the planner minimises: (η · energy + (1 − η) · P_ref · step) per sample."""
+    eta = _weight(objective)
+    p_ref = sum(k.busy_w for k in fleet) or 1.0
+    return eta * prediction.energy_per_sample_j + (1 - eta) * p_ref / prediction.samples_per_s
+
+
+def plan_optimal(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int,
+                 objective: str | float = "time", *, microbatches: Sequence[int] = MICROBATCH_CANDIDATES,
+                 battery_floor: float = BATTERY_FLOOR_PERCENT, exact_budget: int = EXACT_BUDGET) -> Plan:
+    """The plan minimising ``objective`` ("time", "energy" or a weight η of energy in [0, 1]):
+    exact over pipelines, hybrids and pure DP when the DP fits ``exact_budget``, else the
+    bundled DP plus a hill climb. Raises ValueError when nothing fits in memory."""
+    prob = _Problem(fleet, model, global_batch, _weight(objective), microbatches, battery_floor)
+    units, found, exact = _candidates(prob, exact_budget, prob.eta > 0)
+    by_label: dict[int, tuple] = {}
+    for label, point in found:
+        old = by_label.get(id(label))
+        if old is None or point.key < old[1].key:
+            by_label[id(label)] = (label, point)
+    _check(bool(by_label), "no plan fits the boards' memory")
+    starts = sorted(by_label.values(), key=lambda c: c[1].key)[:1 if exact else POLISH_STARTS]
+    tried = [(_concrete(units, label), point) for label, point in starts]
+    if not exact:
+        tried = [_polish(prob, stages, point) if stages else (stages, point) for stages, point in tried]
+    return prob.plan(*min(tried, key=lambda c: c[1].key))
+
+
+def pareto(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, *,
+           microbatches: Sequence[int] = MICROBATCH_CANDIDATES, battery_floor: float = BATTERY_FLOOR_PERCENT,
+           exact_budget: int = EXACT_BUDGET) -> list[Plan]:
+    """The (step time, energy) non-dominated plans among the candidates the search considers,
+    fastest first (beyond the exact budget, plus the hill-climbed time and energy optima)."""
+    prob = _Problem(fleet, model, global_batch, 0.0, microbatches, battery_floor)
+    units, found, exact = _candidates(prob, exact_budget, True)
+    pool = [(lambda lab=lab: _concrete(units, lab), p) for lab, p in found]
+    _check(bool(pool), "no plan fits the boards' memory")
+    if not exact:
+        for eta in (0.0, 1.0):
+            prob.eta = eta
+            make, point = min(pool, key=lambda c: (prob.cost(c[1].step, c[1].energy), c[1].step))
+            if make():
+                stages, point = _polish(prob, make(), prob.best(make()))
+                pool.append((lambda stages=stages: stages, point))
+        prob.eta = 0.0
+    front, least = [], math.inf
+    for make, point in sorted(pool, key=lambda c: (c[1].step, c[1].energy)):
+        if point.energy < least * (1 - 1e-12):
+            front.append(prob.plan(make(), point))
+            least = point.energy
+    return front
+
+
+def _ordered_partitions(items: tuple[BoardCost, ...]) -> Iterator[list[tuple[BoardCost, ...]]]:
+    """Every way to cut ``items`` into an ordered list of non-empty groups."""
+    if not items:
+        yield []
+        return
+    for mask in range(1, 2 ** len(items)):
+        first = tuple(k for b, k in enumerate(items) if mask >> b & 1)
+        rest = tuple(k for b, k in enumerate(items) if not mask >> b & 1)
+        for tail in _ordered_partitions(rest):
+            yield [first, *tail]
+
+
+def brute_force(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int,
+                objective: str | float = "time", *, microbatches: Sequence[int] = MICROBATCH_CANDIDATES,
+                battery_floor: float = BATTERY_FLOOR_PERCENT) -> Plan:
+    """The optimum by enumeration of every board subset, ordered grouping and contiguous cut
+    (same cost function as ``plan_optimal``); for tests on up to 6 boards and 8 blocks."""
+    prob = _Problem(fleet, model, global_batch, _weight(objective), microbatches, battery_floor)
+    _check(len(prob.eligible) <= 6 and prob.L <= 8, "brute_force is for tiny instances only")
+    pure = prob.best([])
+    best = ([], pure) if pure is not None else None
+    for size in range(1, len(prob.eligible) + 1):
+        for subset in itertools.combinations(prob.eligible, size):
+            for groups in _ordered_partitions(subset):
+                for cuts in itertools.combinations(range(1, prob.L), len(groups) - 1):
+                    bounds = (0, *cuts, prob.L)
+                    stages = [(bounds[s], bounds[s + 1], g) for s, g in enumerate(groups)]
+                    point = prob.best(stages)
+                    if point is not None and (best is None or point.key < best[1].key):
+                        best = (stages, point)
+    _check(best is not None, "no plan fits the boards' memory")
+    return prob.plan(*best)
