@@ -33,15 +33,18 @@ Pareto set of labels (max c, max γ, Σ energy/sample, least feasible M, S): eve
 in each, so pruning dominated labels is exact. Per final label and M the pipeline/DP split
 (dp_share) is exact too: cost is piecewise linear in it, so only the ends, the balanced split
 and the points where a shard starts need checking. When the DP's transition count exceeds
-``exact_budget`` (about 8 distinct boards at 10 blocks), boards are coarsened into bundles that
+``exact_budget`` (beyond 6 distinct boards at 10 blocks for time, 5 when energy counts; typed
+fleets go further: 16 boards of 2 types at 5 blocks), boards are coarsened into bundles that
 always act together (identical boards paired first, then the two most alike merged), the DP runs
-over bundles, and a hill climb at board level (shift a cut, move, swap, add or drop a board,
-merge two stages) polishes its best few structures with the exact cost: a heuristic, no bound claimed.
+over bundles, and a hill climb at board level (shift a cut, split off a board, move, swap, add
+or drop a board, merge two stages) polishes its best few structures with the exact cost: a
+heuristic, no bound claimed.
 Boards on battery below ``battery_floor`` and not plugged in are left out under every objective.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -53,13 +56,16 @@ MICROBATCH_CANDIDATES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 BATTERY_FLOOR_PERCENT = 20.0
 """A board below this charge and not plugged in gets no work."""
 EXACT_BUDGET = 60_000
-"""Most DP transitions (block ranges x groups) the exact search may take before coarsening."""
+"""Most DP transitions (block ranges x groups, x3 when energy counts) the exact search may take
+before coarsening: about 0.3 s of pure Python."""
 LOCAL_SEARCH_ROUNDS = 12
 """Most improving moves the heuristic's hill climb makes from each start."""
 POLISH_STARTS = 3
 """How many of the bundled DP's best structures the heuristic hill-climbs from."""
 
 _EPS = 1e-12
+_ENERGY_LABEL_COST = 3
+"""Labels that carry energy keep about three times as many Pareto points, so cost that much more."""
 
 
 def _check(ok: bool, what: str) -> None:
@@ -120,7 +126,8 @@ class ModelCost:
     def from_blocks(cls, measured: Sequence[_MeasuredBlock]) -> ModelCost:
         """Per-sample costs from ``edgetrain.models.block_costs`` (measured for a whole batch)."""
         return cls(tuple(
-            BlockCost(name=b.name, param_bytes=b.param_bytes, forward_flops=b.forward_flops / b.output_shape[0],
+            BlockCost(name=b.name, param_bytes=b.param_bytes,
+                      forward_flops=b.forward_flops / b.output_shape[0],
                       activation_bytes=b.output_bytes / b.output_shape[0])
             for b in measured))
 
@@ -219,10 +226,10 @@ class Plan:
     def __post_init__(self) -> None:
         _check(self.microbatches >= 1, f"microbatches must be >= 1, got {self.microbatches}")
         if self.stages:
-            _check(0 <= self.dp_share < 1, f"dp_share must be in [0, 1) with a pipeline, got {self.dp_share}")
-            _check(bool(self.dp_boards) == (self.dp_share > 0), "dp_share > 0 exactly when there are dp_boards")
+            _check(0 <= self.dp_share < 1, f"dp_share must be in [0, 1) with stages, got {self.dp_share}")
+            _check(bool(self.dp_boards) == (self.dp_share > 0), "dp_share > 0 exactly with dp_boards")
         else:
-            _check(bool(self.dp_boards) and self.dp_share == 1, "a pure-DP plan needs dp_boards and dp_share 1")
+            _check(bool(self.dp_boards) and self.dp_share == 1, "pure DP needs dp_boards and dp_share 1")
 
     @property
     def kind(self) -> str:
@@ -355,13 +362,15 @@ class _Problem:
         self.ms = tuple(sorted({m for m in microbatches if 1 <= m <= global_batch}))
         _check(bool(self.ms), f"no micro-batch count in {list(microbatches)} fits a batch of {global_batch}")
         self.p_ref = sum(k.busy_w for k in fleet) or 1.0
+        self._act = [b.activation_bytes for b in model.blocks]
         self._pc, self._fc, self._ac = [0.0], [0.0], [0.0]
         for b in model.blocks:
             self._pc.append(self._pc[-1] + b.param_bytes)
             self._fc.append(self._fc[-1] + b.train_flops)
             self._ac.append(self._ac[-1] + b.activation_bytes)
         self.left = {k.name: f"battery {k.battery_percent:.0f}% unplugged" for k in fleet
-                     if k.battery_percent is not None and k.battery_percent < battery_floor and k.plugged is not True}
+                     if k.battery_percent is not None and k.battery_percent < battery_floor
+                     and k.plugged is not True}
         self.eligible = [k for k in fleet if k.name not in self.left]
         self.shard_of = {k.name: self._shard(k) for k in fleet}
         self.shards = sorted((self.shard_of[k.name] for k in self.eligible if self.shard_of[k.name].cap > 0),
@@ -370,9 +379,8 @@ class _Problem:
 
     def _span(self, i: int, j: int) -> tuple[float, float, float, float]:
         """P, F, X, A of blocks [i, j) (see the module docstring)."""
-        act = [b.activation_bytes for b in self.model.blocks]
-        a_in = act[i - 1] if i > 0 else 0.0
-        a_out = act[j - 1] if j < self.L else 0.0
+        a_in = self._act[i - 1] if i > 0 else 0.0
+        a_out = self._act[j - 1] if j < self.L else 0.0
         return (self._pc[j] - self._pc[i], self._fc[j] - self._fc[i], a_in + a_out,
                 a_in + self._ac[j] - self._ac[i])
 
@@ -454,7 +462,8 @@ class _Problem:
                 return None
             c, gamma, e, m = max(c, st.c), max(gamma, st.gamma), e + st.e, max(m, t)
         hosts = [k for *_, g in stages for k in g]
-        return _Pipe(c, gamma, e, m, len(stages), self.latency(hosts, len(stages)), sum(k.idle_w for k in hosts))
+        return _Pipe(c, gamma, e, m, len(stages), self.latency(hosts, len(stages)),
+                     sum(k.idle_w for k in hosts))
 
     def outside(self, stages: Sequence[tuple[int, int, Sequence[BoardCost]]]) -> list[_Shard]:
         used = {k.name for *_, g in stages for k in g}
@@ -586,8 +595,10 @@ def _coarsen(units: list[_Unit], blocks: int, budget: int) -> list[_Unit]:
 
 
 def _insert(bucket: list[tuple], new: tuple) -> None:
-    """Add a label (c, γ, e, m, S, parent, stage) unless one in ``bucket`` is no worse in all
-    five; drop those it is no worse than."""
+    """Add a label unless one in ``bucket`` is no worse in its first five entries; drop those it
+    is no worse than. A label is (max c, max γ, energy compared, least M index, S, parent label,
+    its first stage (i, j, group counts), energy/sample); energy is compared as 0 when only time
+    counts, so it is kept but does not split the Pareto set."""
     c, g, e, m, n = new[:5]
     for o in bucket:
         if o[0] <= c and o[1] <= g and o[2] <= e and o[3] <= m and o[4] <= n:
@@ -624,12 +635,14 @@ def _search(prob: _Problem, units: list[_Unit], energy: bool) -> Iterator[tuple[
                         t = prob.fit_index(st.q, lab[4] + 1)
                         if t is not None:
                             e = lab[7] + st.e
-                            _insert(bucket, (max(lab[0], st.c), max(lab[1], st.gamma), e if energy else 0.0,
-                                             max(lab[3], t), lab[4] + 1, lab, (i, j, g), e))
+                            _insert(bucket, (max(lab[0], st.c), max(lab[1], st.gamma),
+                                             e if energy else 0.0, max(lab[3], t), lab[4] + 1,
+                                             lab, (i, j, g), e))
     for used, labels in layers[0].items():
         hosts = [k for rep, n in zip(reps, used) for _ in range(n) for k in rep]
         spare = [k for rep, c, u in zip(reps, counts, used) for _ in range(c - u) for k in rep]
-        shards = sorted((prob.shard_of[k.name] for k in spare if prob.shard_of[k.name].cap > 0), key=lambda s: s.o)
+        shards = sorted((prob.shard_of[k.name] for k in spare if prob.shard_of[k.name].cap > 0),
+                        key=lambda s: s.o)
         idle = sum(k.idle_w for k in hosts)
         for lab in labels:
             pipe = _Pipe(lab[0], lab[1], lab[7], lab[3], lab[4], prob.latency(hosts, lab[4]), idle)
@@ -652,7 +665,8 @@ def _concrete(units: list[_Unit], label: tuple | None) -> Stages:
 
 
 def _neighbours(prob: _Problem, stages: Stages) -> Iterator[Stages]:
-    """Shift a cut, move a board between stages or out, add or swap in an outside board, merge."""
+    """Shift a cut, split off one board with a head or tail of its blocks, move a board between
+    stages or out, add or swap in an outside board, merge two stages."""
     used = {k.name for *_, g in stages for k in g}
     outside = [k for k in prob.eligible if k.name not in used]
 
@@ -665,10 +679,13 @@ def _neighbours(prob: _Problem, stages: Stages) -> Iterator[Stages]:
             if i < cut < end:
                 yield stages[:s] + [(i, cut, g), (cut, end, h)] + stages[s + 2:]
         yield stages[:s] + [(i, end, g + h)] + stages[s + 2:]
-    for s, (_, _, g) in enumerate(stages):
+    for s, (i, j, g) in enumerate(stages):
         for k in g:
             rest = tuple(x for x in g if x is not k)
             if rest:
+                for cut in range(i + 1, j):
+                    yield stages[:s] + [(i, cut, rest), (cut, j, (k,))] + stages[s + 1:]
+                    yield stages[:s] + [(i, cut, (k,)), (cut, j, rest)] + stages[s + 1:]
                 yield put(s, rest)
                 for t in range(len(stages)):
                     if t != s:
@@ -707,7 +724,7 @@ def _candidates(prob: _Problem, exact_budget: int, energy: bool) -> tuple[list[_
     """The units searched, every candidate (label or None for pure DP, point), and whether the
     search is exact."""
     units = _classes(prob.eligible)
-    exact = _transitions(units, prob.L) <= exact_budget
+    exact = _transitions(units, prob.L) * (_ENERGY_LABEL_COST if energy else 1) <= exact_budget
     if not exact:
         units = _coarsen(units, prob.L, exact_budget)
     pure = prob.best([])
@@ -761,12 +778,12 @@ def pareto(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, *,
     _check(bool(pool), "no plan fits the boards' memory")
     if not exact:
         for eta in (0.0, 1.0):
-            prob.eta = eta
-            make, point = min(pool, key=lambda c: (prob.cost(c[1].step, c[1].energy), c[1].step))
+            aim = copy.copy(prob)
+            aim.eta = eta
+            make, point = min(pool, key=lambda c: (aim.cost(c[1].step, c[1].energy), c[1].step))
             if make():
-                stages, point = _polish(prob, make(), prob.best(make()))
+                stages, point = _polish(aim, make(), aim.best(make()))
                 pool.append((lambda stages=stages: stages, point))
-        prob.eta = 0.0
     front, least = [], math.inf
     for make, point in sorted(pool, key=lambda c: (c[1].step, c[1].energy)):
         if point.energy < least * (1 - 1e-12):
