@@ -3,9 +3,16 @@
 - ``servicer.py``   the Coordinator gRPC service (thin handlers -> status codes) and server factory.
 - ``registry.py``   admitted devices: profile, speed estimate, liveness, telemetry window.
 - ``discovery.py``  mDNS advertiser (``_edgetrain._tcp.local.``).
-- ``steps.py``      the step board shared by handlers and driver: work, uploads, contributions.
-- ``trainer.py``    the synchronous data-parallel driver (split, wait, redo, update).
-- ``aggregate.py``  sample-weighted combination and the optimizer step.
+- ``steps.py``      the step board shared by handlers and driver: tickets, uploads, contributions.
+- ``trainer.py``    the training driver: data parallel, federated rounds, pipelines (split, wait,
+                    redo, update).
+- ``aggregate.py``  screening (clip, outliers), sample- and staleness-weighted combination, the
+                    optimizer step.
+- ``codec_policy.py`` each board's link codec, fixed or adaptive from measured bandwidth.
+- ``parameters.py`` what boards download: full versions, compressed deltas, a stage's part.
+- ``pipeline_plan.py`` a pipeline plan as one step's assignments; merging a pipeline's results.
+- ``planner.py``    cost model and plan search (DP over stages x board groups, Pareto); not yet
+                    used by training (issue 5).
 - ``metrics.py``, ``report.py``, ``checkpoint.py``  JSONL metrics, the summary, checkpoints.
 - ``main.py``       entry point: build everything, serve, train, clean up.
 """

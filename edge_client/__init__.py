@@ -6,6 +6,8 @@
 - ``telemetry.py``  psutil readings, link meter and probe, telemetry samples.
 - ``emulation.py``  an emulated board's link, battery and energy (from its board file).
 - ``devices.py``    `edgetrain devices`: advertised coordinators and their boards.
-- ``worker.py``     the data-parallel shard runtime (register, profile, heartbeat, work loop).
+- ``worker.py``     the board runtime (register, profile, heartbeat, work loop): DP shards,
+                    federated rounds, pipeline stages; codecs with error feedback, deltas.
+- ``stage.py``      pipeline stages: the StagePeer endpoint, mailbox, and one step's schedule.
 - ``main.py``       entry point: CPU limit, connect, work, clean up.
 """
