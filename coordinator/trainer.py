@@ -20,7 +20,7 @@ import logging
 import statistics
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -102,9 +102,13 @@ class Trainer:
         self.federated = agg.federated
         self.keep_late = agg.rule == "staleness"
         self.use_deadline = agg.deadline == "predicted" or self.keep_late
-        self.optimizer = make_optimizer(model, OptimizerConfig(
-            lr=job.federated.server_lr, momentum=0.0, weight_decay=0.0, schedule="constant")
-            if self.federated else job.optimizer)
+        if self.federated:
+            server = OptimizerConfig(lr=job.federated.server_lr, momentum=0.0, weight_decay=0.0, schedule="constant")
+        elif job.compression.boards_keep_momentum:  # the boards send momentum, not gradients
+            server = replace(job.optimizer, momentum=0.0, nesterov=False)
+        else:
+            server = job.optimizer
+        self.optimizer = make_optimizer(model, server)
         state = state_tensors(model)
         full_bytes = sum(t.numel() * t.element_size() for t in state.values())
         self.policy = CodecPolicy(job.compression, lambda c: self.formats(c).wire_bytes(), full_bytes,

@@ -37,6 +37,7 @@ from edgetrain.models import build_model
 from edgetrain.tensors import TransferError, check_metas, pack, unpack
 from edgetrain.throttle import CpuLimiter
 from edgetrain.training import (
+    GRAD_PREFIX,
     compute_shard,
     load_state_tensors,
     local_train,
@@ -142,6 +143,7 @@ class EdgeWorker:
         self._formats: UpdateFormats | None = None
         self._deltas: dict[str, DeltaFormat] = {}
         self._feedback = ErrorFeedback()
+        self._velocity: dict[str, torch.Tensor] = {}
         self._abandoned: tuple[int, int] | None = None
         self.endpoint: StageEndpoint | None = None
         """This board's pipeline peer endpoint (started on the first run)."""
@@ -170,6 +172,7 @@ class EdgeWorker:
                 logger.warning("[Client] coordinator forgot %s; joining again", self.device_id)
                 # the coordinator may have restarted: what this board holds may not be its view
                 self._version, self._loaded, self._view, self._feedback = -1, -1, {}, ErrorFeedback()
+                self._velocity = {}
                 self._stage_loaded = None
                 self.endpoint.mailbox.reset()
             finally:
@@ -191,7 +194,7 @@ class EdgeWorker:
         self._stage_loaded = None
         if self.endpoint is not None:
             self.endpoint.mailbox.reset()
-        self._deltas, self._feedback = {}, ErrorFeedback()
+        self._deltas, self._feedback, self._velocity = {}, ErrorFeedback(), {}
         spec = serde.dataset_from_proto(job.dataset, data_dir=self.options.data_dir,
                                         download=self.options.download)
         self._dataset = load_dataset(spec, train=True)
@@ -289,7 +292,12 @@ class EdgeWorker:
         self._loaded = -1 if work.HasField("local") or self._has_running_stats() else self._loaded
         started = time.perf_counter()
         fmt = self._formats(work.codec)
-        wire, commit = fmt.encode(result.tensors, self._feedback if self._job.error_feedback else None)
+        tensors = self._with_momentum(result.tensors)
+        wire, commit_feedback = fmt.encode(tensors, self._feedback if self._job.error_feedback else None)
+
+        def commit() -> None:
+            commit_feedback()
+            self._mask_sent_momentum(wire)
         metas, payload = pack(wire)
         report = pb.StepReport(samples=result.samples, loss=result.loss, correct=result.correct,
                                compute_s=compute_s, download_s=download_s,
@@ -322,6 +330,26 @@ class EdgeWorker:
                                download_s=download_s, encode_s=time.perf_counter() - started, wait_s=result.wait_s,
                                peak_activation_bytes=result.peak_activation_bytes, peer_bytes=result.peer_bytes)
         return upload_header(self.device_id, work.step, work.attempt, metas, report), payload, commit
+
+    def _with_momentum(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Momentum correction: u <- m u + g per gradient, sent in place of g (when the job asks)."""
+        m = self._job.board_momentum
+        if not m:
+            return tensors
+        out = dict(tensors)
+        for name, grad in tensors.items():
+            if name.startswith(GRAD_PREFIX):
+                u = self._velocity.get(name)
+                self._velocity[name] = u = grad.clone() if u is None else u.mul_(m).add_(grad)
+                out[name] = u.clone()
+        return out
+
+    def _mask_sent_momentum(self, wire: dict[str, torch.Tensor]) -> None:
+        """DGC momentum factor masking: a coordinate top-k sent starts its momentum afresh."""
+        for name, u in self._velocity.items():
+            idx = wire.get(name + ":idx")
+            if idx is not None:
+                u.view(-1)[idx.long()] = 0.0
 
     def _has_running_stats(self) -> bool:
         return any(b.is_floating_point() for b in self._model.buffers())

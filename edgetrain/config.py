@@ -181,14 +181,30 @@ class CompressionConfig:
     hold a recent version download the compressed deltas since (error feedback at the coordinator)."""
     error_feedback: bool = True
     """Keep what a lossy uplink codec did not send on the board and add it to the next update."""
+    momentum_correction: str = "auto"
+    """on: boards accumulate the optimizer's momentum themselves and the coordinator applies plain
+    SGD (Deep Gradient Compression: with sparse updates, momentum at the coordinator would
+    multiply every late-sent coordinate ~1/(1 - m) times); top-k also clears a coordinate's
+    momentum once it was sent. auto: on for top-k and adaptive uplinks. off: momentum stays at
+    the coordinator."""
     topk_ratio: float = 0.01
     """Fraction kept by the top-k codec when adaptive chooses it."""
     adaptive_budget: float = 0.25
     """adaptive: the least lossy codec whose predicted transfer time per step is within this
     fraction of the step's predicted compute time (else the most compressing one)."""
+    adaptive_limit: float = 1.0
+    """adaptive: when nothing fits the budget, a dense codec (fp16, int8) is still preferred to
+    top-k while its transfer time stays within this multiple of the compute time."""
     hysteresis: float = 0.3
     """adaptive: a board's codec is chosen again only after its bandwidth moved by more than this
     fraction since the last choice (noise does not make it flip)."""
+
+    @property
+    def boards_keep_momentum(self) -> bool:
+        """Whether momentum is accumulated on the boards (momentum correction) for this job."""
+        if self.momentum_correction == "auto":
+            return self.uplink == "adaptive" or self.uplink.startswith("topk")
+        return self.momentum_correction == "on"
 
     def __post_init__(self) -> None:
         from edgetrain.compression import parse_codec
@@ -202,7 +218,11 @@ class CompressionConfig:
             except ValueError as e:
                 raise ConfigError(f"{key}={value!r}: {e}") from None
         _require(0 < self.topk_ratio <= 1, "topk_ratio", self.topk_ratio, "must be in (0, 1]")
+        _require(self.momentum_correction in ("auto", "on", "off"), "momentum_correction",
+                 self.momentum_correction, "must be auto, on or off")
         _require(self.adaptive_budget > 0, "adaptive_budget", self.adaptive_budget, "must be > 0")
+        _require(self.adaptive_limit >= self.adaptive_budget, "adaptive_limit", self.adaptive_limit,
+                 "must be >= adaptive_budget")
         _require(self.hysteresis >= 0, "hysteresis", self.hysteresis, "must be >= 0")
 
 
