@@ -121,6 +121,7 @@ class Trainer:
         self._partitions: dict[str, int] = {}
         self._plan_cache: tuple[float, PipelineConfig] | None = None
         self._plan_missing: list[str] = []
+        self._plan_error = ""
         self._failures: list[dict] = []
         self._late: list[Contribution] = []
         self._late_rejected: dict[str, str] = {}
@@ -277,9 +278,10 @@ class Trainer:
         except (OSError, ValueError) as e:  # ConfigError is a ValueError
             if cached is None:
                 raise JobAborted(f"pipeline plan {plan.plan_file}: {e}") from None
-            logger.error("[Coordinator.Trainer] pipeline plan %s refused (%s); keeping the previous plan",
-                         plan.plan_file, e)
-            self._plan_cache = (mtime if isinstance(e, ValueError) else cached[0], cached[1])
+            if str(e) != self._plan_error:  # read again next time: the file may be mid-write
+                logger.error("[Coordinator.Trainer] pipeline plan %s refused (%s); keeping the previous plan",
+                             plan.plan_file, e)
+                self._plan_error = str(e)
         return self._plan_cache[1]
 
     def _pipeline_assignments(self, step: int, attempt: int, indices: list[int]):

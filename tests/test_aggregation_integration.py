@@ -83,7 +83,8 @@ def test_adaptive_codec_switches_when_a_link_rate_drops(coordinator_factory, cli
     board_file.write_text("name: shaped\nspeed: 0.5\nlink: {mbit_per_s: 400}\n")
     job = small_job(training={"steps": 400, "min_clients": 1, "global_batch": 16, "eval_every": 0,
                               "log_every": 50},
-                    compression={"uplink": "adaptive", "downlink": "int8", "adaptive_budget": 2.0})
+                    compression={"uplink": "adaptive", "downlink": "int8", "adaptive_budget": 2.0,
+                                 "adaptive_limit": 2.0})
     coordinator = coordinator_factory(job)
     client_factory(coordinator.address, "shaped", extra=("--emulate", str(board_file), "--probe-interval", "1"))
     stub = coordinator.stub()

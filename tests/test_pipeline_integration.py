@@ -114,7 +114,7 @@ def test_killed_stage_host_ends_the_step_with_a_clear_error_and_a_new_plan_conti
     plan_file.write_text(yaml.safe_dump({"stages": [{"blocks": 2, "boards": ["a"]}, {"blocks": 2, "boards": ["c"]}],
                                          "microbatches": 2, "stage_timeout_s": 6}))
     while len(records(coordinator.run_dir)) < stalled + 5:
-        assert time.monotonic() < killed_at + 90, "training did not continue after the re-plan"
+        assert time.monotonic() < killed_at + 150, "training did not continue after the re-plan"
         time.sleep(0.2)
     coordinator.stop.set()
 
