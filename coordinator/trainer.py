@@ -366,7 +366,8 @@ class Trainer:
         """How long the attempt may take: the configured timeout, the predicted deadline, or
         3 x the prediction + 10 s. Until a device's communication time has been observed, its
         prediction includes its transfers at its measured bandwidth."""
-        speeds = {d: self._with_transfers(d, speeds[d], choices[d]) for d in shares}
+        latest = {r.device_id: r.latest_telemetry for r in self.registry.snapshot()}
+        speeds = {d: self._with_transfers(speeds[d], choices[d], latest.get(d)) for d in shares}
         configured = self.job.training.step_timeout_s
         predicted = predicted_step_seconds(shares, speeds)
         if self.federated:
@@ -381,10 +382,9 @@ class Trainer:
             return min(deadline, configured) if configured > 0 else deadline
         return configured if configured > 0 else 3 * predicted + 10.0
 
-    def _with_transfers(self, device_id: str, speed: SpeedEstimate, choice: LinkChoice) -> SpeedEstimate:
+    def _with_transfers(self, speed: SpeedEstimate, choice: LinkChoice, sample) -> SpeedEstimate:
         if speed.comm_s > 0:
             return speed
-        sample = next((r.latest_telemetry for r in self.registry.snapshot() if r.device_id == device_id), None)
         mbit = sample.link_mbit_per_s if sample else None
         transfer_s = self.policy.step_bytes(choice.codec) * 8 / (mbit * 1e6) if mbit else UNMEASURED_LINK_S
         return SpeedEstimate(speed.overhead_s, speed.samples_per_s, transfer_s)

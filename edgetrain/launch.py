@@ -74,6 +74,26 @@ def _stop(processes: Sequence[subprocess.Popen], grace_s: float) -> None:
             proc.kill()
 
 
+def run_on_emulated_boards(job: dict, boards: Sequence[tuple[float, float]], workdir: Path,
+                           client_args: tuple[str, ...] = ("--probe-interval", "5")) -> Path:
+    """Run the job mapping `job` on boards given as (fraction of a core, link Mbit/s), named
+    board0, board1, ...; returns its run directory (RuntimeError if the coordinator failed)."""
+    import yaml
+
+    job_file = workdir / f"{job['name']}.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    files = []
+    for i, (speed, mbit) in enumerate(boards):
+        path = workdir / f"board{i}.yaml"
+        path.write_text(yaml.safe_dump({"name": f"board{i}", "speed": speed, "link": {"mbit_per_s": mbit}}))
+        files.append(path)
+    code = run_local(LocalRun(job_file=job_file, board_files=tuple(files), runs_dir=workdir / "runs",
+                              client_args=client_args), job_name=job["name"])
+    if code != 0:
+        raise RuntimeError(f"job {job['name']} failed with exit code {code}")
+    return workdir / "runs" / job["name"]
+
+
 def run_local(run: LocalRun, *, job_name: str) -> int:
     """Start the coordinator and boards, wait for the job to end; returns the coordinator's exit code."""
     log_dir = run.runs_dir / job_name / "logs"

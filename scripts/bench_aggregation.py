@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from edgetrain.launch import DEMO_JOB, LocalRun, run_local
+from edgetrain.launch import DEMO_JOB, run_on_emulated_boards
 
 BOARDS = ((0.5, 100), (0.3, 50), (0.2, 20), (0.1, 10))
 """(fraction of a core, link Mbit/s) of each emulated board."""
@@ -48,18 +48,7 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     job["training"].update(steps=args.steps, min_clients=len(BOARDS), eval_every=0, global_batch=args.batch,
                            log_every=10, split="proportional", heartbeat_timeout_s=30.0)
     job["compression"] = MODES[mode]
-    job_file = workdir / f"{name}.yaml"
-    job_file.write_text(yaml.safe_dump(job))
-    boards = []
-    for i, (speed, mbit) in enumerate(BOARDS):
-        path = workdir / f"board{i}.yaml"
-        path.write_text(yaml.safe_dump({"name": f"board{i}", "speed": speed, "link": {"mbit_per_s": mbit}}))
-        boards.append(path)
-    code = run_local(LocalRun(job_file=job_file, board_files=tuple(boards), runs_dir=workdir / "runs",
-                              client_args=("--probe-interval", "5")), job_name=name)
-    if code != 0:
-        raise RuntimeError(f"{mode} run failed with exit code {code}")
-    run_dir = workdir / "runs" / name
+    run_dir = run_on_emulated_boards(job, BOARDS, workdir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "train" and r["step"] >= args.warmup]
     summary = json.loads((run_dir / "summary.json").read_text())
