@@ -125,8 +125,10 @@ def test_killed_stage_host_ends_the_step_with_a_clear_error_and_a_new_plan_conti
     redone = steps[stalled]
     first = redone["failures"][0]
     assert first["time"] - killed_wall < 6 + 4 + 5  # stage timeout + heartbeat timeout + slack
-    reasons = " ".join(f"{d}: {r}" for f in redone["failures"] for d, r in f["failed"].items())
-    assert "b-" in reasons and "gone" in reasons, reasons
+    failed = {d: r for f in redone["failures"] for d, r in f["failed"].items()}
+    # the dead host is named: gone (missed heartbeats) or silent past the attempt's end, depending on
+    # whether its neighbour's refused connection or its missed heartbeats came first
+    assert any(d.startswith("b-") and ("gone" in r or "no result" in r) for d, r in failed.items()), failed
     assert redone["attempts"] == len(redone["failures"]) + 1
     after = steps[stalled:]
     assert all(any(d.startswith("c-") for d in s["shares"]) for s in after)
