@@ -13,7 +13,9 @@ Stage [i, j) on group G, with f_G = Σ flops_per_s and row weights w_k = f_k / f
     A     activation bytes per sample it keeps for backward (its input and its blocks' outputs)
     γ_s = (F + 2 X · max_k f_k σ_k) / f_G      seconds per sample: compute, plus activations
                                               forward and gradients back, each host on its link
-    c_k = 2 P σ_k + rtt_k                      stage parameters down, gradients up, every step
+    c_k = 2 P σ_k + rtt_k                      stage parameters down, gradients up, every step;
+                                              c_k = rtt_k for a stage with one host that owns
+                                              its state (stage_state "hosts", no DP shards)
     mem_k = 2 P + min(S − s, M) · w_k · (B / M) · A      params, grads, 1F1B in-flight rows
 Pipeline with B_p samples, b = B_p / M, hosts H:
     λ = max_H overhead_s + (min(S, 3) − 1) · max_H rtt_s    per micro-batch latency, worst case
@@ -273,6 +275,9 @@ class Plan:
 @dataclass(frozen=True)
 class _Stage:
     c: float
+    """Per-step transfer time when the pipeline runs alone (a single host owning its state: rtt)."""
+    c_all: float
+    """The same next to DP shards (every stage moves its parameters and gradients)."""
     gamma: float
     e: float
     """Busy energy above idle per pipeline sample."""
@@ -283,6 +288,7 @@ class _Stage:
 @dataclass(frozen=True)
 class _Pipe:
     c: float
+    c_all: float
     gamma: float
     e: float
     m: int
@@ -351,12 +357,14 @@ class _Problem:
 
     def __init__(self, fleet: Sequence[BoardCost], model: ModelCost, global_batch: int,
                  eta: float = 0.0, microbatches: Sequence[int] = MICROBATCH_CANDIDATES,
-                 battery_floor: float = BATTERY_FLOOR_PERCENT) -> None:
+                 battery_floor: float = BATTERY_FLOOR_PERCENT, stage_state: str = "hosts") -> None:
         names = [k.name for k in fleet]
         _check(bool(fleet), "the fleet is empty")
         _check(len(set(names)) == len(names), f"board names must be unique, got {names}")
         _check(global_batch >= 1, f"global_batch must be >= 1, got {global_batch}")
+        _check(stage_state in ("hosts", "coordinator"), f"stage_state must be hosts or coordinator, got {stage_state!r}")
         self.fleet, self.model, self.B, self.eta = list(fleet), model, global_batch, eta
+        self.stage_state = stage_state
         self.by_name = {k.name: k for k in fleet}
         self.L = len(model.blocks)
         self.ms = tuple(sorted({m for m in microbatches if 1 <= m <= global_batch}))
@@ -400,8 +408,10 @@ class _Problem:
             for k in members:
                 slack, need = k.memory_bytes - 2 * p, k.flops_per_s / speed * self.B * a
                 q = min(q, -1.0 if slack < 0 else slack / need if need > 0 else math.inf)
+            c_all = max(2 * p * k.seconds_per_byte + k.rtt_s for k in members)
+            owned = self.stage_state == "hosts" and len(members) == 1
             self._stage_cache[key] = _Stage(
-                c=max(2 * p * k.seconds_per_byte + k.rtt_s for k in members),
+                c=members[0].rtt_s if owned else c_all, c_all=c_all,
                 gamma=(f + 2 * x * max(k.flops_per_s * k.seconds_per_byte for k in members)) / speed,
                 e=sum(k.busy_w - k.idle_w for k in members) * f / speed, q=q)
         return self._stage_cache[key]
@@ -434,7 +444,7 @@ class _Problem:
             cands = {0.0}
             if shards and hi > 0:
                 k = m + pipe.stages - 1
-                bal = _balanced(shards, pipe.c + k * pipe.lam, k * pipe.gamma / m, total)
+                bal = _balanced(shards, pipe.c_all + k * pipe.lam, k * pipe.gamma / m, total)
                 cands.update([hi, min(hi, bal)], (n for n in starts if n <= hi))
             for n in sorted(cands):
                 yield self._point(pipe, shards, m, n)
@@ -444,7 +454,7 @@ class _Problem:
         step, energy, rows = tau, 0.0, self.B - n
         if pipe is not None:
             k = m + pipe.stages - 1
-            step = max(tau, pipe.c + k * (rows / m * pipe.gamma + pipe.lam))
+            step = max(tau, (pipe.c_all if n > 0 else pipe.c) + k * (rows / m * pipe.gamma + pipe.lam))
             energy = pipe.idle * step + pipe.e * rows
         for s in shards[:active]:
             energy += s.board.idle_w * step + (s.board.busy_w - s.board.idle_w) * (tau - s.o)
@@ -452,7 +462,7 @@ class _Problem:
 
     def pipe(self, stages: Sequence[tuple[int, int, Sequence[BoardCost]]]) -> _Pipe | None:
         """The label of a concrete pipeline, or None when some stage does not fit."""
-        c = gamma = e = 0.0
+        c = c_all = gamma = e = 0.0
         m = 0
         for s in range(len(stages) - 1, -1, -1):
             i, j, members = stages[s]
@@ -460,9 +470,9 @@ class _Problem:
             t = self.fit_index(st.q, len(stages) - s)
             if t is None:
                 return None
-            c, gamma, e, m = max(c, st.c), max(gamma, st.gamma), e + st.e, max(m, t)
+            c, c_all, gamma, e, m = max(c, st.c), max(c_all, st.c_all), max(gamma, st.gamma), e + st.e, max(m, t)
         hosts = [k for *_, g in stages for k in g]
-        return _Pipe(c, gamma, e, m, len(stages), self.latency(hosts, len(stages)),
+        return _Pipe(c, c_all, gamma, e, m, len(stages), self.latency(hosts, len(stages)),
                      sum(k.idle_w for k in hosts))
 
     def outside(self, stages: Sequence[tuple[int, int, Sequence[BoardCost]]]) -> list[_Shard]:
@@ -504,11 +514,11 @@ class _Problem:
                 speed = sum(k.flops_per_s for k in members)
                 stage_s.append(b * self.stage(st.begin, st.end, members).gamma + lam)
                 for k in members:
-                    w, c = k.flops_per_s / speed, 2 * p * k.seconds_per_byte + k.rtt_s
+                    w, c = k.flops_per_s / speed, self._transfer_s(p, k, len(members), plan)
                     share[k.name], busy[k.name] = w * rows / self.B, rows * f / speed
                     time_s[k.name] = c + m * (b * (f / speed + 2 * x * w * k.seconds_per_byte) + lam)
                     memory[k.name] = 2 * p + min(depth - s, m) * w * self.B / m * a
-            t_pipe = max(2 * self._span(s.begin, s.end)[0] * k.seconds_per_byte + k.rtt_s
+            t_pipe = max(self._transfer_s(self._span(s.begin, s.end)[0], k, len(s.boards), plan)
                          for s in plan.stages for k in (self.by_name[n] for n in s.boards))
             t_pipe += (m + depth - 1) * max(stage_s)
         shards = sorted((self.shard_of[n] for n in plan.dp_boards), key=lambda s: (s.o, s.board.name))
@@ -524,6 +534,12 @@ class _Problem:
                           pipeline_s=t_pipe, dp_s=tau, stage_s=tuple(stage_s), share=share, time_s=time_s,
                           busy_s=busy, memory_bytes=memory,
                           fits=all(v <= self.by_name[k].memory_bytes * (1 + 1e-9) for k, v in memory.items()))
+
+    def _transfer_s(self, param_bytes: float, k: BoardCost, hosts: int, plan: Plan) -> float:
+        """c_k of a stage host in ``plan``: rtt alone when it owns its stage's state."""
+        if self.stage_state == "hosts" and hosts == 1 and not plan.dp_boards:
+            return k.rtt_s
+        return 2 * param_bytes * k.seconds_per_byte + k.rtt_s
 
     def _validate(self, plan: Plan) -> None:
         names = [b for s in plan.stages for b in s.boards] + list(plan.dp_boards)
@@ -595,15 +611,16 @@ def _coarsen(units: list[_Unit], blocks: int, budget: int) -> list[_Unit]:
 
 
 def _insert(bucket: list[tuple], new: tuple) -> None:
-    """Add a label unless one in ``bucket`` is no worse in its first five entries; drop those it
+    """Add a label unless one in ``bucket`` is no worse in its compared entries; drop those it
     is no worse than. A label is (max c, max γ, energy compared, least M index, S, parent label,
-    its first stage (i, j, group counts), energy/sample); energy is compared as 0 when only time
-    counts, so it is kept but does not split the Pareto set."""
-    c, g, e, m, n = new[:5]
+    its first stage (i, j, group counts), energy/sample, max c next to DP shards); energy is
+    compared as 0 when only time counts, so it is kept but does not split the Pareto set."""
+    c, g, e, m, n, ca = *new[:5], new[8]
     for o in bucket:
-        if o[0] <= c and o[1] <= g and o[2] <= e and o[3] <= m and o[4] <= n:
+        if o[0] <= c and o[1] <= g and o[2] <= e and o[3] <= m and o[4] <= n and o[8] <= ca:
             return
-    bucket[:] = [o for o in bucket if not (c <= o[0] and g <= o[1] and e <= o[2] and m <= o[3] and n <= o[4])]
+    bucket[:] = [o for o in bucket if not (c <= o[0] and g <= o[1] and e <= o[2] and m <= o[3] and n <= o[4]
+                                           and ca <= o[8])]
     bucket.append(new)
 
 
@@ -613,7 +630,7 @@ def _search(prob: _Problem, units: list[_Unit], energy: bool) -> Iterator[tuple[
     counts = tuple(len(u.items) for u in units)
     reps = [u.items[0] for u in units]
     layers: list[dict[tuple, list[tuple]]] = [{} for _ in range(prob.L + 1)]
-    layers[prob.L][(0,) * len(units)] = [(0.0, 0.0, 0.0, 0, 0, None, None, 0.0)]
+    layers[prob.L][(0,) * len(units)] = [(0.0, 0.0, 0.0, 0, 0, None, None, 0.0, 0.0)]
     subs: dict[tuple, list[tuple]] = {}
     terms: dict[tuple, _Stage] = {}
     for j in range(prob.L, 0, -1):
@@ -637,7 +654,7 @@ def _search(prob: _Problem, units: list[_Unit], energy: bool) -> Iterator[tuple[
                             e = lab[7] + st.e
                             _insert(bucket, (max(lab[0], st.c), max(lab[1], st.gamma),
                                              e if energy else 0.0, max(lab[3], t), lab[4] + 1,
-                                             lab, (i, j, g), e))
+                                             lab, (i, j, g), e, max(lab[8], st.c_all)))
     for used, labels in layers[0].items():
         hosts = [k for rep, n in zip(reps, used) for _ in range(n) for k in rep]
         spare = [k for rep, c, u in zip(reps, counts, used) for _ in range(c - u) for k in rep]
@@ -645,7 +662,7 @@ def _search(prob: _Problem, units: list[_Unit], energy: bool) -> Iterator[tuple[
                         key=lambda s: s.o)
         idle = sum(k.idle_w for k in hosts)
         for lab in labels:
-            pipe = _Pipe(lab[0], lab[1], lab[7], lab[3], lab[4], prob.latency(hosts, lab[4]), idle)
+            pipe = _Pipe(lab[0], lab[8], lab[1], lab[7], lab[3], lab[4], prob.latency(hosts, lab[4]), idle)
             for point in prob.points(pipe, shards):
                 yield lab, point
 
@@ -733,10 +750,11 @@ def _candidates(prob: _Problem, exact_budget: int, energy: bool) -> tuple[list[_
     return units, itertools.chain(head, found), exact
 
 
-def predict(plan: Plan, fleet: Sequence[BoardCost], model: ModelCost, global_batch: int) -> Prediction:
+def predict(plan: Plan, fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, *,
+            stage_state: str = "hosts") -> Prediction:
     """Predicted step time, samples/s, energy per sample, per-stage time, per-board memory and
     busy seconds of ``plan`` (formulas in the module docstring)."""
-    return _Problem(fleet, model, global_batch).predict(plan)
+    return _Problem(fleet, model, global_batch, stage_state=stage_state).predict(plan)
 
 
 def objective_cost(prediction: Prediction, fleet: Sequence[BoardCost], objective: str | float) -> float:
@@ -748,11 +766,12 @@ def objective_cost(prediction: Prediction, fleet: Sequence[BoardCost], objective
 
 def plan_optimal(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int,
                  objective: str | float = "time", *, microbatches: Sequence[int] = MICROBATCH_CANDIDATES,
-                 battery_floor: float = BATTERY_FLOOR_PERCENT, exact_budget: int = EXACT_BUDGET) -> Plan:
+                 battery_floor: float = BATTERY_FLOOR_PERCENT, exact_budget: int = EXACT_BUDGET,
+                 stage_state: str = "hosts") -> Plan:
     """The plan minimising ``objective`` ("time", "energy" or a weight η of energy in [0, 1]):
     exact over pipelines, hybrids and pure DP when the DP fits ``exact_budget``, else the
     bundled DP plus a hill climb. Raises ValueError when nothing fits in memory."""
-    prob = _Problem(fleet, model, global_batch, _weight(objective), microbatches, battery_floor)
+    prob = _Problem(fleet, model, global_batch, _weight(objective), microbatches, battery_floor, stage_state)
     units, found, exact = _candidates(prob, exact_budget, prob.eta > 0)
     by_label: dict[int, tuple] = {}
     for label, point in found:
@@ -769,10 +788,10 @@ def plan_optimal(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int
 
 def pareto(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, *,
            microbatches: Sequence[int] = MICROBATCH_CANDIDATES, battery_floor: float = BATTERY_FLOOR_PERCENT,
-           exact_budget: int = EXACT_BUDGET) -> list[Plan]:
+           exact_budget: int = EXACT_BUDGET, stage_state: str = "hosts") -> list[Plan]:
     """The (step time, energy) non-dominated plans among the candidates the search considers,
     fastest first (beyond the exact budget, plus the hill-climbed time and energy optima)."""
-    prob = _Problem(fleet, model, global_batch, 0.0, microbatches, battery_floor)
+    prob = _Problem(fleet, model, global_batch, 0.0, microbatches, battery_floor, stage_state)
     units, found, exact = _candidates(prob, exact_budget, True)
     pool = [(lambda lab=lab: _concrete(units, lab), p) for lab, p in found]
     _check(bool(pool), "no plan fits the boards' memory")
@@ -806,10 +825,10 @@ def _ordered_partitions(items: tuple[BoardCost, ...]) -> Iterator[list[tuple[Boa
 
 def brute_force(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int,
                 objective: str | float = "time", *, microbatches: Sequence[int] = MICROBATCH_CANDIDATES,
-                battery_floor: float = BATTERY_FLOOR_PERCENT) -> Plan:
+                battery_floor: float = BATTERY_FLOOR_PERCENT, stage_state: str = "hosts") -> Plan:
     """The optimum by enumeration of every board subset, ordered grouping and contiguous cut
     (same cost function as ``plan_optimal``); for tests on up to 6 boards and 8 blocks."""
-    prob = _Problem(fleet, model, global_batch, _weight(objective), microbatches, battery_floor)
+    prob = _Problem(fleet, model, global_batch, _weight(objective), microbatches, battery_floor, stage_state)
     _check(len(prob.eligible) <= 6 and prob.L <= 8, "brute_force is for tiny instances only")
     pure = prob.best([])
     best = ([], pure) if pure is not None else None

@@ -95,7 +95,8 @@ def _role(plan: Plan, board: str) -> str:
 
 # --- the cost model ----------------------------------------------------------------------------
 
-def test_predict_follows_the_documented_formulas() -> None:
+@pytest.mark.parametrize("stage_state", ["coordinator", "hosts"])
+def test_predict_follows_the_documented_formulas(stage_state: str) -> None:
     # Prepare: two boards, one block each, 4 micro-batches of 8 samples, no DP shards
     a = _board("a", flops_per_s=1e9, mbit_per_s=8.0, rtt_s=0.01, idle_w=1.0, busy_w=3.0)
     b = _board("b", flops_per_s=2e9, mbit_per_s=80.0, rtt_s=0.0, idle_w=2.0, busy_w=2.0, overhead_s=0.005)
@@ -105,13 +106,14 @@ def test_predict_follows_the_documented_formulas() -> None:
     plan = Plan(stages=(StagePlan(0, 1, ("a",)), StagePlan(1, 2, ("b",))), microbatches=4)
 
     # Execute
-    p = predict(plan, [a, b], model, 32)
+    p = predict(plan, [a, b], model, 32, stage_state=stage_state)
 
-    # Assert: σ_a = 1e-6 s/byte, σ_b = 1e-7; X = 1e4 bytes at the cut
+    # Assert: σ_a = 1e-6 s/byte, σ_b = 1e-7; X = 1e4 bytes at the cut; hosts owning their stage
+    # move no parameters (c = rtt)
     gamma_a = (3e7 + 2 * 1e4 * 1e9 * 1e-6) / 1e9
     gamma_b = (4e7 + 2 * 1e4 * 2e9 * 1e-7) / 2e9
     lam = 0.005 + 1 * 0.01
-    c = max(2 * 1e6 * 1e-6 + 0.01, 2 * 2e5 * 1e-7)
+    c = max(2 * 1e6 * 1e-6 + 0.01, 2 * 2e5 * 1e-7) if stage_state == "coordinator" else 0.01
     step = c + (4 + 2 - 1) * (8 * max(gamma_a, gamma_b) + lam)
     assert p.step_s == pytest.approx(step, rel=1e-12)
     assert p.stage_s == pytest.approx((8 * gamma_a + lam, 8 * gamma_b + lam), rel=1e-12)
@@ -197,10 +199,10 @@ def test_planner_matches_brute_force_on_seeded_fleets(seed: int) -> None:
     fleet = _random_fleet(rng, boards, rng.choice([None, 2, 3]))
     model, batch = _random_model(rng, rng.randint(4, 6)), rng.choice([16, 64])
 
-    for objective in ("time", "energy", 0.3):
+    for objective, state in (("time", "hosts"), ("energy", "hosts"), (0.3, "hosts"), ("time", "coordinator")):
         # Execute
-        planned = plan_optimal(fleet, model, batch, objective)
-        best = brute_force(fleet, model, batch, objective)
+        planned = plan_optimal(fleet, model, batch, objective, stage_state=state)
+        best = brute_force(fleet, model, batch, objective, stage_state=state)
 
         # Assert
         assert objective_cost(planned.prediction, fleet, objective) == pytest.approx(
