@@ -11,6 +11,7 @@
 - ``codec_policy.py`` each board's link codec, fixed or adaptive from measured bandwidth.
 - ``parameters.py`` what boards download: full versions, compressed deltas, a stage's part.
 - ``pipeline_plan.py`` a pipeline plan as one step's assignments; merging a pipeline's results.
+- ``stage_owners.py`` stages whose host owns their state: handing it over, pulling it back.
 - ``planner.py``    cost model and plan search (DP over stages x board groups, Pareto); not yet
                     used by training (issue 5).
 - ``metrics.py``, ``report.py``, ``checkpoint.py``  JSONL metrics, the summary, checkpoints.

@@ -110,13 +110,18 @@ def combine(contributions: Sequence[Contribution | Weighted]) -> dict[str, torch
 
 @torch.no_grad()
 def apply_update(model: nn.Module, optimizer: torch.optim.Optimizer, combined: dict[str, torch.Tensor]) -> None:
-    """Set the combined gradients, take one optimizer step, adopt the averaged buffers."""
+    """Set the combined gradients, take one optimizer step, adopt the averaged buffers.
+
+    Parameters without a gradient in `combined` (a pipeline stage whose host owns it) are left
+    alone, and so are their module's buffers."""
     for name, param in model.named_parameters():
-        param.grad = combined[GRAD_PREFIX + name]
+        param.grad = combined.get(GRAD_PREFIX + name)
     optimizer.step()
     for name, buffer in model.named_buffers():
         if buffer.is_floating_point():
-            buffer.copy_(combined[BUFFER_PREFIX + name])
+            if BUFFER_PREFIX + name in combined:
+                buffer.copy_(combined[BUFFER_PREFIX + name])
         elif name.endswith("num_batches_tracked"):
-            buffer.add_(1)
+            if BUFFER_PREFIX + name.rsplit(".", 1)[0] + ".running_mean" in combined:
+                buffer.add_(1)
     optimizer.zero_grad(set_to_none=True)

@@ -46,7 +46,7 @@ class ParameterStore:
     def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
         """Serve `state` (the master's parameters and buffers) as `version`."""
         with self._lock:
-            if self._keep_full > 1 and self._version >= 0:  # late boards may still fetch older versions
+            if self._keep_full > 1 and 0 <= self._version != version:  # late boards may fetch older versions
                 self._old[self._version] = self._full or pack(self._view)
                 while len(self._old) >= self._keep_full:
                     self._old.popitem(last=False)

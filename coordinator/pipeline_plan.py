@@ -3,10 +3,13 @@
 The plan (job `pipeline` section or its plan file) names, for each stage, how many consecutive
 blocks it holds and which boards host it. Every step the pipeline takes its samples (the global
 batch, less the DP shards' share), cuts them into micro-batches, and splits every micro-batch
-among a stage's hosts by rows in proportion to the hosts' measured speed. Each host uploads the
-gradients of its stage's parameters — partial sums whose total over hosts and micro-batches is
-the gradient of the mean loss over the pipeline's samples — so `merge_pipelines` adds them up
-and the pipeline enters the step's aggregation as one contribution, next to DP shards.
+among a stage's hosts by rows in proportion to the hosts' measured speed. A stage with a single
+host and no DP shards beside the pipeline is *owned* by its host (`owns_state`): it keeps the
+stage's parameters and optimizer state and uploads nothing (coordinator.stage_owners). Every
+other host uploads the gradients of its stage's parameters — partial sums whose total over hosts
+and micro-batches is the gradient of the mean loss over the pipeline's samples — so
+`merge_pipelines` adds them up and the pipeline enters the step's aggregation as one
+contribution, next to DP shards.
 """
 
 from __future__ import annotations
@@ -44,9 +47,17 @@ def missing_boards(plan: PipelineConfig, hosts: Mapping[str, Host]) -> list[str]
     return [n for n in names if n not in hosts or (n not in plan.dp_boards and not hosts[n].address)]
 
 
+def owns_state(plan: PipelineConfig, stage_boards: Sequence[str]) -> bool:
+    """Whether a stage's host keeps its parameters and optimizer state (`stage_state: hosts`, one
+    host, and no DP shards: theirs are the whole model's gradients, combined centrally)."""
+    return plan.stage_state == "hosts" and len(stage_boards) == 1 and not plan.dp_boards
+
+
 def assign(plan: PipelineConfig, *, step: int, attempt: int, indices: Sequence[int], block_names: Sequence[str],
-           hosts: Mapping[str, Host], augment: bool, data_seed: int) -> dict[str, Assignment]:
-    """Every plan board's work for one attempt of `step` (pipeline 0, plus DP shards)."""
+           hosts: Mapping[str, Host], augment: bool, data_seed: int, lr: float = 0.0,
+           commit: tuple[int, int] = (-1, 0)) -> dict[str, Assignment]:
+    """Every plan board's work for one attempt of `step` (pipeline 0, plus DP shards); `lr` and
+    `commit` (the last committed step and attempt) are for hosts that own their stage."""
     total = len(indices)
     dp_samples = min(round(plan.dp_share * total), total - 1) if plan.dp_boards else 0
     pipe = list(indices[: total - dp_samples])
@@ -67,7 +78,9 @@ def assign(plan: PipelineConfig, *, step: int, attempt: int, indices: Sequence[i
                 prefixes=stage_parameter_prefixes(block_names, begin, end), schedule=plan.schedule,
                 indices=tuple(pipe), microbatch_sizes=tuple(sizes), hosts=groups[i],
                 prev_hosts=groups[i - 1] if i else (), next_hosts=groups[i + 1] if i + 1 < len(groups) else (),
-                pipeline_samples=len(pipe), timeout_s=plan.stage_timeout_s)
+                pipeline_samples=len(pipe), timeout_s=plan.stage_timeout_s,
+                owned=owns_state(plan, plan.stages[i].boards), lr=lr, commit_step=commit[0],
+                commit_attempt=commit[1])
             mine = tuple(pipe[starts[m] + r] for m, (b, e) in enumerate(host.rows) for r in range(b, e))
             out[host.device_id] = Assignment(step, attempt, step, mine, augment, data_seed, stage=stage)
     if dp_samples:

@@ -81,7 +81,8 @@ def _stage_work(stage) -> pb.StageWork:
         end_block=stage.end_block, schedule=stage.schedule, indices=stage.indices,
         microbatch_sizes=stage.microbatch_sizes, hosts=[_host(h) for h in stage.hosts],
         prev_hosts=[_host(h) for h in stage.prev_hosts], next_hosts=[_host(h) for h in stage.next_hosts],
-        pipeline_samples=stage.pipeline_samples, timeout_s=stage.timeout_s)
+        pipeline_samples=stage.pipeline_samples, timeout_s=stage.timeout_s,
+        owned=stage.owned, lr=stage.lr, commit_step=stage.commit_step, commit_attempt=stage.commit_attempt)
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):

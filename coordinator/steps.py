@@ -74,6 +74,18 @@ class StageAssignment:
     next_hosts: tuple[StageHostPlan, ...]
     pipeline_samples: int
     timeout_s: float
+    owned: bool = False
+    """The host holds the stage's parameters and optimizer state (it uploads no stage gradients)."""
+    lr: float = 0.0
+    """The step's learning rate (an owned stage applies it)."""
+    commit_step: int = -1
+    commit_attempt: int = 0
+    """The last committed step and its attempt: an owned stage applies that attempt's gradients."""
+
+    @property
+    def upload_prefixes(self) -> tuple[str, ...]:
+        """Prefixes of what the host uploads: the stage's tensors, or nothing when it owns them."""
+        return () if self.owned else self.prefixes
 
 
 @dataclass(frozen=True)
@@ -191,7 +203,7 @@ class StepBoard:
         with self._cond:
             for device_id, a in assignments.items():
                 self._tickets[(device_id, a.step, a.attempt)] = _Ticket(
-                    a, self._formats(a.codec, a.stage.prefixes if a.stage else None))
+                    a, self._formats(a.codec, a.stage.upload_prefixes if a.stage else None))
                 self._current = (a.step, a.attempt)
             self._cond.notify_all()
 

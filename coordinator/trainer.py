@@ -39,6 +39,7 @@ from coordinator.metrics import MetricsLog
 from coordinator.parameters import ParameterStore
 from coordinator.pipeline_plan import Host, assign, merge_pipelines, missing_boards
 from coordinator.registry import DeviceRegistry
+from coordinator.stage_owners import Owner, StageOwners
 from coordinator.steps import Assignment, AttemptOutcome, Contribution, LocalWork, StepBoard
 from edgetrain.config import JobConfig, OptimizerConfig, PipelineConfig, load_pipeline_plan
 from edgetrain.data import make_batch
@@ -125,6 +126,11 @@ class Trainer:
         self._failures: list[dict] = []
         self._late: list[Contribution] = []
         self._late_rejected: dict[str, str] = {}
+        self.owners = StageOwners(job.name, model, self.optimizer, chunk_bytes=job.training.chunk_bytes,
+                                  timeout_s=max(60.0, job.pipeline.stage_timeout_s),
+                                  count_bytes=registry.count_bytes)
+        self._committed = (-1, 0)
+        """The last committed step and the attempt that counted (hosts owning a stage apply it)."""
 
     def resume_if_possible(self) -> None:
         """Continue from the run directory's checkpoint, if there is one."""
@@ -146,15 +152,21 @@ class Trainer:
                 record = self._run_step(step)
                 self._log_step(record)
                 last = step == cfg.steps - 1
-                if last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
+                evaluate = last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
+                checkpoint = last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
+                if self.owners.owners and (evaluate or checkpoint or (step + 1) % self._plan().sync_every == 0):
+                    self._sync_owned(step + 1)
+                if evaluate:
                     self._evaluate(step)
-                if last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):
+                if checkpoint:
                     self._checkpoint(step + 1)
             self.board.finish(f"job {self.job.name} completed {cfg.steps} steps")
             return self.metrics.last_eval
         except BaseException as e:
             self.board.finish(f"job {self.job.name} stopped: {e}")
             raise
+        finally:
+            self.owners.close()
 
     def _wait_for_devices(self, count: int) -> dict[str, SpeedEstimate]:
         logged = False
@@ -199,6 +211,14 @@ class Trainer:
         for attempt in range(cfg.max_attempts):
             if self.job.pipeline.enabled:
                 plan, assignments = self._pipeline_assignments(step, attempt, indices)
+                failed = self._place_owned(step, attempt, assignments)
+                self.store.publish(step, state_tensors(self.model))  # owned blocks taken back are current
+                if failed:
+                    self._failures.append({"attempt": attempt, "time": round(time.time(), 3), "failed": failed})
+                    logger.error("[Coordinator.Trainer] step %d attempt %d: %s", step, attempt,
+                                 "; ".join(f"{d} {r}" for d, r in failed.items()))
+                    self.stop.wait(cfg.heartbeat_timeout_s)
+                    continue
                 self.board.open_attempt(assignments)
                 opened = time.monotonic()
                 timeout = cfg.step_timeout_s or 3 * plan.stage_timeout_s + 30.0  # a backstop: hosts report sooner
@@ -230,6 +250,7 @@ class Trainer:
         else:
             raise JobAborted(f"step {step} failed on all {cfg.max_attempts} attempts")
         record = self._apply(step, outcome)
+        self._committed = (step, attempt)
         record.attempts, record.seconds = attempt + 1, time.monotonic() - started
         record.shares = {d: len(a.indices) for d, a in assignments.items()}
         record.codecs = {d: a.codec for d, a in assignments.items()}
@@ -293,9 +314,11 @@ class Trainer:
             missing = missing_boards(plan, hosts)
             if not missing:
                 self._plan_missing = []
+                lr = self.job.optimizer.lr * lr_factor(step, self.job.training.steps, self.job.optimizer)
                 return plan, assign(plan, step=step, attempt=attempt, indices=indices,
                                     block_names=self.model.block_names, hosts=hosts,
-                                    augment=self.job.dataset.augment, data_seed=self.job.seed)
+                                    augment=self.job.dataset.augment, data_seed=self.job.seed, lr=lr,
+                                    commit=self._committed)
             if missing != self._plan_missing:
                 logger.warning("[Coordinator.Trainer] the pipeline plan needs board(s) %s, which are not ready; "
                                "waiting for them%s", ", ".join(missing),
@@ -303,6 +326,30 @@ class Trainer:
                 self._plan_missing = missing
             if self.stop.wait(0.5):
                 raise JobAborted(f"stopped during step {step}")
+
+    def _place_owned(self, step: int, attempt: int, assignments: dict[str, Assignment]) -> dict[str, str]:
+        """Give owned stages to their planned hosts (taking state back from owners the plan no
+        longer wants); returns the hosts that could not take over their stage."""
+        wanted = {(a.stage.first_block, a.stage.end_block): Owner(d, _address(a, d),
+                                                                  (a.stage.first_block, a.stage.end_block))
+                  for d, a in assignments.items() if a.stage is not None and a.stage.owned}
+        losses, failed = self.owners.place(wanted, step, self._committed, attempt, self.registry.is_alive)
+        self._note_losses(step, losses)
+        return failed
+
+    def _sync_owned(self, version: int) -> None:
+        """Bring the master's copy of owned stages up to `version` (hosts keep their stages)."""
+        self._note_losses(version, self.owners.sync(version, self._committed, self.registry.is_alive))
+
+    def _note_losses(self, step: int, losses) -> None:
+        for loss in losses:
+            lost = step - max(loss.synced_version, 0)
+            self._failures.append({"time": round(time.time(), 3), "lost_state": {
+                "blocks": list(loss.blocks), "device": loss.device_id, "restored_version": loss.synced_version,
+                "steps_lost": lost, "reason": loss.reason}})
+            logger.warning("[Coordinator.Trainer] blocks [%d, %d) go back %d step(s) to version %d: their "
+                           "owner %s is lost (%s); pipeline.sync_every bounds this", loss.blocks[0], loss.blocks[1],
+                           lost, loss.synced_version, loss.device_id, loss.reason)
 
     def _pipeline_done(self, step: int, attempt: int, outcome: AttemptOutcome, assignments) -> bool:
         """A pipeline attempt counts only if every host and shard answered."""
@@ -443,7 +490,8 @@ class Trainer:
                 stages[c.device_id] = {"stage": c.stage.stage, "blocks": [c.stage.first_block, c.stage.end_block],
                                        "compute_s": round(c.compute_s, 4), "wait_s": round(c.wait_s, 4),
                                        "peak_activation_bytes": c.peak_activation_bytes,
-                                       "peer_bytes": c.peer_bytes}
+                                       "peer_bytes": c.peer_bytes, "upload_bytes": c.wire_bytes,
+                                       "owned": c.stage.owned}
         fresh = merge_pipelines(fresh)
         usable = fresh[:]
         for c in late:
@@ -499,6 +547,10 @@ class Trainer:
         save_checkpoint(self.run_dir, self.model, self.optimizer, {
             "next_step": next_step, "train_seconds": self.train_seconds, "samples_done": self.samples_done,
             "job": self.job.name, "partitions": self._partitions})
+
+
+def _address(a: Assignment, device_id: str) -> str:
+    return next(h.address for h in a.stage.hosts if h.device_id == device_id)
 
 
 def describe_plan(plan: PipelineConfig) -> str:

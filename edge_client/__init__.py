@@ -9,5 +9,6 @@
 - ``worker.py``     the board runtime (register, profile, heartbeat, work loop): DP shards,
                     federated rounds, pipeline stages; codecs with error feedback, deltas.
 - ``stage.py``      pipeline stages: the StagePeer endpoint, mailbox, and one step's schedule.
+- ``stage_state.py`` the stage a board owns: parameters, buffers, SGD applied on commit.
 - ``main.py``       entry point: CPU limit, connect, work, clean up.
 """

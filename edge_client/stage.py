@@ -33,6 +33,7 @@ import grpc
 import torch
 from torch import nn
 
+from edge_client.stage_state import StageState, StageStateError
 from edgetrain import serde
 from edgetrain.data import make_batch
 from edgetrain.grpc_options import CHANNEL_OPTIONS, SERVER_OPTIONS
@@ -123,9 +124,53 @@ class Mailbox:
 class StagePeerServicer(spb_grpc.StagePeerServicer):
     """Receives stage tensors into the mailbox; bad streams get precise status codes."""
 
-    def __init__(self, mailbox: Mailbox, shaper: LinkShaper | None = None) -> None:
+    def __init__(self, mailbox: Mailbox, shaper: LinkShaper | None = None, state: StageState | None = None) -> None:
         self.mailbox = mailbox
         self.shaper = shaper
+        self.state = state or StageState()
+
+    def LoadState(self, request_iterator: Iterator[spb.StateMessage], context) -> spb.StageAck:
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "request":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a LoadState stream must start with a StateRequest")
+        request = first.request
+        self.mailbox.supersede(request.version, request.supersede_attempt)
+        try:
+            bundle = next(request_iterator, None)
+            if bundle is None or bundle.WhichOneof("kind") != "bundle":
+                raise TransferError("invalid_argument", "the StateRequest must be followed by a BundleHeader")
+            metas, total = serde.header_from_proto(bundle.bundle)
+            assembler = ChunkAssembler(total)
+            for message in request_iterator:
+                if message.WhichOneof("kind") != "chunk":
+                    raise TransferError("invalid_argument", "only chunks may follow the bundle header")
+                if self.shaper:
+                    self.shaper.after_receive(len(message.chunk.data))
+                assembler.add(message.chunk.offset, message.chunk.data, message.chunk.crc32)
+            tensors = unpack(metas, assembler.payload())
+            self.state.load(request, tensors)
+        except TransferError as e:
+            context.abort(_status(e), str(e))
+        except StageStateError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        logger.info("[Client.Stage] now owns blocks [%d, %d) at version %d", request.first_block, request.end_block,
+                    request.version)
+        return spb.StageAck(received_bytes=total)
+
+    def PullState(self, request: spb.StateRequest, context) -> Iterator[spb.StateMessage]:
+        self.mailbox.supersede(request.version, request.supersede_attempt)
+        try:
+            tensors = self.state.export(request)
+        except StageStateError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        metas, payload = pack(tensors)
+        yield spb.StateMessage(bundle=serde.header_to_proto(metas))
+        for chunk in iter_chunks(payload, chunk_bytes=512 * 1024):
+            if self.shaper:
+                self.shaper.before_send(len(chunk.data))
+            yield spb.StateMessage(chunk=serde.chunk_to_proto(chunk))
 
     def Send(self, request_iterator: Iterator[spb.StageMessage], context) -> spb.StageAck:
         first = next(request_iterator, None)
@@ -148,14 +193,17 @@ class StagePeerServicer(spb_grpc.StagePeerServicer):
                 assembler.add(message.chunk.offset, message.chunk.data, message.chunk.crc32)
             tensor = unpack(metas, assembler.payload())["x"]
         except TransferError as e:
-            code = {"data_loss": grpc.StatusCode.DATA_LOSS, "out_of_range": grpc.StatusCode.OUT_OF_RANGE}.get(
-                e.kind, grpc.StatusCode.INVALID_ARGUMENT)
-            context.abort(code, str(e))
+            context.abort(_status(e), str(e))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self.mailbox.put(_Key(h.step, h.attempt, h.pipeline, h.microbatch, h.backward, h.from_stage, h.row_begin,
                               h.row_end, h.from_device), tensor)
         return spb.StageAck(received_bytes=total)
+
+
+def _status(e: TransferError) -> grpc.StatusCode:
+    return {"data_loss": grpc.StatusCode.DATA_LOSS, "out_of_range": grpc.StatusCode.OUT_OF_RANGE}.get(
+        e.kind, grpc.StatusCode.INVALID_ARGUMENT)
 
 
 class StageEndpoint:
@@ -164,10 +212,12 @@ class StageEndpoint:
     def __init__(self, bind: str = "0.0.0.0:0", *, shaper: LinkShaper | None = None,
                  chunk_bytes: int = 512 * 1024) -> None:
         self.mailbox = Mailbox()
+        self.state = StageState()
+        """The stage this board owns, if any (edge_client.stage_state)."""
         self.shaper = shaper
         self.chunk_bytes = chunk_bytes
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=SERVER_OPTIONS)
-        spb_grpc.add_StagePeerServicer_to_server(StagePeerServicer(self.mailbox, shaper), self._server)
+        spb_grpc.add_StagePeerServicer_to_server(StagePeerServicer(self.mailbox, shaper, self.state), self._server)
         self.port = self._server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"cannot bind the stage endpoint to {bind}")

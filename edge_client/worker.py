@@ -29,6 +29,7 @@ from edge_client.connection import CoordinatorConnection, upload_header
 from edge_client.emulation import BoardEmulation
 from edge_client.profiler import profile_device
 from edge_client.stage import StageEndpoint, StageFailure, run_stage
+from edge_client.stage_state import StageStateError
 from edge_client.telemetry import TelemetryCollector, probe_link
 from edgetrain import serde
 from edgetrain.compression import ErrorFeedback
@@ -175,6 +176,7 @@ class EdgeWorker:
                 self._velocity = {}
                 self._stage_loaded = None
                 self.endpoint.mailbox.reset()
+                self.endpoint.state.drop()
             finally:
                 stop_beat.set()
 
@@ -203,6 +205,8 @@ class EdgeWorker:
         profile = profile_device(self._model, self._dataset, list(job.profile_batch_sizes), self.limiter)
         self._timings = profile.timings
         self._memory = (profile.memory_total_bytes, profile.memory_available_bytes, profile.peak_rss_bytes)
+        if self.endpoint is not None:
+            self.endpoint.state.attach(self._model, job.job_id)
 
     def _heartbeats(self, interval_s: float, stop: threading.Event, lost: threading.Event) -> None:
         """Heartbeats with telemetry for one registration; `lost` is set when it is forgotten."""
@@ -272,6 +276,8 @@ class EdgeWorker:
     def _compute_step(self, work: pb.StepWork):
         """Fetch parameters if needed, compute the update, encode it; returns (header, payload, commit)."""
         started = time.perf_counter()
+        if self.endpoint is not None:
+            self.endpoint.state.drop()  # the full view replaces an owned stage's state
         self._fetch(work)
         if self._loaded != self._version:  # also after a forward pass moved BN running stats
             load_state_tensors(self._model, self._view)
@@ -305,25 +311,48 @@ class EdgeWorker:
         return upload_header(self.device_id, work.step, work.attempt, metas, report), payload, commit
 
     def _compute_stage(self, work: pb.StepWork):
-        """Run this board's pipeline stage for the step; returns (header, payload, commit)."""
+        """Run this board's pipeline stage for the step; returns (header, payload, commit).
+
+        An owned stage (StageWork.owned) runs on the state this board holds and uploads no
+        gradients; otherwise the stage's parameters are downloaded and their gradients uploaded."""
         st = work.stage
         started = time.perf_counter()
-        loaded = (work.param_version, st.first_block, st.end_block)
-        if self._stage_loaded != loaded:
-            prefixes = [f"blocks.{key}." for key in list(self._model.blocks.keys())[st.first_block:st.end_block]]
-            metas, payload = self.conn.download_parameters(self.device_id, work.param_version, prefixes=prefixes)
-            load_state_tensors(self._model, unpack(metas, payload))
-            self._stage_loaded, self._version, self._loaded, self._view = loaded, -1, -1, {}  # the view is gone
-        download_s = time.perf_counter() - started
+        state = self.endpoint.state
+        if st.owned:
+            with state.lock:
+                try:
+                    state.begin(work.step, st.first_block, st.end_block, st.commit_step, st.commit_attempt)
+                except StageStateError as e:
+                    raise StageFailure(str(e)) from None
+                self._version, self._loaded, self._view, self._stage_loaded = -1, -1, {}, None  # the view is gone
+                try:
+                    result = run_stage(self._model, work, self._dataset, self.endpoint, self.device_id,
+                                       self._job.job_id, self.limiter)
+                except BaseException:
+                    state.abandon()
+                    raise
+                state.finish(work.step, work.attempt, st.lr)
+            compute_s = time.perf_counter() - started - result.wait_s
+            prefixes: tuple[str, ...] = ()  # nothing of the stage goes up
+            download_s = 0.0
+        else:
+            state.drop()
+            loaded = (work.param_version, st.first_block, st.end_block)
+            if self._stage_loaded != loaded:
+                prefixes = [f"blocks.{key}." for key in list(self._model.blocks.keys())[st.first_block:st.end_block]]
+                metas, payload = self.conn.download_parameters(self.device_id, work.param_version, prefixes=prefixes)
+                load_state_tensors(self._model, unpack(metas, payload))
+                self._stage_loaded, self._version, self._loaded, self._view = loaded, -1, -1, {}  # the view is gone
+            download_s = time.perf_counter() - started
+            started = time.perf_counter()
+            result = run_stage(self._model, work, self._dataset, self.endpoint, self.device_id, self._job.job_id,
+                               self.limiter)
+            compute_s = time.perf_counter() - started - result.wait_s
+            self._stage_loaded = None if self._has_running_stats() else self._stage_loaded
+            prefixes = tuple(f"blocks.{key}." for key in list(self._model.blocks.keys())[st.first_block:st.end_block])
         started = time.perf_counter()
-        result = run_stage(self._model, work, self._dataset, self.endpoint, self.device_id, self._job.job_id,
-                           self.limiter)
-        compute_s = time.perf_counter() - started - result.wait_s
-        self._stage_loaded = None if self._has_running_stats() else self._stage_loaded
-        started = time.perf_counter()
-        prefixes = tuple(f"blocks.{key}." for key in list(self._model.blocks.keys())[st.first_block:st.end_block])
         fmt = self._formats(work.codec, prefixes)
-        wire, commit = fmt.encode(result.shard.tensors, None)
+        wire, commit = fmt.encode({} if st.owned else result.shard.tensors, None)
         metas, payload = pack(wire)
         shard = result.shard
         report = pb.StepReport(samples=shard.samples, loss=shard.loss, correct=shard.correct, compute_s=compute_s,

@@ -284,9 +284,22 @@ class PipelineConfig:
     """Longest a stage host waits for a neighbour (each wait) before it gives the step up."""
     plan_file: str = ""
     """A YAML file holding this section's keys; re-read when it changes (re-plan by hand)."""
+    stage_state: str = "hosts"
+    """Where stage parameters and optimizer state live. `hosts`: a stage with one host (and no DP
+    shards beside the pipeline) keeps them on its host, which applies SGD itself, so only
+    activations cross its link; the coordinator pulls them back every `sync_every` steps, to
+    evaluate, checkpoint or re-plan. `coordinator`: every host downloads its stage's parameters
+    and uploads their gradients every step (stages hosted by a group always do)."""
+    sync_every: int = 10
+    """With `stage_state: hosts`, steps between pulls of host-held state. A host lost between
+    pulls costs the steps since the last pull: training goes back to it and replays them."""
 
     def __post_init__(self) -> None:
         from edgetrain.pipeline import SCHEDULES
+
+        _require(self.stage_state in ("hosts", "coordinator"), "stage_state", self.stage_state,
+                 "must be hosts or coordinator")
+        _require(self.sync_every >= 1, "sync_every", self.sync_every, "must be >= 1")
 
         _require(self.microbatches >= 1, "microbatches", self.microbatches, "must be >= 1")
         _require(self.schedule in SCHEDULES, "schedule", self.schedule, f"must be one of {SCHEDULES}")

@@ -20,6 +20,8 @@ from edgetrain.config import OptimizerConfig
 
 GRAD_PREFIX = "grad."
 BUFFER_PREFIX = "buf."
+MOMENTUM_PREFIX = "momentum/"
+"""SGD momentum buffers of a pipeline stage's state travel as ``momentum/<parameter name>``."""
 
 
 @dataclass

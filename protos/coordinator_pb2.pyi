@@ -212,7 +212,7 @@ class StageHost(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., address: _Optional[str] = ..., row_begin: _Optional[_Iterable[int]] = ..., row_end: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StageWork(_message.Message):
-    __slots__ = ("pipeline", "stage", "stages", "first_block", "end_block", "schedule", "indices", "microbatch_sizes", "hosts", "prev_hosts", "next_hosts", "pipeline_samples", "timeout_s")
+    __slots__ = ("pipeline", "stage", "stages", "first_block", "end_block", "schedule", "indices", "microbatch_sizes", "hosts", "prev_hosts", "next_hosts", "pipeline_samples", "timeout_s", "owned", "lr", "commit_step", "commit_attempt")
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +226,10 @@ class StageWork(_message.Message):
     NEXT_HOSTS_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    OWNED_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_STEP_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     pipeline: int
     stage: int
     stages: int
@@ -239,7 +243,11 @@ class StageWork(_message.Message):
     next_hosts: _containers.RepeatedCompositeFieldContainer[StageHost]
     pipeline_samples: int
     timeout_s: float
-    def __init__(self, pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., stages: _Optional[int] = ..., first_block: _Optional[int] = ..., end_block: _Optional[int] = ..., schedule: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., microbatch_sizes: _Optional[_Iterable[int]] = ..., hosts: _Optional[_Iterable[_Union[StageHost, _Mapping]]] = ..., prev_hosts: _Optional[_Iterable[_Union[StageHost, _Mapping]]] = ..., next_hosts: _Optional[_Iterable[_Union[StageHost, _Mapping]]] = ..., pipeline_samples: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    owned: bool
+    lr: float
+    commit_step: int
+    commit_attempt: int
+    def __init__(self, pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., stages: _Optional[int] = ..., first_block: _Optional[int] = ..., end_block: _Optional[int] = ..., schedule: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., microbatch_sizes: _Optional[_Iterable[int]] = ..., hosts: _Optional[_Iterable[_Union[StageHost, _Mapping]]] = ..., prev_hosts: _Optional[_Iterable[_Union[StageHost, _Mapping]]] = ..., next_hosts: _Optional[_Iterable[_Union[StageHost, _Mapping]]] = ..., pipeline_samples: _Optional[int] = ..., timeout_s: _Optional[float] = ..., owned: _Optional[bool] = ..., lr: _Optional[float] = ..., commit_step: _Optional[int] = ..., commit_attempt: _Optional[int] = ...) -> None: ...
 
 class LocalTraining(_message.Message):
     __slots__ = ("steps", "batch_size", "lr", "momentum", "weight_decay", "prox_mu")

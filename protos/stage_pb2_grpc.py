@@ -39,6 +39,16 @@ class StagePeerStub:
                 request_serializer=protos_dot_stage__pb2.StageMessage.SerializeToString,
                 response_deserializer=protos_dot_stage__pb2.StageAck.FromString,
                 _registered_method=True)
+        self.LoadState = channel.stream_unary(
+                '/edgetrain.v1.StagePeer/LoadState',
+                request_serializer=protos_dot_stage__pb2.StateMessage.SerializeToString,
+                response_deserializer=protos_dot_stage__pb2.StageAck.FromString,
+                _registered_method=True)
+        self.PullState = channel.unary_stream(
+                '/edgetrain.v1.StagePeer/PullState',
+                request_serializer=protos_dot_stage__pb2.StateRequest.SerializeToString,
+                response_deserializer=protos_dot_stage__pb2.StateMessage.FromString,
+                _registered_method=True)
 
 
 class StagePeerServicer:
@@ -51,6 +61,23 @@ class StagePeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadState(self, request_iterator, context):
+        """The coordinator hands a board the state of the stage it will own: a StateRequest (with the
+        optimizer the board applies), a bundle header, then chunks of parameters, buffers and
+        momentum buffers ("momentum/<parameter name>").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullState(self, request, context):
+        """The coordinator takes back the state of an owned stage (after committing the step it names):
+        a bundle header, then chunks, laid out as for LoadState.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StagePeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +85,16 @@ def add_StagePeerServicer_to_server(servicer, server):
                     servicer.Send,
                     request_deserializer=protos_dot_stage__pb2.StageMessage.FromString,
                     response_serializer=protos_dot_stage__pb2.StageAck.SerializeToString,
+            ),
+            'LoadState': grpc.stream_unary_rpc_method_handler(
+                    servicer.LoadState,
+                    request_deserializer=protos_dot_stage__pb2.StateMessage.FromString,
+                    response_serializer=protos_dot_stage__pb2.StageAck.SerializeToString,
+            ),
+            'PullState': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullState,
+                    request_deserializer=protos_dot_stage__pb2.StateRequest.FromString,
+                    response_serializer=protos_dot_stage__pb2.StateMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +124,60 @@ class StagePeer:
             '/edgetrain.v1.StagePeer/Send',
             protos_dot_stage__pb2.StageMessage.SerializeToString,
             protos_dot_stage__pb2.StageAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadState(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/edgetrain.v1.StagePeer/LoadState',
+            protos_dot_stage__pb2.StateMessage.SerializeToString,
+            protos_dot_stage__pb2.StageAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/edgetrain.v1.StagePeer/PullState',
+            protos_dot_stage__pb2.StateRequest.SerializeToString,
+            protos_dot_stage__pb2.StateMessage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,12 +5,15 @@ Four emulated boards (0.5, 0.3, 0.2, 0.1 of a core) on application-shaped links 
 
     equal         data parallelism, equal shares (the framework default)
     proportional  data parallelism, shares from measured speed and link time
-    pipeline      3 stages: stem..layer2 on board0, layer3 on board1, layer4+head on board2+board3
-                  (a group splitting every micro-batch), M micro-batches, 1F1B
+    pipeline      3 stages: stem..layer2 on board0, layer3 on board1, layer4+head on board2, each
+                  host owning its stage's parameters and optimizer (only activations cross the
+                  links), M micro-batches, 1F1B; board3 (0.1 core on 20 Mbit/s) is left out:
+                  its share of layer4 would cost it 2 x 34 MB of parameters per step
 
 Reported per mode: samples/s over the steps after warm-up and bytes on the wire per sample
 (parameters, gradients and activations; the coordinator counts its transfers, stage hosts
-report the activation bytes they sent each other). For the pipeline also the bubble: measured as the
+report the activation bytes they sent each other; stage state handed over and pulled back
+counts too). For the pipeline also the bubble: measured as the
 stage hosts' time waiting for neighbours over their time in the step's schedule, and the
 theory (S-1)/(M+S-1). The last line printed is one JSON object.
 
@@ -32,7 +35,7 @@ from edgetrain.pipeline import bubble_fraction
 BOARDS = ((0.5, 100), (0.3, 50), (0.2, 50), (0.1, 20))
 """(fraction of a core, link Mbit/s) of each emulated board."""
 STAGES = [{"blocks": 5, "boards": ["board0"]}, {"blocks": 2, "boards": ["board1"]},
-          {"blocks": 3, "boards": ["board2", "board3"]}]
+          {"blocks": 3, "boards": ["board2"]}]
 """ResNet-18's 10 blocks: stem + layer1 + layer2 | layer3 | layer4 + head."""
 MODES = ("equal", "proportional", "pipeline")
 

@@ -1,0 +1,232 @@
+"""Stages whose host owns their state: handing the state over, and taking it back.
+
+With `pipeline.stage_state: hosts` a stage with a single host (and no DP shards beside the
+pipeline) keeps its parameters, buffers and SGD momentum on that host, which applies each
+committed step itself (edge_client.stage_state). The coordinator's master copy of those blocks
+is then only as new as the last pull. `StageOwners` keeps track of who owns which blocks and
+moves the state over each board's StagePeer endpoint — the coordinator is the client here:
+
+- `place`: before an attempt, the plan's owned stages must be held by their planned hosts.
+  Owners the plan no longer wants give their state back first (a pull); a host that does not
+  hold its stage yet gets it from the master (a load).
+- `sync`: pull every owner's state into the master (to evaluate, checkpoint, or every
+  `sync_every` steps); owners keep their stages.
+
+An owner that died cannot give its state back: its blocks restart from the master's copy of the
+last pull (logged, and reported as the steps lost), so `sync_every: 1` loses nothing at the cost
+of moving the owned parameters every step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import grpc
+import torch
+from torch import nn
+
+from edgetrain import serde
+from edgetrain.grpc_options import CHANNEL_OPTIONS
+from edgetrain.tensors import (
+    ChunkAssembler,
+    TransferError,
+    bundle_metas,
+    check_finite,
+    check_metas,
+    iter_chunks,
+    pack,
+    unpack,
+)
+from edgetrain.training import MOMENTUM_PREFIX
+from protos import stage_pb2 as spb
+from protos import stage_pb2_grpc as spb_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """A board that holds the state of blocks [first, end)."""
+
+    device_id: str
+    address: str
+    blocks: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Loss:
+    """Owned blocks whose newest state died with their host."""
+
+    blocks: tuple[int, int]
+    device_id: str
+    synced_version: int
+    """The version the blocks restart from (the last pull)."""
+    reason: str
+
+
+class StageOwners:
+    """Who owns which blocks of one job's model, and moving state to and from them."""
+
+    def __init__(self, job_id: str, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 chunk_bytes: int = 512 * 1024, timeout_s: float = 120.0,
+                 count_bytes: Callable[..., None] | None = None) -> None:
+        self.job_id = job_id
+        self.model = model
+        self.optimizer = optimizer
+        self.chunk_bytes = chunk_bytes
+        self.timeout_s = timeout_s
+        self.owners: dict[tuple[int, int], Owner] = {}
+        self.synced: dict[tuple[int, int], int] = {}
+        """Version of the master's copy of each owned range (its last pull or load)."""
+        self._channels: dict[str, grpc.Channel] = {}
+        self._count_bytes = count_bytes or (lambda device_id, *, down=0, up=0: None)
+        """Called with the bytes each load (down) and pull (up) moved over a board's link."""
+        self.bytes_moved = 0
+        """Bytes of stage state loaded and pulled so far."""
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+
+    def place(self, wanted: Mapping[tuple[int, int], Owner], version: int, commit: tuple[int, int], attempt: int,
+              is_alive: Callable[[str], bool]) -> tuple[list[Loss], dict[str, str]]:
+        """Make `wanted` the owners of their blocks at `version` (see the module docstring).
+
+        Returns the blocks whose state was lost, and the planned hosts the state could not be
+        given to (device id -> reason: the attempt cannot run)."""
+        losses = []
+        for blocks, owner in list(self.owners.items()):
+            if wanted.get(blocks) != owner:
+                loss = self._take_back(owner, version, commit, attempt, is_alive)
+                if loss:
+                    losses.append(loss)
+                del self.owners[blocks]
+        failed = {}
+        for blocks, owner in wanted.items():
+            if blocks in self.owners:
+                continue
+            try:
+                self._load(owner, version, commit, attempt)
+                self.owners[blocks] = owner
+                self.synced[blocks] = version
+            except (grpc.RpcError, TransferError) as e:
+                failed[owner.device_id] = f"could not take over blocks [{blocks[0]}, {blocks[1]}): {_describe(e)}"
+        return losses, failed
+
+    def sync(self, version: int, commit: tuple[int, int], is_alive: Callable[[str], bool]) -> list[Loss]:
+        """Pull every owner's state (at `version`, after `commit`) into the master; owners whose
+        state is gone are dropped (their blocks keep the master's copy)."""
+        losses = []
+        for blocks, owner in list(self.owners.items()):
+            loss = self._take_back(owner, version, commit, 0, is_alive)
+            if loss:
+                losses.append(loss)
+                del self.owners[blocks]
+        return losses
+
+    # --- internals -----------------------------------------------------------------------
+    def _take_back(self, owner: Owner, version: int, commit: tuple[int, int], attempt: int,
+                   is_alive: Callable[[str], bool]) -> Loss | None:
+        blocks = owner.blocks
+        if not is_alive(owner.device_id):
+            return self._lost(owner, "the board is gone")
+        try:
+            self._pull(owner, version, commit, attempt)
+            self.synced[blocks] = version
+            return None
+        except (grpc.RpcError, TransferError) as e:
+            return self._lost(owner, _describe(e))
+
+    def _lost(self, owner: Owner, reason: str) -> Loss:
+        synced = self.synced.get(owner.blocks, -1)
+        logger.error("[Coordinator.Stages] the state of blocks [%d, %d) on %s is lost (%s); they go on from "
+                     "the last pull, version %d", owner.blocks[0], owner.blocks[1], owner.device_id, reason, synced)
+        return Loss(owner.blocks, owner.device_id, synced, reason)
+
+    def _request(self, owner: Owner, version: int, commit: tuple[int, int], attempt: int) -> spb.StateRequest:
+        group = self.optimizer.param_groups[0]
+        return spb.StateRequest(job_id=self.job_id, first_block=owner.blocks[0], end_block=owner.blocks[1],
+                                version=version, commit_step=commit[0], commit_attempt=commit[1],
+                                supersede_attempt=attempt, momentum=group["momentum"],
+                                weight_decay=group["weight_decay"], nesterov=group["nesterov"])
+
+    def _stage(self, blocks: tuple[int, int]) -> tuple[dict[str, nn.Parameter], dict[str, torch.Tensor]]:
+        keys = list(self.model.blocks.keys())[blocks[0]:blocks[1]]
+        prefixes = tuple(f"blocks.{key}." for key in keys)
+        return ({n: p for n, p in self.model.named_parameters() if n.startswith(prefixes)},
+                {n: b for n, b in self.model.named_buffers() if n.startswith(prefixes)})
+
+    def _load(self, owner: Owner, version: int, commit: tuple[int, int], attempt: int) -> None:
+        params, buffers = self._stage(owner.blocks)
+        tensors = {n: p.detach() for n, p in params.items()}
+        tensors.update(buffers)
+        for name, p in params.items():
+            momentum = self.optimizer.state.get(p, {}).get("momentum_buffer")
+            if momentum is not None:
+                tensors[MOMENTUM_PREFIX + name] = momentum
+        metas, payload = pack(tensors)
+        request = self._request(owner, version, commit, attempt)
+
+        def messages() -> Iterator[spb.StateMessage]:
+            yield spb.StateMessage(request=request)
+            yield spb.StateMessage(bundle=serde.header_to_proto(metas))
+            for chunk in iter_chunks(payload, chunk_bytes=self.chunk_bytes):
+                yield spb.StateMessage(chunk=serde.chunk_to_proto(chunk))
+
+        self._stub(owner.address).LoadState(messages(), timeout=self.timeout_s)
+        self.bytes_moved += len(payload)
+        self._count_bytes(owner.device_id, down=len(payload))
+        logger.info("[Coordinator.Stages] %s owns blocks [%d, %d) from version %d (%.1f MB handed over)",
+                    owner.device_id, owner.blocks[0], owner.blocks[1], version, len(payload) / 1e6)
+
+    @torch.no_grad()
+    def _pull(self, owner: Owner, version: int, commit: tuple[int, int], attempt: int) -> None:
+        params, buffers = self._stage(owner.blocks)
+        stream = self._stub(owner.address).PullState(self._request(owner, version, commit, attempt),
+                                                     timeout=self.timeout_s)
+        first = next(stream, None)
+        if first is None or first.WhichOneof("kind") != "bundle":
+            raise TransferError("invalid_argument", "a PullState stream must start with a bundle header")
+        metas, total = serde.header_from_proto(first.bundle)
+        templates = {}
+        for m in metas:  # every tensor must be one of the stage's, with its dtype and shape
+            base = m.name[len(MOMENTUM_PREFIX):] if m.name.startswith(MOMENTUM_PREFIX) else None
+            target = params.get(base) if base is not None else params.get(m.name, buffers.get(m.name))
+            if target is None:
+                raise TransferError("invalid_argument", f"state of blocks {list(owner.blocks)}: unexpected "
+                                    f"tensor {m.name!r}")
+            templates[m.name] = target.detach()
+        check_metas(metas, bundle_metas(templates), f"state of blocks {list(owner.blocks)}")
+        assembler = ChunkAssembler(total)
+        for message in stream:
+            if message.WhichOneof("kind") != "chunk":
+                raise TransferError("invalid_argument", "only chunks may follow the bundle header")
+            assembler.add(message.chunk.offset, message.chunk.data, message.chunk.crc32)
+        tensors = unpack(metas, assembler.payload())
+        missing = sorted((set(params) | set(buffers)) - set(tensors))
+        if missing:
+            raise TransferError("invalid_argument", f"state of blocks {list(owner.blocks)} lacks {missing[:4]}")
+        check_finite(tensors, f"state of blocks {list(owner.blocks)}")
+        for name, p in params.items():
+            p.copy_(tensors[name])
+            momentum = tensors.get(MOMENTUM_PREFIX + name)
+            if momentum is not None:
+                self.optimizer.state[p]["momentum_buffer"] = momentum.clone()
+        for name, b in buffers.items():
+            b.copy_(tensors[name])
+        self.bytes_moved += total
+        self._count_bytes(owner.device_id, up=total)
+
+    def _stub(self, address: str) -> spb_grpc.StagePeerStub:
+        if address not in self._channels:
+            self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return spb_grpc.StagePeerStub(self._channels[address])
+
+
+def _describe(e: Exception) -> str:
+    if isinstance(e, grpc.RpcError):
+        return f"{e.code().name}: {e.details()}"
+    return str(e)

@@ -1,0 +1,195 @@
+"""The stage a board owns: its parameters, buffers and optimizer state live on the board.
+
+When a stage has a single host (and no data-parallel shard shares its parameters), the
+coordinator hands that host the stage's state once (`StagePeer.LoadState`) and from then on only
+activations cross the board's link: the host keeps the gradients of each step pending and applies
+them with SGD when the coordinator says the step committed (the next step's work, or a
+`PullState`, names the committed step and attempt). A redone step discards the pending gradients
+and restores the buffers (BatchNorm running statistics) the discarded forward passes moved, so a
+committed step is applied exactly once, with exactly the arithmetic of the coordinator's
+optimizer. The coordinator pulls the state back (`PullState`) to checkpoint, evaluate, or hand
+the stage to another board.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from edgetrain.training import MOMENTUM_PREFIX
+
+
+class StageStateError(Exception):
+    """A load, pull or step that does not fit the state this board holds."""
+
+
+@dataclass
+class _Pending:
+    step: int
+    attempt: int
+    lr: float
+
+
+class StageState:
+    """The owned stage of one board (thread-safe: the worker's steps and the coordinator's
+    LoadState/PullState calls take the same lock)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.model: nn.Module | None = None
+        self.job_id = ""
+        self.blocks: tuple[int, int] | None = None
+        self.version = -1
+        self._optimizer: torch.optim.SGD | None = None
+        self._params: dict[str, nn.Parameter] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._saved_buffers: dict[str, torch.Tensor] = {}
+        self._pending: _Pending | None = None
+
+    def attach(self, model: nn.Module, job_id: str) -> None:
+        """A new job's model: any state held for an earlier one is gone."""
+        with self.lock:
+            self.model, self.job_id = model, job_id
+            self.drop()
+
+    def drop(self) -> None:
+        """Hold nothing (the board was given other work, or re-registered)."""
+        with self.lock:
+            self.blocks, self.version, self._optimizer, self._pending = None, -1, None, None
+            self._params, self._buffers, self._saved_buffers = {}, {}, {}
+
+    def holds(self, first: int, end: int) -> bool:
+        with self.lock:
+            return self.blocks == (first, end)
+
+    # --- coordinator side ------------------------------------------------------------------
+    def expected(self, first: int, end: int) -> dict[str, torch.Tensor]:
+        """Templates of what LoadState must carry for blocks [first, end) (momentum optional)."""
+        params, buffers = self._stage_tensors(first, end)
+        out = {n: p.detach() for n, p in params.items()}
+        out.update(buffers)
+        return out
+
+    def load(self, request, tensors: dict[str, torch.Tensor]) -> None:
+        """Own blocks [first, end) at `request.version` with these parameters, buffers and momenta."""
+        with self.lock:
+            self._check_job(request.job_id)
+            params, buffers = self._stage_tensors(request.first_block, request.end_block)
+            wanted = set(params) | set(buffers)
+            missing = sorted(wanted - set(tensors))
+            extra = sorted(n for n in tensors if n not in wanted and not (
+                n.startswith(MOMENTUM_PREFIX) and n[len(MOMENTUM_PREFIX):] in params))
+            if missing or extra:
+                raise StageStateError(f"stage state for blocks [{request.first_block}, {request.end_block}) "
+                                      f"missing {missing[:4]}, unexpected {extra[:4]}")
+            for name, t in tensors.items():
+                target = params.get(name[len(MOMENTUM_PREFIX):]) if name.startswith(MOMENTUM_PREFIX) else (
+                    params.get(name, buffers.get(name)))
+                if t.shape != target.shape or t.dtype != target.dtype:
+                    raise StageStateError(f"{name}: got {t.dtype} {list(t.shape)}, the model has "
+                                          f"{target.dtype} {list(target.shape)}")
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(tensors[name])
+                    p.grad = None
+                for name, b in buffers.items():
+                    b.copy_(tensors[name])
+            self._optimizer = torch.optim.SGD(list(params.values()), lr=0.0, momentum=request.momentum,
+                                              weight_decay=request.weight_decay, nesterov=request.nesterov)
+            for name, p in params.items():
+                momentum = tensors.get(MOMENTUM_PREFIX + name)
+                if momentum is not None:
+                    self._optimizer.state[p]["momentum_buffer"] = momentum.clone()
+            self._params, self._buffers = params, buffers
+            self.blocks, self.version, self._pending = (request.first_block, request.end_block), request.version, None
+            self._save_buffers()
+
+    def export(self, request) -> dict[str, torch.Tensor]:
+        """The state at `request.version`, after applying the committed step's pending gradients."""
+        with self.lock:
+            self._check_job(request.job_id)
+            if self.blocks != (request.first_block, request.end_block):
+                raise StageStateError(f"this board owns {self._describe()}, not blocks "
+                                      f"[{request.first_block}, {request.end_block})")
+            self.settle(request.commit_step, request.commit_attempt)
+            if self.version != request.version:
+                raise StageStateError(f"this board holds version {self.version} of its stage, "
+                                      f"not {request.version}")
+            out = {n: p.detach().clone() for n, p in self._params.items()}
+            out.update({n: b.clone() for n, b in self._buffers.items()})
+            for name, p in self._params.items():
+                momentum = self._optimizer.state.get(p, {}).get("momentum_buffer")
+                if momentum is not None:
+                    out[MOMENTUM_PREFIX + name] = momentum.clone()
+            return out
+
+    # --- worker side ---------------------------------------------------------------------
+    def settle(self, commit_step: int, commit_attempt: int) -> None:
+        """Apply the pending gradients if they are the committed step's, else discard them."""
+        with self.lock:
+            pending, self._pending = self._pending, None
+            if pending is None:
+                return
+            if (pending.step, pending.attempt) == (commit_step, commit_attempt) and pending.step == self.version:
+                for group in self._optimizer.param_groups:
+                    group["lr"] = pending.lr
+                self._optimizer.step()
+                self.version = pending.step + 1
+                self._save_buffers()
+            else:
+                self._restore_buffers()
+            self._optimizer.zero_grad(set_to_none=True)
+
+    def begin(self, step: int, first: int, end: int, commit_step: int, commit_attempt: int) -> None:
+        """Before running `step` on the owned stage: settle the previous step, check the version."""
+        with self.lock:
+            if self.blocks != (first, end):
+                raise StageStateError(f"asked to run blocks [{first}, {end}) as their owner, but this board "
+                                      f"owns {self._describe()}")
+            self.settle(commit_step, commit_attempt)
+            if self.version != step:
+                raise StageStateError(f"step {step} needs version {step} of blocks [{first}, {end}); "
+                                      f"this board holds version {self.version}")
+
+    def finish(self, step: int, attempt: int, lr: float) -> None:
+        """The stage's gradients of (step, attempt) are computed: keep them until the commit."""
+        with self.lock:
+            self._pending = _Pending(step, attempt, lr)
+
+    def abandon(self) -> None:
+        """The step failed on this board: its gradients and buffer updates are void."""
+        with self.lock:
+            self._pending = None
+            if self._optimizer is not None:
+                self._optimizer.zero_grad(set_to_none=True)
+                self._restore_buffers()
+
+    # --- internals -----------------------------------------------------------------------
+    def _check_job(self, job_id: str) -> None:
+        if self.model is None or job_id != self.job_id:
+            raise StageStateError(f"this board runs job {self.job_id or '(none)'!r}, not {job_id!r}")
+
+    def _stage_tensors(self, first: int, end: int) -> tuple[dict[str, nn.Parameter], dict[str, torch.Tensor]]:
+        if self.model is None:
+            raise StageStateError("this board has no job yet")
+        keys = list(self.model.blocks.keys())
+        if not 0 <= first < end <= len(keys):
+            raise StageStateError(f"blocks [{first}, {end}) are not a range of the model's {len(keys)} blocks")
+        prefixes = tuple(f"blocks.{key}." for key in keys[first:end])
+        params = {n: p for n, p in self.model.named_parameters() if n.startswith(prefixes)}
+        buffers = {n: b for n, b in self.model.named_buffers() if n.startswith(prefixes)}
+        return params, buffers
+
+    def _save_buffers(self) -> None:
+        self._saved_buffers = {n: b.clone() for n, b in self._buffers.items()}
+
+    def _restore_buffers(self) -> None:
+        with torch.no_grad():
+            for name, b in self._buffers.items():
+                b.copy_(self._saved_buffers[name])
+
+    def _describe(self) -> str:
+        return f"blocks [{self.blocks[0]}, {self.blocks[1]})" if self.blocks else "no stage"
