@@ -27,6 +27,8 @@ bench: $(STAMP)
 	$(PY) scripts/bench_dp.py
 	$(PY) scripts/bench_links.py
 	$(PY) scripts/bench_aggregation.py
+	$(PY) scripts/bench_pipeline.py
+	$(PY) scripts/bench_planner.py
 
 protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto

@@ -18,7 +18,8 @@ Stage [i, j) on group G, with f_G = Σ flops_per_s and row weights w_k = f_k / f
                                               its state (stage_state "hosts", no DP shards)
     mem_k = 2 P + min(S − s, M) · w_k · (B / M) · A      params, grads, 1F1B in-flight rows
 Pipeline with B_p samples, b = B_p / M, hosts H:
-    λ = max_H overhead_s + (min(S, 3) − 1) · max_H rtt_s    per micro-batch latency, worst case
+    o_s = max_G overhead_k · F / F_model     a call's fixed cost, in proportion to the stage's work
+    λ = max_s o_s + (min(S, 3) − 1) · max_H rtt_s    per micro-batch latency, worst case
     t_s = b γ_s + λ;   T_pipe = max_H c_k + (M + S − 1) · max_s t_s
 DP shard k with n_k samples: T_k = o_k + n_k F / f_k with o_k = 2 P σ_k + rtt_k + overhead_s
 (whole model); its memory is 2 P + n_k A. Shares are water-filled so every active shard finishes
@@ -283,6 +284,8 @@ class _Stage:
     """Busy energy above idle per pipeline sample."""
     q: float
     """Memory headroom: min over hosts of (memory − 2P) / (w_k B A); < 0 when params do not fit."""
+    o: float = 0.0
+    """Fixed cost of one micro-batch call on the stage: max over hosts of overhead x its work share."""
 
 
 @dataclass(frozen=True)
@@ -413,7 +416,8 @@ class _Problem:
             self._stage_cache[key] = _Stage(
                 c=members[0].rtt_s if owned else c_all, c_all=c_all,
                 gamma=(f + 2 * x * max(k.flops_per_s * k.seconds_per_byte for k in members)) / speed,
-                e=sum(k.busy_w - k.idle_w for k in members) * f / speed, q=q)
+                e=sum(k.busy_w - k.idle_w for k in members) * f / speed, q=q,
+                o=max(k.overhead_s for k in members) * f / self._fc[-1])
         return self._stage_cache[key]
 
     def fit_index(self, q: float, position: int) -> int | None:
@@ -422,9 +426,9 @@ class _Problem:
             return None
         return next((t for t, m in enumerate(self.ms) if min(position, m) <= q * m), None)
 
-    def latency(self, hosts: Sequence[BoardCost], stages: int) -> float:
-        """λ: per micro-batch latency of a pipeline on ``hosts``."""
-        return max(k.overhead_s for k in hosts) + (min(stages, 3) - 1) * max(k.rtt_s for k in hosts)
+    def latency(self, o: float, hosts: Sequence[BoardCost], stages: int) -> float:
+        """λ: per micro-batch latency of a pipeline on ``hosts`` whose largest stage call cost is o."""
+        return o + (min(stages, 3) - 1) * max(k.rtt_s for k in hosts)
 
     def cost(self, step: float, energy: float) -> float:
         return (self.eta * energy + (1 - self.eta) * self.p_ref * step) / self.B
@@ -462,7 +466,7 @@ class _Problem:
 
     def pipe(self, stages: Sequence[tuple[int, int, Sequence[BoardCost]]]) -> _Pipe | None:
         """The label of a concrete pipeline, or None when some stage does not fit."""
-        c = c_all = gamma = e = 0.0
+        c = c_all = gamma = e = o = 0.0
         m = 0
         for s in range(len(stages) - 1, -1, -1):
             i, j, members = stages[s]
@@ -471,8 +475,9 @@ class _Problem:
             if t is None:
                 return None
             c, c_all, gamma, e, m = max(c, st.c), max(c_all, st.c_all), max(gamma, st.gamma), e + st.e, max(m, t)
+            o = max(o, st.o)
         hosts = [k for *_, g in stages for k in g]
-        return _Pipe(c, c_all, gamma, e, m, len(stages), self.latency(hosts, len(stages)),
+        return _Pipe(c, c_all, gamma, e, m, len(stages), self.latency(o, hosts, len(stages)),
                      sum(k.idle_w for k in hosts))
 
     def outside(self, stages: Sequence[tuple[int, int, Sequence[BoardCost]]]) -> list[_Shard]:
@@ -507,7 +512,8 @@ class _Problem:
         if plan.stages:
             m, depth = plan.microbatches, len(plan.stages)
             hosts = [self.by_name[b] for s in plan.stages for b in s.boards]
-            lam, b = self.latency(hosts, depth), rows / m
+            o = max(self.stage(st.begin, st.end, [self.by_name[n] for n in st.boards]).o for st in plan.stages)
+            lam, b = self.latency(o, hosts, depth), rows / m
             for s, st in enumerate(plan.stages):
                 members = [self.by_name[n] for n in st.boards]
                 p, f, x, a = self._span(st.begin, st.end)
@@ -613,14 +619,15 @@ def _coarsen(units: list[_Unit], blocks: int, budget: int) -> list[_Unit]:
 def _insert(bucket: list[tuple], new: tuple) -> None:
     """Add a label unless one in ``bucket`` is no worse in its compared entries; drop those it
     is no worse than. A label is (max c, max γ, energy compared, least M index, S, parent label,
-    its first stage (i, j, group counts), energy/sample, max c next to DP shards); energy is
+    its first stage (i, j, group counts), energy/sample, max c next to DP shards, max stage call
+    cost o); energy is
     compared as 0 when only time counts, so it is kept but does not split the Pareto set."""
-    c, g, e, m, n, ca = *new[:5], new[8]
+    c, g, e, m, n, ca, oo = *new[:5], new[8], new[9]
     for o in bucket:
-        if o[0] <= c and o[1] <= g and o[2] <= e and o[3] <= m and o[4] <= n and o[8] <= ca:
+        if o[0] <= c and o[1] <= g and o[2] <= e and o[3] <= m and o[4] <= n and o[8] <= ca and o[9] <= oo:
             return
     bucket[:] = [o for o in bucket if not (c <= o[0] and g <= o[1] and e <= o[2] and m <= o[3] and n <= o[4]
-                                           and ca <= o[8])]
+                                           and ca <= o[8] and oo <= o[9])]
     bucket.append(new)
 
 
@@ -630,7 +637,7 @@ def _search(prob: _Problem, units: list[_Unit], energy: bool) -> Iterator[tuple[
     counts = tuple(len(u.items) for u in units)
     reps = [u.items[0] for u in units]
     layers: list[dict[tuple, list[tuple]]] = [{} for _ in range(prob.L + 1)]
-    layers[prob.L][(0,) * len(units)] = [(0.0, 0.0, 0.0, 0, 0, None, None, 0.0, 0.0)]
+    layers[prob.L][(0,) * len(units)] = [(0.0, 0.0, 0.0, 0, 0, None, None, 0.0, 0.0, 0.0)]
     subs: dict[tuple, list[tuple]] = {}
     terms: dict[tuple, _Stage] = {}
     for j in range(prob.L, 0, -1):
@@ -654,7 +661,7 @@ def _search(prob: _Problem, units: list[_Unit], energy: bool) -> Iterator[tuple[
                             e = lab[7] + st.e
                             _insert(bucket, (max(lab[0], st.c), max(lab[1], st.gamma),
                                              e if energy else 0.0, max(lab[3], t), lab[4] + 1,
-                                             lab, (i, j, g), e, max(lab[8], st.c_all)))
+                                             lab, (i, j, g), e, max(lab[8], st.c_all), max(lab[9], st.o)))
     for used, labels in layers[0].items():
         hosts = [k for rep, n in zip(reps, used) for _ in range(n) for k in rep]
         spare = [k for rep, c, u in zip(reps, counts, used) for _ in range(c - u) for k in rep]
@@ -662,7 +669,7 @@ def _search(prob: _Problem, units: list[_Unit], energy: bool) -> Iterator[tuple[
                         key=lambda s: s.o)
         idle = sum(k.idle_w for k in hosts)
         for lab in labels:
-            pipe = _Pipe(lab[0], lab[8], lab[1], lab[7], lab[3], lab[4], prob.latency(hosts, lab[4]), idle)
+            pipe = _Pipe(lab[0], lab[8], lab[1], lab[7], lab[3], lab[4], prob.latency(lab[9], hosts, lab[4]), idle)
             for point in prob.points(pipe, shards):
                 yield lab, point
 

@@ -6,6 +6,20 @@ from edgetrain.config import JobConfig
 from edgetrain.data import dataset_is_synthetic
 
 
+def plan_accuracy(plans: list[dict], step_seconds: list[tuple[int, float]]) -> dict | None:
+    """The plan in force at the end: predicted vs measured step time (median over its steps,
+    leaving out its first step, which carries the stage handover). None without enough steps."""
+    if not plans:
+        return None
+    last = plans[-1]
+    measured = sorted(sec for step, sec in step_seconds if step > last["step"])
+    if not measured:
+        return None
+    median = measured[len(measured) // 2]
+    return {**last, "measured_step_s": median, "steps_measured": len(measured),
+            "error": (last["predicted_step_s"] - median) / median}
+
+
 def summarize(job: JobConfig, final_eval: dict, trainer, devices) -> dict:
     """Plain-data summary of a finished run (`trainer` is a Trainer)."""
     total = sum(r.stats["samples"] for r in devices) or 1
@@ -39,6 +53,7 @@ def summarize(job: JobConfig, final_eval: dict, trainer, devices) -> dict:
         if trainer.samples_done else None,
         "devices": rows,
         "energy_j": sum(r["energy_j"] for r in rows if r["energy_j"] is not None) or None,
+        "plan": plan_accuracy(getattr(trainer, "plans", []), getattr(trainer, "step_seconds", [])),
     }
 
 
@@ -54,6 +69,10 @@ def summary_table(summary: dict) -> str:
         f"{summary['train_seconds']:.1f} s of training)",
         f"aggregation {summary['aggregation']}, uplink {summary['uplink']}, downlink {summary['downlink']}: "
         f"{(summary['bytes_per_sample'] or 0) / 1e3:.1f} kB on the wire per sample",
+        *([f"plan ({summary['plan']['kind']}, from step {summary['plan']['step']}): predicted "
+           f"{summary['plan']['predicted_step_s']:.3f} s/step, measured {summary['plan']['measured_step_s']:.3f} "
+           f"(median of {summary['plan']['steps_measured']} steps): error {summary['plan']['error']:+.0%}"]
+          if summary.get("plan") else []),
         "",
         f"{'device':<18}{'speed':>7}{'est. samples/s':>16}{'samples':>9}{'share':>8}{'compute s':>11}{'comm s':>9}"
         f"{'energy J':>10}{'MB down':>9}{'MB up':>8}  codec",

@@ -35,9 +35,11 @@ from coordinator.aggregate import (
 )
 from coordinator.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from coordinator.codec_policy import CodecPolicy, LinkChoice
+from coordinator.live_planner import LivePlanner
 from coordinator.metrics import MetricsLog
 from coordinator.parameters import ParameterStore
 from coordinator.pipeline_plan import Host, assign, merge_pipelines, missing_boards
+from coordinator.plan_inputs import UNKNOWN_LINK_MBIT, board_from_record, measure_model_cost
 from coordinator.registry import DeviceRegistry
 from coordinator.stage_owners import Owner, StageOwners
 from coordinator.steps import Assignment, AttemptOutcome, Contribution, LocalWork, StepBoard
@@ -131,6 +133,18 @@ class Trainer:
                                   count_bytes=registry.count_bytes)
         self._committed = (-1, 0)
         """The last committed step and the attempt that counted (hosts owning a stage apply it)."""
+        self.live: LivePlanner | None = None
+        """Hybrid mode: the planner that chooses (and changes) the plan from the live fleet."""
+        self._auto_plan: PipelineConfig | None = None
+        self._dp_only: list[str] = []
+        if job.planner.enabled:
+            self._model_cost = measure_model_cost(job.model)
+            self.live = LivePlanner(job.planner, self._model_cost, job.training.global_batch,
+                                    job.pipeline.stage_state)
+        self._pipelined = job.pipeline.enabled or self.live is not None
+        self.plans: list[dict] = []
+        """Hybrid mode: every plan put in force (step, kind, predicted step seconds)."""
+        self.step_seconds: list[tuple[int, float]] = []
 
     def resume_if_possible(self) -> None:
         """Continue from the run directory's checkpoint, if there is one."""
@@ -209,14 +223,15 @@ class Trainer:
         indices = batch_indices(step, cfg.global_batch, self.train_size, self.job.seed)
         started = time.monotonic()
         for attempt in range(cfg.max_attempts):
-            if self.job.pipeline.enabled:
-                plan, assignments = self._pipeline_assignments(step, attempt, indices)
+            if self.live is not None:
+                self._replan(step)
+            planned = self._pipeline_assignments(step, attempt, indices) if self._pipelined else None
+            if planned is not None:
+                plan, assignments = planned
                 failed = self._place_owned(step, attempt, assignments)
                 self.store.publish(step, state_tensors(self.model))  # owned blocks taken back are current
                 if failed:
-                    self._failures.append({"attempt": attempt, "time": round(time.time(), 3), "failed": failed})
-                    logger.error("[Coordinator.Trainer] step %d attempt %d: %s", step, attempt,
-                                 "; ".join(f"{d} {r}" for d, r in failed.items()))
+                    self._note_failed_placement(step, attempt, failed)
                     self.stop.wait(cfg.heartbeat_timeout_s)
                     continue
                 self.board.open_attempt(assignments)
@@ -232,7 +247,13 @@ class Trainer:
                 # for a plan without it instead of failing again at once
                 self.stop.wait(cfg.heartbeat_timeout_s)
                 continue
+            if self.owners.owners:  # the plan has no pipeline now: owned stages come back first
+                self._note_failed_placement(step, attempt, self._place_owned(step, attempt, {}))
+                self.store.publish(step, state_tensors(self.model))
             speeds = self._available(step)
+            if self._dp_only:  # a planned DP plan: only its boards (others were left out)
+                names = {r.device_id: r.name for r in self.registry.snapshot()}
+                speeds = {d: s for d, s in speeds.items() if names.get(d) in self._dp_only} or speeds
             shares = self._split(len(indices), speeds)
             choices = self._choose_codecs(shares, speeds)
             assignments = self._assign(step, attempt, indices, shares, choices)
@@ -283,8 +304,54 @@ class Trainer:
         return False
 
     # --- pipelines -----------------------------------------------------------------------------
+    def _replan(self, step: int) -> None:
+        """Hybrid mode: plan from the live fleet, and again when it changed enough (LivePlanner)."""
+        if self.live.current is None:
+            self._wait_for_links()
+        boards = []
+        for r in self.registry.snapshot():
+            if r.ready and not r.quarantined:
+                boards.append(board_from_record(r, self._model_cost))
+        if not boards:
+            return
+        decision = self.live.decide(step, boards)
+        if decision is None:
+            return
+        plan = decision.plan
+        self.metrics.write(decision.to_record(self.job.pipeline.stage_state))
+        logger.info("[Coordinator.Planner] step %d: %s -> %s\n%s", step, "; ".join(decision.reasons),
+                    "new plan" if decision.switched else "plan kept (the new one is not "
+                    f"{self.job.planner.min_gain:.0%} better)", plan.explain())
+        self.plans.append({"step": step, "kind": plan.kind, "predicted_step_s": plan.prediction.step_s,
+                           "predicted_samples_per_s": plan.prediction.samples_per_s})
+        section = plan.to_pipeline_section()
+        self._dp_only = list(plan.dp_boards) if not plan.stages else []
+        if not plan.stages:
+            section.update(dp_boards=[], dp_share=0.0)
+        self._auto_plan = replace(self.job.pipeline, **section)
+
+    def _wait_for_links(self) -> None:
+        """Before the first plan: give every ready board up to link_wait_s to report its link."""
+        deadline = time.monotonic() + self.job.planner.link_wait_s
+        while time.monotonic() < deadline and not self.stop.is_set():
+            ready = [r for r in self.registry.snapshot() if r.ready]
+            if all(r.latest_telemetry and r.latest_telemetry.link_mbit_per_s for r in ready):
+                return
+            self.stop.wait(0.2)
+        logger.warning("[Coordinator.Planner] some boards have not measured their link yet; planning with "
+                       "%.0f Mbit/s for them", UNKNOWN_LINK_MBIT)
+
+    def _note_failed_placement(self, step: int, attempt: int, failed: dict[str, str]) -> None:
+        if failed:
+            self._failures.append({"attempt": attempt, "time": round(time.time(), 3), "failed": failed})
+            logger.error("[Coordinator.Trainer] step %d attempt %d: %s", step, attempt,
+                         "; ".join(f"{d} {r}" for d, r in failed.items()))
+
     def _plan(self) -> PipelineConfig:
-        """The pipeline plan: the job's, or its plan file as it is now (edited by hand to re-plan)."""
+        """The pipeline plan: the planner's (hybrid mode), the job's, or its plan file as it is
+        now (edited by hand to re-plan)."""
+        if self.live is not None:
+            return self._auto_plan or self.job.pipeline
         plan = self.job.pipeline
         if not plan.plan_file:
             return plan
@@ -306,9 +373,14 @@ class Trainer:
         return self._plan_cache[1]
 
     def _pipeline_assignments(self, step: int, attempt: int, indices: list[int]):
-        """Wait until every board of the plan is ready, then assign the attempt's stages and shards."""
+        """Wait until every board of the plan is ready, then assign the attempt's stages and shards
+        (None: the plan has no stages, the attempt is data parallel)."""
         while True:
+            if self.live is not None:
+                self._replan(step)
             plan = self._plan()
+            if not plan.stages:
+                return None  # (hybrid mode) the plan has no pipeline now
             records = {r.name: r for r in self.registry.snapshot() if r.ready}
             hosts = {n: Host(r.device_id, r.stage_address, r.speed) for n, r in records.items()}
             missing = missing_boards(plan, hosts)
@@ -526,6 +598,7 @@ class Trainer:
                           quarantined=quarantined, stages=stages)
 
     def _log_step(self, record: StepRecord) -> None:
+        self.step_seconds.append((record.step, record.seconds))
         samples = sum(w.contribution.samples for w in record.used)
         self.samples_done += samples
         self.train_seconds += record.seconds

@@ -46,6 +46,11 @@ class EnergyMeter:
             with self._lock:
                 self._busy_s += time.monotonic() - started
 
+    @property
+    def power_w(self) -> tuple[float, float] | None:
+        """(idle, busy) watts, when known."""
+        return self._power
+
     def energy_j(self) -> float | None:
         """Joules used since the client started, or None when the board cannot tell."""
         if self._battery:

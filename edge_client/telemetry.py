@@ -120,8 +120,9 @@ class TelemetryCollector:
     def __init__(self, *, link: LinkMeter, emulated_speed: float | None = None,
                  battery: Callable[[], BatteryReading | None] = real_battery,
                  energy_j: Callable[[], float | None] = lambda: None,
-                 plugged: bool | None = None) -> None:
+                 plugged: bool | None = None, power_w: tuple[float, float] | None = None) -> None:
         self.link = link
+        self._power_w = power_w
         self._speed = emulated_speed
         self._battery = battery
         self._energy_j = energy_j
@@ -150,4 +151,5 @@ class TelemetryCollector:
             memory_total_bytes=memory.total, battery_percent=battery.percent if battery else None,
             battery_charging=battery.charging if battery and battery.charging is not None else None, temperature_c=read_temperature(),
             cpu_freq_mhz=read_cpu_freq(), link_mbit_per_s=self.link.mbit_per_s(), rtt_ms=self.link.rtt_ms(),
-            energy_j=self._energy_j(), step_compute_s=compute_s, step_comm_s=comm_s, plugged=plugged)
+            energy_j=self._energy_j(), step_compute_s=compute_s, step_comm_s=comm_s, plugged=plugged,
+            idle_w=self._power_w[0] if self._power_w else None, busy_w=self._power_w[1] if self._power_w else None)

@@ -133,7 +133,8 @@ class EdgeWorker:
         self.limiter = limiter
         self.emulation = emulation
         self.telemetry = TelemetryCollector(link=conn.link, emulated_speed=options.emulated_speed,
-                                            battery=emulation.read_battery, energy_j=emulation.energy.energy_j)
+                                            battery=emulation.read_battery, energy_j=emulation.energy.energy_j,
+                                            power_w=emulation.energy.power_w)
         self.device_id = ""
         self._job: pb.JobSpec | None = None
         self._model: torch.nn.Module | None = None
@@ -210,22 +211,31 @@ class EdgeWorker:
 
     def _heartbeats(self, interval_s: float, stop: threading.Event, lost: threading.Event) -> None:
         """Heartbeats with telemetry for one registration; `lost` is set when it is forgotten."""
-        last_probe = 0.0
+        threading.Thread(target=self._probes, args=(interval_s, stop, lost), daemon=True).start()
         while not stop.wait(interval_s):
             try:
                 self.emulation.refresh()
                 reply = self.conn.heartbeat(self.device_id, serde.telemetry_to_proto(self.telemetry.sample()))
                 if reply.HasField("newest_step") and self.endpoint is not None:
                     self.endpoint.mailbox.supersede(reply.newest_step, reply.newest_attempt)
-                if self.conn.link.age_s() > self.options.probe_interval_s and not self.conn.transferring and (
-                        time.monotonic() - last_probe > self.options.probe_interval_s):
-                    probe_link(lambda payload: self.conn.probe(self.device_id, payload), self.conn.link)
-                    last_probe = time.monotonic()
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     lost.set()
                     return
                 logger.debug("[Client.Heartbeat] failed", exc_info=True)
+
+    def _probes(self, interval_s: float, stop: threading.Event, lost: threading.Event) -> None:
+        """Link probes when no large transfer measured the link lately; in their own thread, so a
+        probe over a slow link (seconds) never holds a heartbeat back."""
+        last_probe = 0.0
+        while not stop.wait(interval_s) and not lost.is_set():
+            if self.conn.link.age_s() > self.options.probe_interval_s and not self.conn.transferring and (
+                    time.monotonic() - last_probe > self.options.probe_interval_s):
+                try:
+                    probe_link(lambda payload: self.conn.probe(self.device_id, payload), self.conn.link)
+                except grpc.RpcError:
+                    logger.debug("[Client.Probe] failed", exc_info=True)
+                last_probe = time.monotonic()
 
     def _work_loop(self) -> str:
         while True:

@@ -6,6 +6,7 @@
   edgetrain local JOB.yaml --speeds 0.5,0.3    coordinator + emulated boards on this machine
   edgetrain demo                               the demo job on 4 emulated boards
   edgetrain fleet up FLEET.yaml | down NAME    an emulated fleet (namespaces, links, batteries)
+  edgetrain plan FLEET.yaml [--model M]        the hybrid plan for a fleet, explained
 """
 
 from __future__ import annotations
@@ -81,6 +82,16 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--runs-dir", type=Path, default=Path("runs"), help="results directory")
         cmd.add_argument("--data-dir", type=Path, default=Path("data"), help="dataset directory")
 
+    plan = sub.add_parser("plan", help="the plan the coordinator would choose for a fleet file, explained")
+    plan.add_argument("fleet", type=Path, help="fleet YAML (its boards: speed, link, battery)")
+    plan.add_argument("--model", default=None, help="model (default: the fleet's job's)")
+    plan.add_argument("--objective", default="time",
+                      help="time, energy, pareto (the time/energy front), or a weight of energy in [0, 1]")
+    plan.add_argument("--batch", type=int, default=None, help="global batch (default: the fleet's job's)")
+    plan.add_argument("--stage-state", choices=("hosts", "coordinator"), default="hosts",
+                      help="where single-host stages keep parameters and optimizer state")
+    plan.add_argument("--json", action="store_true", help="one JSON object")
+
     for name, help_text in (("local", "a job on emulated boards on this machine"),
                             ("demo", "the demo job on 4 emulated boards")):
         local = sub.add_parser(name, help=help_text)
@@ -141,6 +152,18 @@ def _devices(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from coordinator.plan_command import plan_report
+
+    try:
+        print(plan_report(args.fleet, model=args.model, objective=args.objective, batch=args.batch,
+                          stage_state=args.stage_state, as_json=args.json))
+    except ValueError as e:
+        print(f"edgetrain plan: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _fleet(args: argparse.Namespace) -> int:
     from edgetrain.fleet import fleet_down, fleet_up, supervise
     from edgetrain.fleet_config import load_fleet
@@ -167,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
     handlers = {"coordinator": _coordinator, "client": _client, "local": _local, "demo": _local,
-                "devices": _devices, "fleet": _fleet}
+                "devices": _devices, "fleet": _fleet, "plan": _plan}
     try:
         return handlers[args.command](args)
     except (ConfigError, FileNotFoundError) as e:

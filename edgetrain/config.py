@@ -339,6 +339,40 @@ def load_pipeline_plan(path: str | Path) -> PipelineConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class PlannerConfig:
+    """Hybrid mode: the coordinator plans stages and DP shards from the live fleet, and re-plans."""
+
+    enabled: bool = False
+    """Plan with coordinator.planner (the pipeline section then gives only schedule, timeouts
+    and stage_state; its stages and plan_file must be empty)."""
+    objective: str | float = "time"
+    """time, energy, or a weight of energy in [0, 1] (0.5: half each)."""
+    bandwidth_change: float = 0.3
+    """Re-plan when a board's measured link rate moved by more than this fraction since the plan."""
+    min_gain: float = 0.05
+    """Switch to a new plan only if it is predicted at least this much better than the current
+    one on the changed fleet (hysteresis; a plan whose boards left is always replaced)."""
+    battery_floor: float = 20.0
+    """Boards below this battery percent and unplugged get no work."""
+    link_wait_s: float = 15.0
+    """Before the first plan, wait up to this long for every board's first link measurement."""
+
+    def __post_init__(self) -> None:
+        ok = self.objective in ("time", "energy") or (
+            isinstance(self.objective, float) and 0.0 <= self.objective <= 1.0)
+        _require(ok, "objective", self.objective, "must be time, energy or a weight in [0, 1]")
+        _require(self.bandwidth_change > 0, "bandwidth_change", self.bandwidth_change, "must be > 0")
+        _require(0 <= self.min_gain < 1, "min_gain", self.min_gain, "must be in [0, 1)")
+        _require(0 <= self.battery_floor <= 100, "battery_floor", self.battery_floor, "must be in [0, 100]")
+        _require(self.link_wait_s >= 0, "link_wait_s", self.link_wait_s, "must be >= 0")
+
+    @property
+    def weight(self) -> str | float:
+        """The objective as coordinator.planner takes it."""
+        return self.objective
+
+
+@dataclass(kw_only=True, frozen=True)
 class JobConfig:
     """One training job: model, data, training loop and optimizer."""
 
@@ -362,9 +396,15 @@ class JobConfig:
     """Local training settings for federated rules."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     """Pipeline model parallelism (empty: data parallelism only)."""
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    """Hybrid mode: stages and DP shards planned from the live fleet, re-planned as it changes."""
 
     def __post_init__(self) -> None:
         _require(self.model in MODEL_NAMES, "model", self.model, f"must be one of {MODEL_NAMES}")
+        _require(not (self.planner.enabled and self.pipeline.enabled), "planner.enabled", True,
+                 "the planner makes the plan: leave pipeline.stages and pipeline.plan_file empty")
+        _require(not (self.planner.enabled and self.aggregation.federated), "planner.enabled", True,
+                 "hybrid plans are for data-parallel and pipeline training, not federated rounds")
         _require(bool(self.name) and "/" not in self.name, "name", self.name,
                  "must be a non-empty name without '/'")
 

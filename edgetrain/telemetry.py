@@ -29,6 +29,9 @@ class TelemetrySample:
     step_comm_s: float | None = None
     plugged: bool | None = None
     """On mains power (True) or running from its battery (False)."""
+    idle_w: float | None = None
+    busy_w: float | None = None
+    """The board's power model (watts idle, and training), when it knows one."""
 
     def known(self) -> dict:
         """The fields the board could report."""

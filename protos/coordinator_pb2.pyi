@@ -120,7 +120,7 @@ class ProfileAck(_message.Message):
     def __init__(self) -> None: ...
 
 class Telemetry(_message.Message):
-    __slots__ = ("timestamp", "cpu_percent", "memory_used_bytes", "memory_total_bytes", "battery_percent", "battery_charging", "temperature_c", "cpu_freq_mhz", "link_mbit_per_s", "rtt_ms", "energy_j", "step_compute_s", "step_comm_s", "plugged")
+    __slots__ = ("timestamp", "cpu_percent", "memory_used_bytes", "memory_total_bytes", "battery_percent", "battery_charging", "temperature_c", "cpu_freq_mhz", "link_mbit_per_s", "rtt_ms", "energy_j", "step_compute_s", "step_comm_s", "plugged", "idle_w", "busy_w")
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,8 @@ class Telemetry(_message.Message):
     STEP_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     STEP_COMM_S_FIELD_NUMBER: _ClassVar[int]
     PLUGGED_FIELD_NUMBER: _ClassVar[int]
+    IDLE_W_FIELD_NUMBER: _ClassVar[int]
+    BUSY_W_FIELD_NUMBER: _ClassVar[int]
     timestamp: float
     cpu_percent: float
     memory_used_bytes: int
@@ -149,7 +151,9 @@ class Telemetry(_message.Message):
     step_compute_s: float
     step_comm_s: float
     plugged: bool
-    def __init__(self, timestamp: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., battery_percent: _Optional[float] = ..., battery_charging: _Optional[bool] = ..., temperature_c: _Optional[float] = ..., cpu_freq_mhz: _Optional[float] = ..., link_mbit_per_s: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., energy_j: _Optional[float] = ..., step_compute_s: _Optional[float] = ..., step_comm_s: _Optional[float] = ..., plugged: _Optional[bool] = ...) -> None: ...
+    idle_w: float
+    busy_w: float
+    def __init__(self, timestamp: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., battery_percent: _Optional[float] = ..., battery_charging: _Optional[bool] = ..., temperature_c: _Optional[float] = ..., cpu_freq_mhz: _Optional[float] = ..., link_mbit_per_s: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., energy_j: _Optional[float] = ..., step_compute_s: _Optional[float] = ..., step_comm_s: _Optional[float] = ..., plugged: _Optional[bool] = ..., idle_w: _Optional[float] = ..., busy_w: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("device_id", "telemetry")

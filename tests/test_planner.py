@@ -112,7 +112,7 @@ def test_predict_follows_the_documented_formulas(stage_state: str) -> None:
     # move no parameters (c = rtt)
     gamma_a = (3e7 + 2 * 1e4 * 1e9 * 1e-6) / 1e9
     gamma_b = (4e7 + 2 * 1e4 * 2e9 * 1e-7) / 2e9
-    lam = 0.005 + 1 * 0.01
+    lam = 0.005 * 4e7 / 7e7 + 1 * 0.01  # b's call cost, in proportion to its stage's share of the FLOPs
     c = max(2 * 1e6 * 1e-6 + 0.01, 2 * 2e5 * 1e-7) if stage_state == "coordinator" else 0.01
     step = c + (4 + 2 - 1) * (8 * max(gamma_a, gamma_b) + lam)
     assert p.step_s == pytest.approx(step, rel=1e-12)

@@ -1,0 +1,118 @@
+"""Live re-planning: when the fleet changes enough, plan again, and switch if it pays.
+
+Pure logic over `BoardCost`s (the trainer builds them from the registry each step; see
+coordinator.plan_inputs). A re-plan is considered when
+- a board joined or left (or was quarantined),
+- a board's measured link rate moved by more than `bandwidth_change` (a fraction) from the
+  rate the current plan was made with,
+- a board's battery crossed `battery_floor` while unplugged, or its plug changed.
+The new plan replaces the current one only when the current one cannot run (one of its boards
+is gone or below the battery floor) or the new one is predicted at least `min_gain` better on
+the changed fleet; otherwise the current plan stays (less any DP shard it now gives no work)
+and the changed fleet becomes the new reference, so measurement noise around a threshold does
+not make plans flip back and forth.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from coordinator.planner import BoardCost, ModelCost, Plan, objective_cost, plan_optimal, predict
+from edgetrain.config import PlannerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlanDecision:
+    """What one re-planning did."""
+
+    step: int
+    reasons: tuple[str, ...]
+    plan: Plan
+    """The plan in force after the decision."""
+    switched: bool
+    """False: the current plan was kept (the new one was not worth the switch)."""
+    candidate_cost: float
+    current_cost: float | None
+    """Objective of the current plan on the changed fleet (None: it could not run, or none)."""
+    fleet: tuple[BoardCost, ...] = ()
+    """The boards as the planner saw them."""
+
+    def to_record(self, stage_state: str) -> dict:
+        p = self.plan.prediction
+        return {"kind": "plan", "step": self.step, "reasons": list(self.reasons), "switched": self.switched,
+                "plan": self.plan.to_pipeline_section(), "plan_kind": self.plan.kind,
+                "left_out": dict(self.plan.left_out), "stage_state": stage_state,
+                "predicted_step_s": round(p.step_s, 4), "predicted_samples_per_s": round(p.samples_per_s, 3),
+                "predicted_energy_per_sample_j": round(p.energy_per_sample_j, 4),
+                "candidate_cost": self.candidate_cost, "current_cost": self.current_cost,
+                "fleet": {b.name: {"gflops": round(b.flops_per_s / 1e9, 3), "overhead_s": round(b.overhead_s, 4),
+                                   "mbit_per_s": round(b.mbit_per_s, 2), "rtt_ms": round(b.rtt_s * 1000, 2),
+                                   "battery_percent": b.battery_percent, "plugged": b.plugged}
+                          for b in self.fleet}}
+
+
+class LivePlanner:
+    """The plan in force for one job, and when to change it."""
+
+    def __init__(self, cfg: PlannerConfig, model: ModelCost, global_batch: int, stage_state: str = "hosts") -> None:
+        self.cfg = cfg
+        self.model = model
+        self.global_batch = global_batch
+        self.stage_state = stage_state
+        self.current: Plan | None = None
+        self._reference: dict[str, BoardCost] = {}
+
+    def decide(self, step: int, boards: Sequence[BoardCost]) -> PlanDecision | None:
+        """Re-plan if the fleet changed enough since the reference (None: nothing to do)."""
+        reasons = self.changes(boards)
+        if not reasons:
+            return None
+        kw = {"battery_floor": self.cfg.battery_floor, "stage_state": self.stage_state}
+        candidate = plan_optimal(list(boards), self.model, self.global_batch, self.cfg.weight, **kw)
+        cost = objective_cost(candidate.prediction, boards, self.cfg.weight)
+        current_cost = None
+        if self.current is not None and self._runnable(self.current, boards):
+            now = predict(self.current, list(boards), self.model, self.global_batch, stage_state=self.stage_state)
+            current_cost = objective_cost(now, boards, self.cfg.weight)
+        switch = current_cost is None or cost < (1 - self.cfg.min_gain) * current_cost
+        self._reference = {b.name: b for b in boards}
+        if switch:
+            self.current = candidate
+        else:  # keep the plan, with its prediction on today's fleet (shards it gives no work are out)
+            active = tuple(n for n in self.current.dp_boards if now.share.get(n, 0.0) > 0)
+            idle = tuple((n, "no gain") for n in self.current.dp_boards if n not in active)
+            kept = Plan(stages=self.current.stages, microbatches=self.current.microbatches, dp_boards=active,
+                        dp_share=self.current.dp_share if active else 0.0,
+                        left_out=self.current.left_out + idle)
+            self.current = replace(kept, prediction=predict(kept, list(boards), self.model, self.global_batch,
+                                                            stage_state=self.stage_state))
+        return PlanDecision(step, tuple(reasons), self.current, switch, cost, current_cost, tuple(boards))
+
+    def changes(self, boards: Sequence[BoardCost]) -> list[str]:
+        """Why the fleet differs from the reference enough to plan again (empty: it does not)."""
+        if self.current is None:
+            return ["first plan"]
+        ref, now = self._reference, {b.name: b for b in boards}
+        out = [f"{n} joined" for n in sorted(set(now) - set(ref))]
+        out += [f"{n} left" for n in sorted(set(ref) - set(now))]
+        for name in sorted(set(now) & set(ref)):
+            a, b = ref[name], now[name]
+            change = abs(b.mbit_per_s - a.mbit_per_s) / a.mbit_per_s
+            if change > self.cfg.bandwidth_change:
+                out.append(f"{name} link {a.mbit_per_s:.1f} -> {b.mbit_per_s:.1f} Mbit/s")
+            if self._low(a) != self._low(b):
+                out.append(f"{name} battery {b.battery_percent:.0f}% "
+                           f"{'plugged' if b.plugged else 'unplugged'}")
+        return out
+
+    def _low(self, b: BoardCost) -> bool:
+        return b.battery_percent is not None and b.battery_percent < self.cfg.battery_floor and b.plugged is not True
+
+    def _runnable(self, plan: Plan, boards: Sequence[BoardCost]) -> bool:
+        by_name = {b.name: b for b in boards}
+        used = [n for s in plan.stages for n in s.boards] + list(plan.dp_boards)
+        return all(n in by_name and not self._low(by_name[n]) for n in used)

@@ -1,0 +1,76 @@
+"""`edgetrain plan FLEET.yaml`: the plan the coordinator would choose for a fleet file, explained.
+
+The fleet file's boards become `BoardCost`s (coordinator.plan_inputs: speed x this machine's
+measured samples/s on one core, link rate and delay, battery and power figures); the model's
+per-block costs are measured here. Printed: the plan table (board -> role, blocks, share,
+predicted seconds, memory), its predicted step time, throughput and energy, and beside it the
+same fleet's proportional data parallelism and the fleet's ideal throughput (every board
+computing all the time, no communication).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from coordinator.plan_inputs import (
+    boards_from_fleet,
+    measure_model_cost,
+    one_core_speed,
+    train_flops_per_sample,
+)
+from coordinator.planner import Plan, pareto, plan_optimal, predict
+from edgetrain.fleet_config import load_fleet
+
+
+def _objective(text: str) -> str | float:
+    if text in ("time", "energy", "pareto"):
+        return text
+    try:
+        weight = float(text)
+    except ValueError:
+        raise ValueError(f"--objective must be time, energy, pareto or a weight in [0, 1], got {text!r}") from None
+    if not 0 <= weight <= 1:
+        raise ValueError(f"--objective weight must be in [0, 1], got {weight}")
+    return weight
+
+
+def plan_report(fleet_file: str | Path, *, model: str | None = None, objective: str = "time",
+                batch: int | None = None, stage_state: str = "hosts", as_json: bool = False) -> str:
+    """The report `edgetrain plan` prints (text, or one JSON object)."""
+    fleet = load_fleet(fleet_file)
+    model_name = model or fleet.job.model
+    batch = batch or fleet.job.training.global_batch
+    aim = _objective(objective)
+    cost = measure_model_cost(model_name)
+    one_core = one_core_speed(model_name)
+    boards = boards_from_fleet(list(fleet.boards), cost, one_core)
+    ideal = sum(b.flops_per_s for b in boards) / train_flops_per_sample(cost)
+    dp = Plan(dp_boards=tuple(b.name for b in boards), dp_share=1.0)
+    dp_pred = predict(dp, boards, cost, batch, stage_state=stage_state)
+    plans = pareto(boards, cost, batch, stage_state=stage_state) if aim == "pareto" else [
+        plan_optimal(boards, cost, batch, aim, stage_state=stage_state)]
+    if as_json:
+        return json.dumps({
+            "fleet": fleet.name, "model": model_name, "global_batch": batch, "objective": objective,
+            "one_core_samples_per_s": round(one_core.samples_per_s, 2),
+            "one_core_overhead_s": round(one_core.overhead_s, 4), "ideal_samples_per_s": round(ideal, 2),
+            "proportional_dp_samples_per_s": round(dp_pred.samples_per_s, 3),
+            "plans": [{**p.to_pipeline_section(), "kind": p.kind, "left_out": dict(p.left_out),
+                       "predicted_step_s": round(p.prediction.step_s, 4),
+                       "predicted_samples_per_s": round(p.prediction.samples_per_s, 3),
+                       "predicted_energy_per_sample_j": round(p.prediction.energy_per_sample_j, 4)}
+                      for p in plans]})
+    lines = [f"fleet {fleet.name}: {len(boards)} boards; {model_name}, global batch {batch}, objective {objective}; "
+             f"one core of this machine: {one_core.samples_per_s:.1f} samples/s + "
+             f"{one_core.overhead_s * 1000:.0f} ms per call (measured)"]
+    for i, p in enumerate(plans):
+        if len(plans) > 1:
+            lines.append(f"\n-- Pareto plan {i + 1} of {len(plans)}")
+        lines.append(p.explain())
+    best = plans[0].prediction
+    lines.append(f"\nfleet ideal {ideal:.1f} samples/s; proportional DP on every board {dp_pred.samples_per_s:.2f} "
+                 f"samples/s ({dp_pred.energy_per_sample_j:.3f} J/sample); this plan {best.samples_per_s:.2f} "
+                 f"samples/s = {best.samples_per_s / ideal:.0%} of ideal, "
+                 f"{best.samples_per_s / dp_pred.samples_per_s:.2f}x proportional DP (predicted)")
+    return "\n".join(lines)

@@ -1,0 +1,206 @@
+"""Benchmark: the hybrid planner — optimality and speed of planning, and plans measured end to end.
+
+(a) Planning. Random fleets drawn from five board kinds (Pi 3, Pi 4, Jetson Nano, Xavier NX,
+    a laptop) with Ethernet or Wi-Fi links, ResNet-18's measured block costs, global batch 64,
+    objective time. Reported per size: planning seconds of the plan the coordinator would use
+    (median of 3 fleets) and its worst optimality gap (predicted step time / reference − 1):
+      4 boards   the default search is the exact DP here; reference: the same DP unbounded
+                 (the tests check it equals brute force), so this gap is 0 by construction;
+      16 boards  three kinds, one link each: the default budget runs the heuristic, the
+                 reference is the exact DP over board kinds with the budget lifted;
+      64 boards  no exact reference is tractable: the gap is against a lower bound (every board
+                 computing all the time, no communication), so it overstates the true gap.
+(b) End to end. Two emulated fleets of four boards (0.5, 0.3, 0.2, 0.1 of a core):
+    compute-bound (1000 Mbit/s links) and bandwidth-bound (100, 50, 20, 10 Mbit/s), training
+    ResNet-18 and MobileNetV2 (batch 32) on SYNTHETIC CIFAR-shaped data in five ways:
+        ideal          sum of the boards' training throughput (their share of one measured core,
+                       computing all the time, no communication)
+        hybrid         planner.enabled: the coordinator plans from the live fleet
+        equal          data parallelism, equal shares
+        proportional   data parallelism, shares from measured speed and link time
+        pipeline       every board one stage (cuts chosen by the cost model), 1F1B
+    samples/s over the steps after warm-up, and each as a fraction of ideal.
+(c) Prediction. The hybrid runs' predicted step time (the plan in force) against the measured
+    median step time.
+
+The last line printed is one JSON object.
+
+    python scripts/bench_planner.py [--steps 6] [--warmup 2] [--fleets compute,bandwidth]
+                                    [--models resnet18,mobilenet_v2] [--modes hybrid,equal,...] [--skip-e2e]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from coordinator.plan_inputs import (
+    boards_from_fleet,
+    measure_model_cost,
+    one_core_speed,
+    train_flops_per_sample,
+)
+from coordinator.planner import BoardCost, Plan, StagePlan, plan_optimal, predict
+from edgetrain.fleet_config import BoardSpec
+from edgetrain.launch import DEMO_JOB, run_on_emulated_boards
+from edgetrain.shaping import LinkSpec
+
+SPEEDS = (0.5, 0.3, 0.2, 0.1)
+FLEETS = {"compute": (1000, 1000, 1000, 1000), "bandwidth": (100, 50, 20, 10)}
+MODES = ("hybrid", "equal", "proportional", "pipeline")
+KINDS = (  # name, fraction of this machine's core, idle W, busy W, links (Mbit/s)
+    ("pi3", 0.14, 1.9, 5.1, (100, 20)), ("pi4", 0.4, 2.7, 6.4, (1000, 40)), ("nano", 0.32, 1.3, 10.0, (1000, 100)),
+    ("xavier", 1.0, 4.0, 15.0, (1000,)), ("laptop", 2.0, 8.0, 30.0, (1000, 200)))
+
+
+def random_fleet(n: int, rng: random.Random, model, one_core, kinds=KINDS, one_link: bool = False) -> list[BoardCost]:
+    specs = []
+    for i in range(n):
+        name, speed, idle, busy, links = rng.choice(kinds)
+        specs.append(BoardSpec(name=f"{name}-{i}", speed=speed, idle_w=idle, busy_w=busy,
+                               link=LinkSpec(mbit_per_s=links[0] if one_link else rng.choice(links))))
+    return boards_from_fleet(specs, model, one_core)
+
+
+def lower_bound_step(fleet: list[BoardCost], model, batch: int) -> float:
+    """No plan is faster than every board computing all the time with no communication."""
+    return batch * train_flops_per_sample(model) / sum(b.flops_per_s for b in fleet)
+
+
+def planning(model, one_core, fleets: int = 3) -> dict:
+    """Planning time and optimality gap at 4, 16 and 64 boards (see the module docstring)."""
+    out = {"optimality_gap": {}, "plan_seconds": {}, "reference": {}}
+    setups = {4: ("exact DP = brute force (tests)", dict()),
+              16: ("exact DP over board kinds (3 kinds)", dict(one_link=True)),
+              64: ("lower bound: ideal compute, no communication", dict())}
+    for n, (reference, kw) in setups.items():
+        gaps, seconds = [], []
+        for seed in range(fleets):
+            rng = random.Random(1000 * n + seed)
+            kinds = rng.sample(KINDS, 3) if n == 16 else KINDS
+            fleet = random_fleet(n, rng, model, one_core, kinds, **kw)
+            started = time.perf_counter()
+            plan = plan_optimal(fleet, model, 64)
+            seconds.append(time.perf_counter() - started)
+            if n == 4:
+                best = plan_optimal(fleet, model, 64, exact_budget=10**9).prediction.step_s
+            elif n == 16:
+                best = plan_optimal(fleet, model, 64, exact_budget=10**9).prediction.step_s
+            else:
+                best = lower_bound_step(fleet, model, 64)
+            gaps.append(plan.prediction.step_s / best - 1)
+        out["optimality_gap"][n] = round(max(gaps), 4)
+        out["plan_seconds"][n] = round(statistics.median(seconds), 3)
+        out["reference"][n] = reference
+        print(f"  {n:3d} boards: plan {statistics.median(seconds):.3f} s (median of {fleets}), worst gap "
+              f"{max(gaps):.2%} vs {reference}", flush=True)
+    return out
+
+
+def best_pure_pipeline(boards: list[BoardCost], model, batch: int) -> Plan:
+    """Every board one stage, in the given order; cuts and micro-batches from the cost model."""
+    best = None
+    for cuts in itertools.combinations(range(1, len(model.blocks)), len(boards) - 1):
+        bounds = (0, *cuts, len(model.blocks))
+        for m in (2, 4, 8, 16):
+            plan = Plan(stages=tuple(StagePlan(bounds[i], bounds[i + 1], (b.name,)) for i, b in enumerate(boards)),
+                        microbatches=m)
+            pred = predict(plan, boards, model, batch)
+            if best is None or pred.step_s < best[1].step_s:
+                best = (plan, pred)
+    return best[0]
+
+
+def run_mode(mode: str, model_name: str, links, args, workdir: Path, model, one_core) -> dict:
+    name = f"bench-plan-{model_name}-{mode}"
+    job = yaml.safe_load(DEMO_JOB.read_text())
+    job.update(name=name, model=model_name)
+    job["dataset"].update(train_size=2048, test_size=256, augment=False)
+    job["training"].update(steps=args.steps, min_clients=len(SPEEDS), eval_every=0, global_batch=args.batch,
+                           log_every=1, split="equal" if mode == "equal" else "proportional",
+                           heartbeat_timeout_s=120.0)
+    if mode == "hybrid":
+        job["planner"] = {"enabled": True, "link_wait_s": 30}
+        job["pipeline"] = {"stage_timeout_s": 600, "sync_every": 1000}
+    if mode == "pipeline":
+        specs = [BoardSpec(name=f"board{i}", speed=s, link=LinkSpec(mbit_per_s=m)) for i, (s, m) in
+                 enumerate(zip(SPEEDS, links))]
+        plan = best_pure_pipeline(boards_from_fleet(specs, model, one_core), model, args.batch)
+        job["pipeline"] = {**plan.to_pipeline_section(), "stage_timeout_s": 600, "sync_every": 1000}
+    run_dir = run_on_emulated_boards(job, list(zip(SPEEDS, links)), workdir)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "train" and r["step"] >= args.warmup]
+    out = {"samples_per_s": sum(r["samples"] for r in steps) / sum(r["step_s"] for r in steps)}
+    plans = [r for r in records if r["kind"] == "plan" and r["switched"]]
+    if plans:
+        last = plans[-1]
+        measured = statistics.median(r["step_s"] for r in steps if r["step"] > last["step"]) if any(
+            r["step"] > last["step"] for r in steps) else None
+        out.update(plan=last["plan"], plan_kind=last["plan_kind"], left_out=last["left_out"],
+                   predicted_step_s=last["predicted_step_s"], measured_step_s=measured,
+                   replans=len(plans) - 1)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--fleets", default=",".join(FLEETS))
+    parser.add_argument("--models", default="resnet18,mobilenet_v2")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--skip-e2e", action="store_true", help="only the planning part (a)")
+    args = parser.parse_args()
+    print("# (a) planning: ResNet-18 block costs measured here; random fleets", flush=True)
+    resnet = measure_model_cost("resnet18")
+    result = planning(resnet, one_core_speed("resnet18"))
+    result["fleets"], result["prediction_error"] = {}, {}
+    errors = []
+    if not args.skip_e2e:
+        print(f"# (b) end to end: boards {SPEEDS} of a core; data: SYNTHETIC", flush=True)
+        with tempfile.TemporaryDirectory(prefix="bench_planner_") as tmp:
+            for fleet in args.fleets.split(","):
+                links = FLEETS[fleet]
+                for model_name in args.models.split(","):
+                    model, one_core = measure_model_cost(model_name), one_core_speed(model_name, (4, args.batch))
+                    ideal = sum(SPEEDS) * one_core.samples_per_s * (
+                        args.batch / (args.batch + one_core.overhead_s * one_core.samples_per_s))
+                    row = {"ideal": round(ideal, 3)}
+                    key = f"{fleet}/{model_name}"
+                    for mode in args.modes.split(","):
+                        r = run_mode(mode, model_name, links, args, Path(tmp), model, one_core)
+                        row[mode] = round(r["samples_per_s"], 3)
+                        extra = ""
+                        if mode == "hybrid" and r.get("measured_step_s"):
+                            err = (r["predicted_step_s"] - r["measured_step_s"]) / r["measured_step_s"]
+                            errors.append(abs(err))
+                            result["prediction_error"][key] = round(err, 3)
+                            row["hybrid_plan"] = {"kind": r["plan_kind"], "plan": r["plan"],
+                                                  "left_out": r["left_out"]}
+                            extra = (f" plan {r['plan_kind']}, predicted {r['predicted_step_s']:.2f} s/step, "
+                                     f"measured {r['measured_step_s']:.2f}")
+                        print(f"  {key:>24} {mode:>13}: {r['samples_per_s']:.2f} samples/s "
+                              f"({r['samples_per_s'] / ideal:.0%} of ideal {ideal:.1f}){extra}", flush=True)
+                    if "equal" in row and "hybrid" in row:
+                        row["hybrid_over_equal"] = round(row["hybrid"] / row["equal"], 2)
+                    if "hybrid" in row:
+                        row["hybrid_over_ideal"] = round(row["hybrid"] / ideal, 3)
+                    result["fleets"][key] = row
+    if errors:
+        result["prediction_error"]["mean_abs"] = round(sum(errors) / len(errors), 3)
+    result.update(synthetic_data=True, boards=list(SPEEDS), links=FLEETS, global_batch=args.batch,
+                  steps=args.steps, warmup=args.warmup, train_flops_per_sample_resnet18=train_flops_per_sample(resnet))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Hybrid mode end to end: real coordinator, client processes on emulated links.
+
+- A plan switched mid-training (stage state pulled from its old hosts and handed to new ones)
+  ends with exactly the parameters of single-process SGD (BN-free model).
+- The live planner re-plans when a board's link rate drops, within a bounded time, and training
+  goes on without the board.
+- On slow links the planner chooses a pipeline for MobileNetV2 and it trains.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import small_job
+from reference import checkpoint_state, max_abs_difference, reference_state
+
+pytestmark = pytest.mark.slow
+
+
+def _records(run_dir: Path, kind: str = "train") -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == kind]
+
+
+def _board(path: Path, name: str, speed: float, mbit: float) -> Path:
+    path.write_text(yaml.safe_dump({"name": name, "speed": speed, "link": {"mbit_per_s": mbit}}))
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_switching_plans_mid_training_keeps_the_parameters_of_single_process_sgd(
+        coordinator_factory, client_factory, tmp_path):
+    # Prepare: 2 stages owned by a and b; the new plan moves blocks to c, a group (a + d), and b
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(yaml.safe_dump({"stages": [{"blocks": 2, "boards": ["a"]}, {"blocks": 2, "boards": ["b"]}],
+                                         "microbatches": 2, "stage_timeout_s": 60}))
+    job = small_job(training={"steps": 40, "min_clients": 4, "global_batch": 16},
+                    pipeline={"plan_file": str(plan_file), "sync_every": 1000})
+    coordinator = coordinator_factory(job)
+    for name in "abcd":
+        client_factory(coordinator.address, name, 0.3)
+    deadline = time.monotonic() + 120
+    while len(_records(coordinator.run_dir)) < 4:
+        assert time.monotonic() < deadline, "the pipeline did not start"
+        time.sleep(0.05)
+
+    # Execute: switch plans while it trains
+    plan_file.write_text(yaml.safe_dump({"stages": [{"blocks": 1, "boards": ["c"]},
+                                                    {"blocks": 2, "boards": ["a", "d"]},
+                                                    {"blocks": 1, "boards": ["b"]}],
+                                         "microbatches": 4, "stage_timeout_s": 60}))
+    coordinator.wait(timeout=240)
+
+    # Assert: both plans ran, and the result is single-process SGD's
+    steps = _records(coordinator.run_dir)
+    hosts = [{d.rsplit("-", 1)[0] for d in s["stages"]} for s in steps]
+    assert hosts[0] == {"a", "b"} and hosts[-1] == {"a", "b", "c", "d"}, hosts
+    switched = hosts.index({"a", "b", "c", "d"})
+    assert 4 <= switched < len(steps) - 1
+    owned = {d.rsplit("-", 1)[0]: v["owned"] for d, v in steps[-1]["stages"].items()}
+    assert owned == {"a": False, "d": False, "b": True, "c": True}
+    diff = max_abs_difference(checkpoint_state(coordinator.run_dir), reference_state(job))
+    assert diff < 2e-5, f"switching plans changed the arithmetic: max difference {diff}"
+
+
+@pytest.mark.timeout(300)
+def test_a_link_rate_drop_re_plans_live_and_training_goes_on_without_the_board(
+        coordinator_factory, client_factory, tmp_path):
+    # Prepare: hybrid mode, three boards on fast emulated links
+    job = small_job(training={"steps": 5000, "min_clients": 3, "global_batch": 24, "log_every": 100},
+                    planner={"enabled": True, "link_wait_s": 30})
+    coordinator = coordinator_factory(job)
+    files = {n: _board(tmp_path / f"{n}.yaml", n, 0.3, 400) for n in ("a", "b", "c")}
+    for name, path in files.items():
+        client_factory(coordinator.address, name, extra=("--emulate", str(path), "--probe-interval", "1"))
+    deadline = time.monotonic() + 120
+    while len(_records(coordinator.run_dir)) < 5:
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+    first = _records(coordinator.run_dir, "plan")
+    assert first and first[0]["reasons"] == ["first plan"]
+    assert any(d.startswith("b-") for d in _records(coordinator.run_dir)[-1]["shares"])
+
+    # Execute: b's link drops to 2 Mbit/s (its board file changes, as `edgetrain fleet` scripts it)
+    before = len(_records(coordinator.run_dir, "plan"))
+    _board(files["b"], "b", 0.3, 2)
+    dropped = time.monotonic()
+    replanned = None
+    while replanned is None and time.monotonic() < dropped + 90:  # (earlier re-plans on noise keep the plan)
+        replanned = next((p for p in _records(coordinator.run_dir, "plan")[before:]
+                          if any(r.startswith("b link") for r in p["reasons"]) and "b" in p["left_out"]), None)
+        time.sleep(0.2)
+    assert replanned is not None, "no re-plan within 90 s of the link drop"
+    seen = time.monotonic() - dropped
+    after = replanned["step"]
+    deadline = time.monotonic() + 60
+    while len([s for s in _records(coordinator.run_dir) if s["step"] > after]) < 5:
+        assert time.monotonic() < deadline, "training did not go on after the re-plan"
+        time.sleep(0.2)
+    coordinator.stop.set()
+
+    # Assert: the plan now leaves b out (a new plan, or the old one with b's share gone to zero),
+    # and the steps after it ran without b
+    assert replanned["plan_kind"] in ("dp", "pipeline", "hybrid")
+    later = [s for s in _records(coordinator.run_dir) if s["step"] > after]
+    assert all(not any(d.startswith("b-") for d in s["shares"]) for s in later)
+    assert seen < 90
+
+
+@pytest.mark.timeout(420)
+def test_on_slow_links_the_planner_chooses_a_pipeline_and_it_trains(coordinator_factory, client_factory, tmp_path):
+    # Prepare: MobileNetV2 on three boards whose links make data parallelism move 18 MB per step
+    job = small_job(model="mobilenet_v2", training={"steps": 4, "min_clients": 3, "global_batch": 24,
+                                                    "heartbeat_timeout_s": 30},
+                    dataset={"train_size": 96}, planner={"enabled": True, "link_wait_s": 60},
+                    pipeline={"stage_timeout_s": 120})
+    coordinator = coordinator_factory(job)
+    for name in ("a", "b", "c"):
+        path = _board(tmp_path / f"{name}.yaml", name, 0.4, 8)
+        client_factory(coordinator.address, name, extra=("--emulate", str(path), "--probe-interval", "2"))
+
+    # Execute
+    coordinator.wait(timeout=400)
+
+    # Assert: a pipeline plan whose single hosts own their stages; every step trained on it
+    plans = _records(coordinator.run_dir, "plan")
+    assert plans[0]["plan_kind"] in ("pipeline", "hybrid"), plans[0]
+    steps = _records(coordinator.run_dir)
+    assert [s["samples"] for s in steps] == [24] * 4
+    assert all(s["stages"] for s in steps)
+    assert plans[0]["predicted_samples_per_s"] > 0

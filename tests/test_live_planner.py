@@ -1,0 +1,131 @@
+"""Live re-planning decisions (pure logic) and `edgetrain plan` on a fleet file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from coordinator.live_planner import LivePlanner
+from coordinator.planner import BlockCost, BoardCost, ModelCost
+from edgetrain.config import PlannerConfig
+
+MODEL = ModelCost(tuple(BlockCost(name=f"b{i}", param_bytes=p, activation_bytes=a, forward_flops=f)
+                        for i, (p, a, f) in enumerate([(1e5, 6e4, 4e7), (4e5, 3e4, 4e7), (2e6, 1e4, 3e7),
+                                                       (8e6, 4e3, 2e7)])))
+
+
+def _fleet(**changes) -> list[BoardCost]:
+    boards = [BoardCost(name=n, flops_per_s=f, memory_bytes=4e9, mbit_per_s=m, idle_w=2.0, busy_w=6.0,
+                        battery_percent=80.0, plugged=False)
+              for n, f, m in (("a", 4e9, 100.0), ("b", 3e9, 100.0), ("c", 2e9, 50.0), ("d", 1e9, 20.0))]
+    return [replace(b, **changes.get(b.name, {})) for b in boards]
+
+
+def _planner(**cfg) -> LivePlanner:
+    return LivePlanner(PlannerConfig(enabled=True, **cfg), MODEL, 64)
+
+
+def _used(plan) -> set[str]:
+    return {n for s in plan.stages for n in s.boards} | set(plan.dp_boards)
+
+
+def test_first_plan_then_nothing_until_the_fleet_changes():
+    live = _planner()
+
+    first = live.decide(0, _fleet())
+    again = live.decide(1, _fleet())
+    noise = live.decide(2, _fleet(b={"mbit_per_s": 100.0 * 1.2}))  # below the 30% threshold
+
+    assert first.reasons == ("first plan",) and first.switched and first.current_cost is None
+    assert again is None and noise is None
+
+
+def test_a_link_drop_beyond_the_threshold_re_plans_and_the_board_loses_its_role():
+    live = _planner()
+    first = live.decide(0, _fleet())
+    assert "b" in _used(first.plan)
+
+    decision = live.decide(5, _fleet(b={"mbit_per_s": 0.5}))
+
+    assert decision.reasons == ("b link 100.0 -> 0.5 Mbit/s",)
+    assert decision.switched and decision.candidate_cost < decision.current_cost
+    assert "b" not in _used(decision.plan)
+    assert live.decide(6, _fleet(b={"mbit_per_s": 0.55})) is None  # the new reference: no flapping
+
+
+def test_a_change_that_is_not_worth_a_switch_keeps_the_plan():
+    live = _planner(min_gain=0.5)
+    first = live.decide(0, _fleet())
+
+    decision = live.decide(3, _fleet(d={"mbit_per_s": 30.0}))  # 50% faster link on the weakest board
+
+    assert decision is not None and not decision.switched
+    assert decision.plan.stages == first.plan.stages and decision.plan.dp_boards == first.plan.dp_boards
+    assert decision.candidate_cost >= 0.5 * decision.current_cost
+
+
+def test_a_board_that_left_forces_a_new_plan_and_a_low_battery_takes_a_board_out():
+    live = _planner(min_gain=0.9)  # a huge hysteresis does not keep a plan that cannot run
+    first = live.decide(0, _fleet())
+    gone = next(iter(_used(first.plan)))
+    rest = [b for b in _fleet() if b.name != gone]
+
+    left = live.decide(1, rest)
+    low = live.decide(2, [replace(b, battery_percent=10.0) if b.name == "a" else b for b in rest])
+
+    assert left.reasons == (f"{gone} left",) and left.switched and left.current_cost is None
+    assert gone not in _used(left.plan)
+    if gone != "a":
+        assert low.reasons == ("a battery 10% unplugged",)
+        assert "a" not in _used(low.plan) and dict(low.plan.left_out)["a"].startswith("battery 10%")
+
+
+def _run_plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgetrain", "plan", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture
+def fleet_file(tmp_path):
+    path = tmp_path / "fleet.yaml"
+    path.write_text("""
+name: small
+cluster: small
+job: {model: small_cnn, training: {global_batch: 32}}
+boards:
+  - {name: fast, speed: 0.5, link: {mbit_per_s: 100}}
+  - {name: mid, speed: 0.3, link: {mbit_per_s: 50}, battery: {capacity_wh: 20, idle_w: 2, busy_w: 5, plugged: true}}
+  - {name: slow, speed: 0.2, link: {mbit_per_s: 1}}
+""")
+    return path
+
+
+def test_edgetrain_plan_explains_the_plan_of_a_fleet_file(fleet_file):
+    text = _run_plan(str(fleet_file))
+    as_json = _run_plan(str(fleet_file), "--json", "--objective", "pareto")
+
+    assert text.returncode == 0, text.stderr
+    assert "plan:" in text.stdout and "predicted: step" in text.stdout and "of ideal" in text.stdout
+    for board in ("fast", "mid", "slow"):
+        assert board in text.stdout
+    out = json.loads(as_json.stdout)
+    assert out["model"] == "small_cnn" and out["global_batch"] == 32 and out["plans"]
+    steps = [p["predicted_step_s"] for p in out["plans"]]
+    energies = [p["predicted_energy_per_sample_j"] for p in out["plans"]]
+    assert steps == sorted(steps) and energies == sorted(energies, reverse=True)  # a Pareto front
+    assert all(p["predicted_samples_per_s"] <= out["ideal_samples_per_s"] for p in out["plans"])
+
+
+def test_edgetrain_plan_refuses_bad_input_clearly(fleet_file, tmp_path):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("boards: [unclosed\n")
+
+    objective = _run_plan(str(fleet_file), "--objective", "fastest")
+    broken = _run_plan(str(bad_yaml))
+
+    assert objective.returncode == 2 and "--objective must be" in objective.stderr
+    assert broken.returncode == 2 and "not valid YAML" in broken.stderr
