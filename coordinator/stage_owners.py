@@ -45,6 +45,9 @@ from protos import stage_pb2_grpc as spb_grpc
 
 logger = logging.getLogger(__name__)
 
+GONE_PULL_TIMEOUT_S = 5.0
+"""How long a pull from a board the registry considers gone may take."""
+
 
 @dataclass(frozen=True)
 class Owner:
@@ -85,6 +88,8 @@ class StageOwners:
         """Called with the bytes each load (down) and pull (up) moved over a board's link."""
         self.bytes_moved = 0
         """Bytes of stage state loaded and pulled so far."""
+        self.master_changed = False
+        """Set when a pull updated the master (the trainer then serves the new parameters)."""
 
     def close(self) -> None:
         for channel in self._channels.values():
@@ -100,7 +105,7 @@ class StageOwners:
         losses = []
         for blocks, owner in list(self.owners.items()):
             if wanted.get(blocks) != owner:
-                loss = self._take_back(owner, version, commit, attempt, is_alive)
+                loss = self._take_back(owner, version, commit, attempt, is_alive, release=True)
                 if loss:
                     losses.append(loss)
                 del self.owners[blocks]
@@ -121,7 +126,7 @@ class StageOwners:
         state is gone are dropped (their blocks keep the master's copy)."""
         losses = []
         for blocks, owner in list(self.owners.items()):
-            loss = self._take_back(owner, version, commit, 0, is_alive)
+            loss = self._take_back(owner, version, commit, 0, is_alive, release=False)
             if loss:
                 losses.append(loss)
                 del self.owners[blocks]
@@ -129,16 +134,16 @@ class StageOwners:
 
     # --- internals -----------------------------------------------------------------------
     def _take_back(self, owner: Owner, version: int, commit: tuple[int, int], attempt: int,
-                   is_alive: Callable[[str], bool]) -> Loss | None:
-        blocks = owner.blocks
-        if not is_alive(owner.device_id):
-            return self._lost(owner, "the board is gone")
+                   is_alive: Callable[[str], bool], release: bool) -> Loss | None:
+        """Pull an owner's state into the master; a board the registry gave up on is still asked
+        (briefly: a missed heartbeat is not a lost state)."""
+        alive = is_alive(owner.device_id)
         try:
-            self._pull(owner, version, commit, attempt)
-            self.synced[blocks] = version
+            self._pull(owner, version, commit, attempt, release, self.timeout_s if alive else GONE_PULL_TIMEOUT_S)
+            self.synced[owner.blocks] = version
             return None
         except (grpc.RpcError, TransferError) as e:
-            return self._lost(owner, _describe(e))
+            return self._lost(owner, _describe(e) if alive else f"the board is gone ({_describe(e)})")
 
     def _lost(self, owner: Owner, reason: str) -> Loss:
         synced = self.synced.get(owner.blocks, -1)
@@ -146,12 +151,13 @@ class StageOwners:
                      "the last pull, version %d", owner.blocks[0], owner.blocks[1], owner.device_id, reason, synced)
         return Loss(owner.blocks, owner.device_id, synced, reason)
 
-    def _request(self, owner: Owner, version: int, commit: tuple[int, int], attempt: int) -> spb.StateRequest:
+    def _request(self, owner: Owner, version: int, commit: tuple[int, int], attempt: int,
+                 release: bool = False) -> spb.StateRequest:
         group = self.optimizer.param_groups[0]
         return spb.StateRequest(job_id=self.job_id, first_block=owner.blocks[0], end_block=owner.blocks[1],
                                 version=version, commit_step=commit[0], commit_attempt=commit[1],
                                 supersede_attempt=attempt, momentum=group["momentum"],
-                                weight_decay=group["weight_decay"], nesterov=group["nesterov"])
+                                weight_decay=group["weight_decay"], nesterov=group["nesterov"], release=release)
 
     def _stage(self, blocks: tuple[int, int]) -> tuple[dict[str, nn.Parameter], dict[str, torch.Tensor]]:
         keys = list(self.model.blocks.keys())[blocks[0]:blocks[1]]
@@ -183,10 +189,11 @@ class StageOwners:
                     owner.device_id, owner.blocks[0], owner.blocks[1], version, len(payload) / 1e6)
 
     @torch.no_grad()
-    def _pull(self, owner: Owner, version: int, commit: tuple[int, int], attempt: int) -> None:
+    def _pull(self, owner: Owner, version: int, commit: tuple[int, int], attempt: int, release: bool,
+              timeout_s: float) -> None:
         params, buffers = self._stage(owner.blocks)
-        stream = self._stub(owner.address).PullState(self._request(owner, version, commit, attempt),
-                                                     timeout=self.timeout_s)
+        stream = self._stub(owner.address).PullState(self._request(owner, version, commit, attempt, release),
+                                                     timeout=timeout_s)
         first = next(stream, None)
         if first is None or first.WhichOneof("kind") != "bundle":
             raise TransferError("invalid_argument", "a PullState stream must start with a bundle header")
@@ -219,6 +226,7 @@ class StageOwners:
             b.copy_(tensors[name])
         self.bytes_moved += total
         self._count_bytes(owner.device_id, up=total)
+        self.master_changed = True
 
     def _stub(self, address: str) -> spb_grpc.StagePeerStub:
         if address not in self._channels:

@@ -107,7 +107,8 @@ class Trainer:
         self.use_deadline = agg.deadline == "predicted" or self.keep_late
         if self.federated:
             server = OptimizerConfig(lr=job.federated.server_lr, momentum=0.0, weight_decay=0.0, schedule="constant")
-        elif job.compression.boards_keep_momentum:  # the boards send momentum, not gradients
+        elif job.compression.boards_keep_momentum and not (job.pipeline.enabled or job.planner.enabled):
+            # the boards send momentum, not gradients (pipelines send plain gradients)
             server = replace(job.optimizer, momentum=0.0, nesterov=False)
         else:
             server = job.optimizer
@@ -229,7 +230,9 @@ class Trainer:
             if planned is not None:
                 plan, assignments = planned
                 failed = self._place_owned(step, attempt, assignments)
-                self.store.publish(step, state_tensors(self.model))  # owned blocks taken back are current
+                if self.owners.master_changed:  # owned blocks taken back: serve them as they are now
+                    self.store.publish(step, state_tensors(self.model))
+                    self.owners.master_changed = False
                 if failed:
                     self._note_failed_placement(step, attempt, failed)
                     self.stop.wait(cfg.heartbeat_timeout_s)
@@ -250,6 +253,7 @@ class Trainer:
             if self.owners.owners:  # the plan has no pipeline now: owned stages come back first
                 self._note_failed_placement(step, attempt, self._place_owned(step, attempt, {}))
                 self.store.publish(step, state_tensors(self.model))
+                self.owners.master_changed = False
             speeds = self._available(step)
             if self._dp_only:  # a planned DP plan: only its boards (others were left out)
                 names = {r.device_id: r.name for r in self.registry.snapshot()}

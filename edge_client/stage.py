@@ -100,6 +100,11 @@ class Mailbox:
                 self._cond.wait(min(remaining, 0.5))
             return self._items.pop(key)
 
+    def superseded(self, step: int, attempt: int) -> bool:
+        """Whether the coordinator has opened an attempt newer than (step, attempt)."""
+        with self._cond:
+            return (step, attempt) < self._newest
+
     def supersede(self, step: int, attempt: int) -> None:
         """The coordinator's newest attempt: waits for older ones end at once."""
         with self._cond:
@@ -416,11 +421,19 @@ def _run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndp
                     ship(m, True, inp.grad, st.prev_hosts)
                 held -= sum(t.numel() * t.element_size() for t in (inp, out) if t is not None and t.dim())
         started = time.perf_counter()
-        for future in sends:
-            try:
-                future.result(timeout=st.timeout_s)
-            except futures.TimeoutError:
-                raise StageFailure(f"sending to a neighbouring stage did not finish within {st.timeout_s:g} s") from None
+        deadline = started + st.timeout_s
+        for future in sends:  # drain the sends, giving up at the timeout or when the attempt is closed
+            while True:
+                try:
+                    future.result(timeout=0.5)
+                    break
+                except futures.TimeoutError:
+                    if endpoint.mailbox.superseded(work.step, work.attempt):
+                        raise StageFailure(f"step {work.step} attempt {work.attempt} was closed by the "
+                                           "coordinator while sending to a neighbouring stage") from None
+                    if time.perf_counter() > deadline:
+                        raise StageFailure(f"sending to a neighbouring stage did not finish within "
+                                           f"{st.timeout_s:g} s") from None
         wait_s += time.perf_counter() - started
     except BaseException:
         for future in sends:

@@ -112,7 +112,7 @@ class StageState:
         with self.lock:
             self._check_job(request.job_id)
             if self.blocks != (request.first_block, request.end_block):
-                raise StageStateError(f"this board owns {self._describe()}, not blocks "
+                raise StageStateError(f"this board owns {self.describe()}, not blocks "
                                       f"[{request.first_block}, {request.end_block})")
             self.settle(request.commit_step, request.commit_attempt)
             if self.version != request.version:
@@ -124,6 +124,8 @@ class StageState:
                 momentum = self._optimizer.state.get(p, {}).get("momentum_buffer")
                 if momentum is not None:
                     out[MOMENTUM_PREFIX + name] = momentum.clone()
+            if request.release:
+                self.drop()
             return out
 
     # --- worker side ---------------------------------------------------------------------
@@ -148,15 +150,20 @@ class StageState:
         with self.lock:
             if self.blocks != (first, end):
                 raise StageStateError(f"asked to run blocks [{first}, {end}) as their owner, but this board "
-                                      f"owns {self._describe()}")
+                                      f"owns {self.describe()}")
             self.settle(commit_step, commit_attempt)
             if self.version != step:
                 raise StageStateError(f"step {step} needs version {step} of blocks [{first}, {end}); "
                                       f"this board holds version {self.version}")
 
     def finish(self, step: int, attempt: int, lr: float) -> None:
-        """The stage's gradients of (step, attempt) are computed: keep them until the commit."""
+        """The stage's gradients of (step, attempt) are computed: keep them until the commit.
+        Non-finite gradients void the step (StageStateError): nothing checks them downstream."""
         with self.lock:
+            for name, p in self._params.items():
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                    self.abandon()
+                    raise StageStateError(f"step {step}: the gradient of {name} has NaN/Inf values")
             self._pending = _Pending(step, attempt, lr)
 
     def abandon(self) -> None:
@@ -191,5 +198,5 @@ class StageState:
             for name, b in self._buffers.items():
                 b.copy_(self._saved_buffers[name])
 
-    def _describe(self) -> str:
+    def describe(self) -> str:
         return f"blocks [{self.blocks[0]}, {self.blocks[1]})" if self.blocks else "no stage"

@@ -9,6 +9,7 @@ version the board holds; either way the board keeps the coordinator's served vie
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
@@ -176,8 +177,7 @@ class EdgeWorker:
                 self._version, self._loaded, self._view, self._feedback = -1, -1, {}, ErrorFeedback()
                 self._velocity = {}
                 self._stage_loaded = None
-                self.endpoint.mailbox.reset()
-                self.endpoint.state.drop()
+                self.endpoint.mailbox.reset()  # owned stage state stays: the coordinator may pull it
             finally:
                 stop_beat.set()
 
@@ -258,7 +258,10 @@ class EdgeWorker:
                 self.endpoint.mailbox.advance(work.step, work.attempt)
             with self.emulation.energy.busy():
                 compute = self._compute_stage if work.HasField("stage") else self._compute_step
-                header, payload, commit = compute(work)
+                # one computation on the model at a time: the coordinator's LoadState / PullState
+                # of an owned stage wait for it (they first end superseded attempts)
+                with self._model_lock():
+                    header, payload, commit = compute(work)
                 energy = self.emulation.energy.energy_j()
                 if energy is not None and self._energy_mark is not None:
                     header.report.energy_j = energy - self._energy_mark
@@ -283,11 +286,14 @@ class EdgeWorker:
                 time.sleep(1.0)
             self._abandoned = (work.step, work.attempt)
 
+    def _model_lock(self):
+        return self.endpoint.state.lock if self.endpoint is not None else contextlib.nullcontext()
+
     def _compute_step(self, work: pb.StepWork):
         """Fetch parameters if needed, compute the update, encode it; returns (header, payload, commit)."""
         started = time.perf_counter()
-        if self.endpoint is not None:
-            self.endpoint.state.drop()  # the full view replaces an owned stage's state
+        if self.endpoint is not None:  # the full view replaces an owned stage (the coordinator took it back)
+            self.endpoint.state.drop()
         self._fetch(work)
         if self._loaded != self._version:  # also after a forward pass moved BN running stats
             load_state_tensors(self._model, self._view)
@@ -341,7 +347,10 @@ class EdgeWorker:
                 except BaseException:
                     state.abandon()
                     raise
-                state.finish(work.step, work.attempt, st.lr)
+                try:
+                    state.finish(work.step, work.attempt, st.lr)
+                except StageStateError as e:
+                    raise StageFailure(str(e)) from None
             compute_s = time.perf_counter() - started - result.wait_s
             prefixes: tuple[str, ...] = ()  # nothing of the stage goes up
             download_s = 0.0

@@ -292,7 +292,8 @@ class PipelineConfig:
     and uploads their gradients every step (stages hosted by a group always do)."""
     sync_every: int = 10
     """With `stage_state: hosts`, steps between pulls of host-held state. A host lost between
-    pulls costs the steps since the last pull: training goes back to it and replays them."""
+    pulls takes its blocks' progress since the last pull with it: those blocks go on from the
+    last pull (the other blocks keep theirs); 1 loses nothing."""
 
     def __post_init__(self) -> None:
         from edgetrain.pipeline import SCHEDULES
@@ -405,6 +406,12 @@ class JobConfig:
                  "the planner makes the plan: leave pipeline.stages and pipeline.plan_file empty")
         _require(not (self.planner.enabled and self.aggregation.federated), "planner.enabled", True,
                  "hybrid plans are for data-parallel and pipeline training, not federated rounds")
+        agg = self.aggregation
+        if (self.pipeline.enabled or self.planner.enabled) and self.pipeline.stage_state == "hosts":
+            _require(agg.rule == "mean" and agg.deadline == "none" and not agg.clip_norm, "pipeline.stage_state",
+                     "hosts", "stage hosts apply their own gradients, so every step must be all or nothing and "
+                     "unclipped: use aggregation rule mean without deadline or clip_norm, or "
+                     "pipeline.stage_state: coordinator")
         _require(bool(self.name) and "/" not in self.name, "name", self.name,
                  "must be a non-empty name without '/'")
 

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StateRequest(_message.Message):
-    __slots__ = ("job_id", "first_block", "end_block", "version", "commit_step", "commit_attempt", "supersede_attempt", "momentum", "weight_decay", "nesterov", "from_device")
+    __slots__ = ("job_id", "first_block", "end_block", "version", "commit_step", "commit_attempt", "supersede_attempt", "momentum", "weight_decay", "nesterov", "from_device", "release")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     END_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class StateRequest(_message.Message):
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     NESTEROV_FIELD_NUMBER: _ClassVar[int]
     FROM_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     first_block: int
     end_block: int
@@ -30,7 +31,8 @@ class StateRequest(_message.Message):
     weight_decay: float
     nesterov: bool
     from_device: str
-    def __init__(self, job_id: _Optional[str] = ..., first_block: _Optional[int] = ..., end_block: _Optional[int] = ..., version: _Optional[int] = ..., commit_step: _Optional[int] = ..., commit_attempt: _Optional[int] = ..., supersede_attempt: _Optional[int] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., nesterov: _Optional[bool] = ..., from_device: _Optional[str] = ...) -> None: ...
+    release: bool
+    def __init__(self, job_id: _Optional[str] = ..., first_block: _Optional[int] = ..., end_block: _Optional[int] = ..., version: _Optional[int] = ..., commit_step: _Optional[int] = ..., commit_attempt: _Optional[int] = ..., supersede_attempt: _Optional[int] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., nesterov: _Optional[bool] = ..., from_device: _Optional[str] = ..., release: _Optional[bool] = ...) -> None: ...
 
 class StateMessage(_message.Message):
     __slots__ = ("request", "bundle", "chunk")

@@ -34,6 +34,22 @@ def test_bad_pipeline_sections_name_the_key(pipeline, message):
         job_from_dict({"model": "small_cnn", "pipeline": pipeline})
 
 
+@pytest.mark.parametrize(("job", "message"), [
+    ({"aggregation": {"rule": "staleness"}}, "stage hosts apply their own gradients"),
+    ({"aggregation": {"clip_norm": 5.0}}, "stage hosts apply their own gradients"),
+    ({"planner": {"enabled": True}}, "leave pipeline.stages and pipeline.plan_file empty"),
+    ({"pipeline": {"stage_state": "board"}}, "stage_state='board'"),
+    ({"pipeline": {"sync_every": 0}}, "sync_every=0"),
+])
+def test_pipeline_jobs_refuse_settings_that_do_not_fit_together(job, message):
+    data = {"model": "small_cnn", "pipeline": dict(PLAN), **job}
+    data["pipeline"] = {**PLAN, **job.get("pipeline", {})}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        job_from_dict(data)
+    if "aggregation" in job:  # with the coordinator keeping stage state, the same job is fine
+        job_from_dict({**data, "pipeline": {**data["pipeline"], "stage_state": "coordinator"}})
+
+
 def test_a_plan_must_cover_the_models_blocks_exactly():
     with pytest.raises(ConfigError, match="sum to 5, but the model has 4 blocks"):
         check_plan(plan(stages=[{"blocks": 3, "boards": ["a"]}, {"blocks": 2, "boards": ["b"]}]),

@@ -187,3 +187,28 @@ def test_bad_state_calls_get_precise_codes_and_the_endpoint_keeps_serving(endpoi
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and words in info.value.details()
     pulled = list(stub.PullState(spb.StateRequest(job_id="job", first_block=0, end_block=2, version=3), timeout=10))
     assert pulled[0].WhichOneof("kind") == "bundle" and len(pulled) > 1
+
+
+def test_nan_gradients_void_the_step_and_a_releasing_pull_gives_the_stage_up(endpoint):
+    master = build_model("small_cnn", seed=0)
+    optimizer = torch.optim.SGD(master.parameters(), lr=LR, momentum=0.9)
+    host = build_model("small_cnn", seed=0)
+    endpoint.state.attach(host, "job")
+    owners = StageOwners("job", master, optimizer, timeout_s=10)
+    owner = Owner("h-1", f"127.0.0.1:{endpoint.port}", (0, 2))
+    owners.place({(0, 2): owner}, 0, (-1, 0), 0, lambda d: True)
+    state = endpoint.state
+    before = {n: t.clone() for n, t in host.state_dict().items()}
+
+    state.begin(0, 0, 2, -1, 0)
+    for p in host.block_modules(0, 2)[0].parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    with pytest.raises(Exception, match="NaN/Inf"):
+        state.finish(0, 0, LR)
+    state.begin(0, 0, 2, -1, 0)  # the voided step is redone from the same version
+    losses, failed = owners.place({}, 0, (-1, 0), 1, lambda d: True)  # a new plan without owned stages
+
+    assert (losses, failed) == ([], {}) and owners.owners == {}
+    assert not state.holds(0, 2)  # the pull released the stage
+    assert all(torch.equal(t, before[n]) for n, t in host.state_dict().items())
+    owners.close()
