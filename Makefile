@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_aggregation.py
 	$(PY) scripts/bench_pipeline.py
 	$(PY) scripts/bench_planner.py
+	$(PY) scripts/bench_jobs.py
 
 protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto

@@ -12,8 +12,13 @@
 - ``parameters.py`` what boards download: full versions, compressed deltas, a stage's part.
 - ``pipeline_plan.py`` a pipeline plan as one step's assignments; merging a pipeline's results.
 - ``stage_owners.py`` stages whose host owns their state: handing it over, pulling it back.
-- ``planner.py``    cost model and plan search (DP over stages x board groups, Pareto); not yet
-                    used by training (issue 5).
+- ``planner.py``    cost model and plan search (DP over stages x board groups, Pareto).
+- ``plan_inputs.py`` the planner's inputs: measured per-block model costs, boards from the
+                    registry or a fleet file.
+- ``live_planner.py`` hybrid mode: when to plan again and whether to switch (hysteresis).
+- ``plan_command.py`` `edgetrain plan FLEET.yaml`.
+- ``job_scheduler.py``, ``job_sim.py`` several jobs on one fleet: the rolling-horizon scheduler,
+                    its baselines and a discrete-event simulator (not yet driving live jobs).
 - ``metrics.py``, ``report.py``, ``checkpoint.py``  JSONL metrics, the summary, checkpoints.
 - ``main.py``       entry point: build everything, serve, train, clean up.
 """

@@ -1,7 +1,8 @@
 """`edgetrain plan FLEET.yaml`: the plan the coordinator would choose for a fleet file, explained.
 
 The fleet file's boards become `BoardCost`s (coordinator.plan_inputs: speed x this machine's
-measured samples/s on one core, link rate and delay, battery and power figures); the model's
+measured samples/s on one core, link rate and delay less the CPU cost of moving bytes at that
+speed, battery and power figures); the model's
 per-block costs are measured here. Printed: the plan table (board -> role, blocks, share,
 predicted seconds, memory), its predicted step time, throughput and energy, and beside it the
 same fleet's proportional data parallelism and the fleet's ideal throughput (every board
@@ -18,6 +19,7 @@ from coordinator.plan_inputs import (
     measure_model_cost,
     one_core_speed,
     train_flops_per_sample,
+    transfer_cpu_s_per_byte,
 )
 from coordinator.planner import Plan, pareto, plan_optimal, predict
 from edgetrain.fleet_config import load_fleet
@@ -44,7 +46,8 @@ def plan_report(fleet_file: str | Path, *, model: str | None = None, objective: 
     aim = _objective(objective)
     cost = measure_model_cost(model_name)
     one_core = one_core_speed(model_name)
-    boards = boards_from_fleet(list(fleet.boards), cost, one_core)
+    per_byte = transfer_cpu_s_per_byte()
+    boards = boards_from_fleet(list(fleet.boards), cost, one_core, cpu_s_per_byte=per_byte)
     ideal = sum(b.flops_per_s for b in boards) / train_flops_per_sample(cost)
     dp = Plan(dp_boards=tuple(b.name for b in boards), dp_share=1.0)
     dp_pred = predict(dp, boards, cost, batch, stage_state=stage_state)
@@ -54,7 +57,8 @@ def plan_report(fleet_file: str | Path, *, model: str | None = None, objective: 
         return json.dumps({
             "fleet": fleet.name, "model": model_name, "global_batch": batch, "objective": objective,
             "one_core_samples_per_s": round(one_core.samples_per_s, 2),
-            "one_core_overhead_s": round(one_core.overhead_s, 4), "ideal_samples_per_s": round(ideal, 2),
+            "one_core_overhead_s": round(one_core.overhead_s, 4),
+            "transfer_cpu_ns_per_byte": round(per_byte * 1e9, 3), "ideal_samples_per_s": round(ideal, 2),
             "proportional_dp_samples_per_s": round(dp_pred.samples_per_s, 3),
             "plans": [{**p.to_pipeline_section(), "kind": p.kind, "left_out": dict(p.left_out),
                        "predicted_step_s": round(p.prediction.step_s, 4),
@@ -63,7 +67,7 @@ def plan_report(fleet_file: str | Path, *, model: str | None = None, objective: 
                       for p in plans]})
     lines = [f"fleet {fleet.name}: {len(boards)} boards; {model_name}, global batch {batch}, objective {objective}; "
              f"one core of this machine: {one_core.samples_per_s:.1f} samples/s + "
-             f"{one_core.overhead_s * 1000:.0f} ms per call (measured)"]
+             f"{one_core.overhead_s * 1000:.0f} ms per call, {per_byte * 1e9:.2f} ns of CPU per byte moved (measured)"]
     for i, p in enumerate(plans):
         if len(plans) > 1:
             lines.append(f"\n-- Pareto plan {i + 1} of {len(plans)}")

@@ -11,7 +11,10 @@ every board (boards differ by a speed factor), which is what one board type's pr
 Boards. Live boards come from the registry: effective FLOP/s = measured samples/s (the join
 profile, refined by observed steps) x the model's training FLOPs per sample, the profile's fixed
 per-call overhead, available memory, and the link rate, round-trip time, battery, plug and power
-model from the newest telemetry. A fleet file's boards (`edgetrain plan`) get the same from
+model from the newest telemetry. Once a board has moved some parameters and gradients, its link
+rate is the lower of the measured one and what its transfers actually achieved (bytes over
+transfer seconds, averaged over the run): a board with a small CPU spends CPU time on every
+byte (serialising, checksums), which the link measurement does not see. A fleet file's boards (`edgetrain plan`) get the same from
 their YAML: speed (fraction of one core of this machine, whose samples/s is measured),
 link rate and delay, battery and power figures.
 """
@@ -32,6 +35,8 @@ UNKNOWN_LINK_MBIT = 10.0
 """Link rate assumed for a board whose link was never measured (pessimistic on purpose)."""
 UNKNOWN_MEMORY_BYTES = 2 * 1024**3
 """Memory assumed for a board that reported none."""
+MIN_OBSERVED_BYTES = 4 * 1024**2
+"""Parameter and gradient bytes a board must have moved before its observed transfer rate counts."""
 
 _model_costs: dict[tuple[str, int], ModelCost] = {}
 
@@ -88,10 +93,14 @@ def board_from_record(record: DeviceRecord, model: ModelCost) -> BoardCost:
     plugged = t.plugged if t else None
     if t is not None and t.battery_percent is None and plugged is None:
         plugged = True  # no battery: mains powered
+    mbit = float(t.link_mbit_per_s) if t and t.link_mbit_per_s else UNKNOWN_LINK_MBIT
+    moved = record.stats["download_bytes"] + record.stats["upload_bytes"]
+    if moved >= MIN_OBSERVED_BYTES and record.stats["comm_s"] > 0:
+        # what its transfers really took: a slow board also spends CPU on every byte it moves
+        mbit = min(mbit, moved * 8 / record.stats["comm_s"] / 1e6)
     return BoardCost(
         name=record.name, flops_per_s=record.speed.samples_per_s * train_flops_per_sample(model),
-        memory_bytes=float(memory or UNKNOWN_MEMORY_BYTES),
-        mbit_per_s=float(t.link_mbit_per_s) if t and t.link_mbit_per_s else UNKNOWN_LINK_MBIT,
+        memory_bytes=float(memory or UNKNOWN_MEMORY_BYTES), mbit_per_s=mbit,
         rtt_s=(t.rtt_ms or 0.0) / 1000 if t else 0.0, idle_w=idle_w, busy_w=max(busy_w, idle_w),
         battery_percent=t.battery_percent if t else None, plugged=plugged,
         overhead_s=record.speed.overhead_s)
@@ -120,10 +129,35 @@ def one_core_speed(model_name: str, batches: tuple[int, int] = (4, 32)) -> Speed
         torch.set_num_threads(threads)
 
 
+def transfer_cpu_s_per_byte(nbytes: int = 16 * 1024**2) -> float:
+    """CPU seconds one core of this machine spends per byte a board moves: packing, chunking
+    with checksums, and unpacking (what a transfer costs besides the link)."""
+    from edgetrain.tensors import ChunkAssembler, iter_chunks, pack, unpack
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tensors = {"x": torch.randn(nbytes // 4)}
+        best = float("inf")
+        for _ in range(2):
+            started = time.perf_counter()
+            metas, payload = pack(tensors)
+            assembler = ChunkAssembler(len(payload))
+            for chunk in iter_chunks(payload):
+                assembler.add(chunk.offset, chunk.data, chunk.crc32)
+            unpack(metas, assembler.payload())
+            best = min(best, time.perf_counter() - started)
+        return best / nbytes
+    finally:
+        torch.set_num_threads(threads)
+
+
 def boards_from_fleet(boards: list, model: ModelCost, one_core: SpeedEstimate,
-                      memory_bytes: Mapping[str, float] | None = None) -> list[BoardCost]:
+                      memory_bytes: Mapping[str, float] | None = None,
+                      cpu_s_per_byte: float = 0.0) -> list[BoardCost]:
     """BoardCosts of a fleet file's boards (edgetrain.fleet_config.BoardSpec); a board with
-    `speed` s of a core computes s x as fast as one core here, its per-call overhead 1/s as long."""
+    `speed` s of a core computes s x as fast as one core here, its per-call overhead 1/s as long,
+    and its link rate is what remains after its CPU's cost per byte (`cpu_s_per_byte` at one core)."""
     flops = train_flops_per_sample(model) * one_core.samples_per_s
     out = []
     for b in boards:
@@ -133,7 +167,7 @@ def boards_from_fleet(boards: list, model: ModelCost, one_core: SpeedEstimate,
         out.append(BoardCost(
             name=b.name, flops_per_s=b.speed * flops,
             memory_bytes=float((memory_bytes or {}).get(b.name, UNKNOWN_MEMORY_BYTES)),
-            mbit_per_s=b.link.mbit_per_s if b.link else 1000.0,
+            mbit_per_s=8e-6 / (8e-6 / (b.link.mbit_per_s if b.link else 1000.0) + cpu_s_per_byte / b.speed),
             rtt_s=2 * b.link.delay_ms / 1000 if b.link else 0.0,
             idle_w=idle, busy_w=max(busy, idle),
             battery_percent=battery.initial_percent if battery else None,
