@@ -58,26 +58,36 @@ class PlanDecision:
 class LivePlanner:
     """The plan in force for one job, and when to change it."""
 
-    def __init__(self, cfg: PlannerConfig, model: ModelCost, global_batch: int, stage_state: str = "hosts") -> None:
+    def __init__(self, cfg: PlannerConfig, model: ModelCost, global_batch: int, stage_state: str = "hosts",
+                 sync_every: int = 50) -> None:
         self.cfg = cfg
         self.model = model
         self.global_batch = global_batch
         self.stage_state = stage_state
+        self.sync_every = sync_every
         self.current: Plan | None = None
         self._reference: dict[str, BoardCost] = {}
 
-    def decide(self, step: int, boards: Sequence[BoardCost]) -> PlanDecision | None:
-        """Re-plan if the fleet changed enough since the reference (None: nothing to do)."""
+    def decide(self, step: int, boards: Sequence[BoardCost], measured_step_s: float | None = None) -> PlanDecision | None:
+        """Re-plan if the fleet changed enough since the reference (None: nothing to do).
+
+        `measured_step_s`: the current plan's measured (median) step time so far, if known. The
+        current plan is then judged by what it did, scaled by how much the fleet change moves
+        its prediction; the candidate has only its prediction. This keeps a plan the cost model
+        underrates from being swapped for one it rates about the same."""
         reasons = self.changes(boards)
         if not reasons:
             return None
-        kw = {"battery_floor": self.cfg.battery_floor, "stage_state": self.stage_state}
+        kw = {"battery_floor": self.cfg.battery_floor, "stage_state": self.stage_state, "sync_every": self.sync_every}
         candidate = plan_optimal(list(boards), self.model, self.global_batch, self.cfg.weight, **kw)
         cost = objective_cost(candidate.prediction, boards, self.cfg.weight)
         current_cost = None
         if self.current is not None and self._runnable(self.current, boards):
-            now = predict(self.current, list(boards), self.model, self.global_batch, stage_state=self.stage_state)
+            now = predict(self.current, list(boards), self.model, self.global_batch, stage_state=self.stage_state,
+                          sync_every=self.sync_every)
             current_cost = objective_cost(now, boards, self.cfg.weight)
+            if measured_step_s and self.current.prediction is not None:
+                current_cost *= measured_step_s / self.current.prediction.step_s
         switch = current_cost is None or cost < (1 - self.cfg.min_gain) * current_cost
         self._reference = {b.name: b for b in boards}
         if switch:
@@ -89,7 +99,7 @@ class LivePlanner:
                         dp_share=self.current.dp_share if active else 0.0,
                         left_out=self.current.left_out + idle)
             self.current = replace(kept, prediction=predict(kept, list(boards), self.model, self.global_batch,
-                                                            stage_state=self.stage_state))
+                                                            stage_state=self.stage_state, sync_every=self.sync_every))
         return PlanDecision(step, tuple(reasons), self.current, switch, cost, current_cost, tuple(boards))
 
     def changes(self, boards: Sequence[BoardCost]) -> list[str]:

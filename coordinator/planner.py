@@ -14,8 +14,10 @@ Stage [i, j) on group G, with f_G = Σ flops_per_s and row weights w_k = f_k / f
     γ_s = (F + 2 X · max_k f_k σ_k) / f_G      seconds per sample: compute, plus activations
                                               forward and gradients back, each host on its link
     c_k = 2 P σ_k + rtt_k                      stage parameters down, gradients up, every step;
-                                              c_k = rtt_k for a stage with one host that owns
-                                              its state (stage_state "hosts", no DP shards)
+                                              c_k = rtt_k + 2 P σ_k / K for a stage with one
+                                              host that owns its state (stage_state "hosts", no
+                                              DP shards): parameters and momentum pulled back
+                                              every K = sync_every steps
     mem_k = 2 P + min(S − s, M) · w_k · (B / M) · A      params, grads, 1F1B in-flight rows
 Pipeline with B_p samples, b = B_p / M, hosts H:
     o_s = max_G overhead_k · F / F_model     a call's fixed cost, in proportion to the stage's work
@@ -252,10 +254,11 @@ class Plan:
         """A table: board -> role, blocks, batch share, predicted time, memory; then the totals."""
         p = self.prediction
         _check(p is not None, "explain needs a plan with a prediction (from the planner)")
+        single = len(self.stages) == 1 and len(self.stages[0].boards) == 1 and not self.dp_boards
         head = {"dp": "pure data parallelism",
-                "pipeline": f"{len(self.stages)} stages",
+                "pipeline": "the whole model on one board" if single else f"{len(self.stages)} stages",
                 "hybrid": f"{len(self.stages)} stages + DP shards taking {self.dp_share:.1%}"}[self.kind]
-        if self.stages:
+        if self.stages and not single:
             head += f", {self.microbatches} micro-batches (1f1b)"
         rows = [("board", "role", "blocks", "share", "time_s", "memory_MB")]
         for s, stage in enumerate(self.stages):
@@ -360,7 +363,8 @@ class _Problem:
 
     def __init__(self, fleet: Sequence[BoardCost], model: ModelCost, global_batch: int,
                  eta: float = 0.0, microbatches: Sequence[int] = MICROBATCH_CANDIDATES,
-                 battery_floor: float = BATTERY_FLOOR_PERCENT, stage_state: str = "hosts") -> None:
+                 battery_floor: float = BATTERY_FLOOR_PERCENT, stage_state: str = "hosts",
+                 sync_every: int = 50) -> None:
         names = [k.name for k in fleet]
         _check(bool(fleet), "the fleet is empty")
         _check(len(set(names)) == len(names), f"board names must be unique, got {names}")
@@ -368,6 +372,7 @@ class _Problem:
         _check(stage_state in ("hosts", "coordinator"), f"stage_state must be hosts or coordinator, got {stage_state!r}")
         self.fleet, self.model, self.B, self.eta = list(fleet), model, global_batch, eta
         self.stage_state = stage_state
+        self.sync_every = max(1, sync_every)
         self.by_name = {k.name: k for k in fleet}
         self.L = len(model.blocks)
         self.ms = tuple(sorted({m for m in microbatches if 1 <= m <= global_batch}))
@@ -414,7 +419,8 @@ class _Problem:
             c_all = max(2 * p * k.seconds_per_byte + k.rtt_s for k in members)
             owned = self.stage_state == "hosts" and len(members) == 1
             self._stage_cache[key] = _Stage(
-                c=members[0].rtt_s if owned else c_all, c_all=c_all,
+                c=members[0].rtt_s + 2 * p * members[0].seconds_per_byte / self.sync_every if owned else c_all,
+                c_all=c_all,
                 gamma=(f + 2 * x * max(k.flops_per_s * k.seconds_per_byte for k in members)) / speed,
                 e=sum(k.busy_w - k.idle_w for k in members) * f / speed, q=q,
                 o=max(k.overhead_s for k in members) * f / self._fc[-1])
@@ -544,7 +550,7 @@ class _Problem:
     def _transfer_s(self, param_bytes: float, k: BoardCost, hosts: int, plan: Plan) -> float:
         """c_k of a stage host in ``plan``: rtt alone when it owns its stage's state."""
         if self.stage_state == "hosts" and hosts == 1 and not plan.dp_boards:
-            return k.rtt_s
+            return k.rtt_s + 2 * param_bytes * k.seconds_per_byte / self.sync_every
         return 2 * param_bytes * k.seconds_per_byte + k.rtt_s
 
     def _validate(self, plan: Plan) -> None:
@@ -758,10 +764,10 @@ def _candidates(prob: _Problem, exact_budget: int, energy: bool) -> tuple[list[_
 
 
 def predict(plan: Plan, fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, *,
-            stage_state: str = "hosts") -> Prediction:
+            stage_state: str = "hosts", sync_every: int = 50) -> Prediction:
     """Predicted step time, samples/s, energy per sample, per-stage time, per-board memory and
     busy seconds of ``plan`` (formulas in the module docstring)."""
-    return _Problem(fleet, model, global_batch, stage_state=stage_state).predict(plan)
+    return _Problem(fleet, model, global_batch, stage_state=stage_state, sync_every=sync_every).predict(plan)
 
 
 def objective_cost(prediction: Prediction, fleet: Sequence[BoardCost], objective: str | float) -> float:
@@ -774,11 +780,11 @@ def objective_cost(prediction: Prediction, fleet: Sequence[BoardCost], objective
 def plan_optimal(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int,
                  objective: str | float = "time", *, microbatches: Sequence[int] = MICROBATCH_CANDIDATES,
                  battery_floor: float = BATTERY_FLOOR_PERCENT, exact_budget: int = EXACT_BUDGET,
-                 stage_state: str = "hosts") -> Plan:
+                 stage_state: str = "hosts", sync_every: int = 50) -> Plan:
     """The plan minimising ``objective`` ("time", "energy" or a weight η of energy in [0, 1]):
     exact over pipelines, hybrids and pure DP when the DP fits ``exact_budget``, else the
     bundled DP plus a hill climb. Raises ValueError when nothing fits in memory."""
-    prob = _Problem(fleet, model, global_batch, _weight(objective), microbatches, battery_floor, stage_state)
+    prob = _Problem(fleet, model, global_batch, _weight(objective), microbatches, battery_floor, stage_state, sync_every)
     units, found, exact = _candidates(prob, exact_budget, prob.eta > 0)
     by_label: dict[int, tuple] = {}
     for label, point in found:
@@ -795,10 +801,10 @@ def plan_optimal(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int
 
 def pareto(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, *,
            microbatches: Sequence[int] = MICROBATCH_CANDIDATES, battery_floor: float = BATTERY_FLOOR_PERCENT,
-           exact_budget: int = EXACT_BUDGET, stage_state: str = "hosts") -> list[Plan]:
+           exact_budget: int = EXACT_BUDGET, stage_state: str = "hosts", sync_every: int = 50) -> list[Plan]:
     """The (step time, energy) non-dominated plans among the candidates the search considers,
     fastest first (beyond the exact budget, plus the hill-climbed time and energy optima)."""
-    prob = _Problem(fleet, model, global_batch, 0.0, microbatches, battery_floor, stage_state)
+    prob = _Problem(fleet, model, global_batch, 0.0, microbatches, battery_floor, stage_state, sync_every)
     units, found, exact = _candidates(prob, exact_budget, True)
     pool = [(lambda lab=lab: _concrete(units, lab), p) for lab, p in found]
     _check(bool(pool), "no plan fits the boards' memory")
@@ -832,10 +838,11 @@ def _ordered_partitions(items: tuple[BoardCost, ...]) -> Iterator[list[tuple[Boa
 
 def brute_force(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int,
                 objective: str | float = "time", *, microbatches: Sequence[int] = MICROBATCH_CANDIDATES,
-                battery_floor: float = BATTERY_FLOOR_PERCENT, stage_state: str = "hosts") -> Plan:
+                battery_floor: float = BATTERY_FLOOR_PERCENT, stage_state: str = "hosts",
+                sync_every: int = 50) -> Plan:
     """The optimum by enumeration of every board subset, ordered grouping and contiguous cut
     (same cost function as ``plan_optimal``); for tests on up to 6 boards and 8 blocks."""
-    prob = _Problem(fleet, model, global_batch, _weight(objective), microbatches, battery_floor, stage_state)
+    prob = _Problem(fleet, model, global_batch, _weight(objective), microbatches, battery_floor, stage_state, sync_every)
     _check(len(prob.eligible) <= 6 and prob.L <= 8, "brute_force is for tiny instances only")
     pure = prob.best([])
     best = ([], pure) if pure is not None else None

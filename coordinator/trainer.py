@@ -141,7 +141,7 @@ class Trainer:
         if job.planner.enabled:
             self._model_cost = measure_model_cost(job.model)
             self.live = LivePlanner(job.planner, self._model_cost, job.training.global_batch,
-                                    job.pipeline.stage_state)
+                                    job.pipeline.stage_state, job.pipeline.sync_every)
         self._pipelined = job.pipeline.enabled or self.live is not None
         self.plans: list[dict] = []
         """Hybrid mode: every plan put in force (step, kind, predicted step seconds)."""
@@ -318,7 +318,7 @@ class Trainer:
                 boards.append(board_from_record(r, self._model_cost))
         if not boards:
             return
-        decision = self.live.decide(step, boards)
+        decision = self.live.decide(step, boards, self._measured_step_s())
         if decision is None:
             return
         plan = decision.plan
@@ -326,13 +326,26 @@ class Trainer:
         logger.info("[Coordinator.Planner] step %d: %s -> %s\n%s", step, "; ".join(decision.reasons),
                     "new plan" if decision.switched else "plan kept (the new one is not "
                     f"{self.job.planner.min_gain:.0%} better)", plan.explain())
-        self.plans.append({"step": step, "kind": plan.kind, "predicted_step_s": plan.prediction.step_s,
-                           "predicted_samples_per_s": plan.prediction.samples_per_s})
+        entry = {"step": step, "kind": plan.kind, "predicted_step_s": plan.prediction.step_s,
+                 "predicted_samples_per_s": plan.prediction.samples_per_s}
+        if decision.switched or not self.plans:
+            self.plans.append(entry)
+        else:  # the same plan, predicted on today's fleet: its measured steps still count
+            self.plans[-1].update(entry, step=self.plans[-1]["step"])
         section = plan.to_pipeline_section()
         self._dp_only = list(plan.dp_boards) if not plan.stages else []
         if not plan.stages:
             section.update(dp_boards=[], dp_share=0.0)
         self._auto_plan = replace(self.job.pipeline, **section)
+
+    def _measured_step_s(self) -> float | None:
+        """Median step time under the plan in force (its first step, carrying the hand-over, left
+        out); None before 3 such steps."""
+        if not self.plans:
+            return None
+        since = self.plans[-1]["step"]
+        times = sorted(sec for st, sec in self.step_seconds if st > since)
+        return times[len(times) // 2] if len(times) >= 3 else None
 
     def _wait_for_links(self) -> None:
         """Before the first plan: give every ready board up to link_wait_s to report its link."""

@@ -74,6 +74,8 @@ class BoardEmulation:
         self.shaper = LinkShaper(board.link) if board and board.link else None
         self.battery = EmulatedBattery(board.battery) if board and board.battery else None
         idle_w, busy_w = power_w or ((board.idle_w, board.busy_w) if board else (None, None))
+        if idle_w is None and board and board.battery:  # a battery board's power model is its battery's
+            idle_w, busy_w = board.battery.idle_w, board.battery.busy_w
         self.energy = EnergyMeter(self.battery, idle_w, busy_w)
 
     @classmethod

@@ -211,11 +211,13 @@ class EdgeWorker:
 
     def _heartbeats(self, interval_s: float, stop: threading.Event, lost: threading.Event) -> None:
         """Heartbeats with telemetry for one registration; `lost` is set when it is forgotten."""
-        threading.Thread(target=self._probes, args=(interval_s, stop, lost), daemon=True).start()
+        beat = threading.Event()
+        threading.Thread(target=self._probes, args=(beat, stop, lost), daemon=True).start()
         while not stop.wait(interval_s):
             try:
                 self.emulation.refresh()
                 reply = self.conn.heartbeat(self.device_id, serde.telemetry_to_proto(self.telemetry.sample()))
+                beat.set()  # a probe, if one is due, runs now: between heartbeats, not across one
                 if reply.HasField("newest_step") and self.endpoint is not None:
                     self.endpoint.mailbox.supersede(reply.newest_step, reply.newest_attempt)
             except grpc.RpcError as e:
@@ -224,11 +226,15 @@ class EdgeWorker:
                     return
                 logger.debug("[Client.Heartbeat] failed", exc_info=True)
 
-    def _probes(self, interval_s: float, stop: threading.Event, lost: threading.Event) -> None:
-        """Link probes when no large transfer measured the link lately; in their own thread, so a
-        probe over a slow link (seconds) never holds a heartbeat back."""
+    def _probes(self, beat: threading.Event, stop: threading.Event, lost: threading.Event) -> None:
+        """Link probes when no large transfer measured the link lately, each started just after a
+        heartbeat; in their own thread, so a probe over a slow link (seconds) never holds a
+        heartbeat back."""
         last_probe = 0.0
-        while not stop.wait(interval_s) and not lost.is_set():
+        while not stop.is_set() and not lost.is_set():
+            if not beat.wait(1.0):
+                continue
+            beat.clear()
             if self.conn.link.age_s() > self.options.probe_interval_s and not self.conn.transferring and (
                     time.monotonic() - last_probe > self.options.probe_interval_s):
                 try:

@@ -290,7 +290,7 @@ class PipelineConfig:
     activations cross its link; the coordinator pulls them back every `sync_every` steps, to
     evaluate, checkpoint or re-plan. `coordinator`: every host downloads its stage's parameters
     and uploads their gradients every step (stages hosted by a group always do)."""
-    sync_every: int = 10
+    sync_every: int = 50
     """With `stage_state: hosts`, steps between pulls of host-held state. A host lost between
     pulls takes its blocks' progress since the last pull with it: those blocks go on from the
     last pull (the other blocks keep theirs); 1 loses nothing."""

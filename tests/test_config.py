@@ -232,3 +232,19 @@ def test_bad_override_names_file_key_and_value(tmp_path: Path) -> None:
 def test_override_below_a_scalar_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="model"):
         apply_overrides({"model": "small_cnn"}, {"model.depth": 3})
+
+
+@pytest.mark.parametrize("preset", sorted((Path(edgetrain.__file__).parent / "presets").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_preset_loads(preset: Path) -> None:
+    """The shipped presets are valid: fleet files (with boards) and job files alike."""
+    import yaml
+
+    from edgetrain.fleet_config import load_fleet
+
+    data = yaml.safe_load(preset.read_text())
+    if "boards" in data:
+        fleet = load_fleet(preset)
+        assert fleet.boards and fleet.job.name
+    else:
+        assert load_job(preset).name

@@ -129,3 +129,20 @@ def test_edgetrain_plan_refuses_bad_input_clearly(fleet_file, tmp_path):
 
     assert objective.returncode == 2 and "--objective must be" in objective.stderr
     assert broken.returncode == 2 and "not valid YAML" in broken.stderr
+
+
+def test_a_plan_that_measures_better_than_predicted_is_not_swapped_for_a_close_candidate():
+    # Prepare: a first plan, then a link change that makes some candidate look a little better
+    live, other = _planner(min_gain=0.05), _planner(min_gain=0.05)
+    first = live.decide(0, _fleet())
+    other.decide(0, _fleet())
+    changed = _fleet(c={"mbit_per_s": 5.0}, d={"mbit_per_s": 5.0})
+
+    # Execute: the same decision, once judged on predictions only, once with the current plan
+    # measured at half its predicted step time
+    predicted_only = other.decide(4, changed)
+    measured = live.decide(4, changed, measured_step_s=0.5 * first.plan.prediction.step_s)
+
+    # Assert: the measurement halves the current plan's cost, so it is kept
+    assert measured.current_cost == pytest.approx(0.5 * predicted_only.current_cost)
+    assert not measured.switched

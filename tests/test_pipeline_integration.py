@@ -103,7 +103,7 @@ def test_killed_stage_host_ends_the_step_with_a_clear_error_and_a_new_plan_conti
     # Prepare: plan file with 2 stages; the host of stage 1 will be killed mid-run
     plan_file = tmp_path / "plan.yaml"
     plan_file.write_text(yaml.safe_dump({"stages": [{"blocks": 2, "boards": ["a"]}, {"blocks": 2, "boards": ["b"]}],
-                                         "microbatches": 2, "stage_timeout_s": 6}))
+                                         "microbatches": 2, "stage_timeout_s": 6, "sync_every": 5}))
     job = small_job(training={"steps": 300, "min_clients": 3, "global_batch": 16, "heartbeat_timeout_s": 4.0},
                     pipeline={"plan_file": str(plan_file)})
     coordinator = coordinator_factory(job)
@@ -122,7 +122,7 @@ def test_killed_stage_host_ends_the_step_with_a_clear_error_and_a_new_plan_conti
     time.sleep(12)
     stalled = len(records(coordinator.run_dir))
     plan_file.write_text(yaml.safe_dump({"stages": [{"blocks": 2, "boards": ["a"]}, {"blocks": 2, "boards": ["c"]}],
-                                         "microbatches": 2, "stage_timeout_s": 6}))
+                                         "microbatches": 2, "stage_timeout_s": 6, "sync_every": 5}))
     while len(records(coordinator.run_dir)) < stalled + 5:
         assert time.monotonic() < killed_at + 150, "training did not continue after the re-plan"
         time.sleep(0.2)
@@ -142,10 +142,10 @@ def test_killed_stage_host_ends_the_step_with_a_clear_error_and_a_new_plan_conti
     assert any(d.startswith("b-") and ("gone" in r or "no result" in r) for d, r in failed.items()), failed
     assert redone["attempts"] == len(attempts) + 1
     # b owned stage 1's parameters: they went back to the coordinator's last pull (at most
-    # sync_every = 10 steps old), and c took them over from there
+    # sync_every = 5 steps old), and c took them over from there
     lost = [f["lost_state"] for s in steps for f in s.get("failures", []) if "lost_state" in f]
     assert [(x["blocks"], x["device"][:2]) for x in lost] == [([2, 4], "b-")], lost
-    assert 0 <= lost[0]["steps_lost"] <= 10 and lost[0]["restored_version"] % 10 == 0, lost
+    assert 0 <= lost[0]["steps_lost"] <= 5 and lost[0]["restored_version"] % 5 == 0, lost
     after = steps[stalled:]
     assert all(any(d.startswith("c-") for d in s["shares"]) for s in after)
     assert all(not any(d.startswith("b-") for d in s["shares"]) for s in after)

@@ -109,11 +109,12 @@ def test_predict_follows_the_documented_formulas(stage_state: str) -> None:
     p = predict(plan, [a, b], model, 32, stage_state=stage_state)
 
     # Assert: σ_a = 1e-6 s/byte, σ_b = 1e-7; X = 1e4 bytes at the cut; hosts owning their stage
-    # move no parameters (c = rtt)
+    # move their state only every sync_every (default 50) steps
     gamma_a = (3e7 + 2 * 1e4 * 1e9 * 1e-6) / 1e9
     gamma_b = (4e7 + 2 * 1e4 * 2e9 * 1e-7) / 2e9
     lam = 0.005 * 4e7 / 7e7 + 1 * 0.01  # b's call cost, in proportion to its stage's share of the FLOPs
-    c = max(2 * 1e6 * 1e-6 + 0.01, 2 * 2e5 * 1e-7) if stage_state == "coordinator" else 0.01
+    c = max(2 * 1e6 * 1e-6 + 0.01, 2 * 2e5 * 1e-7) if stage_state == "coordinator" else max(
+        0.01 + 2 * 1e6 * 1e-6 / 50, 2 * 2e5 * 1e-7 / 50)  # owned: parameters and momentum pulled every 50 steps
     step = c + (4 + 2 - 1) * (8 * max(gamma_a, gamma_b) + lam)
     assert p.step_s == pytest.approx(step, rel=1e-12)
     assert p.stage_s == pytest.approx((8 * gamma_a + lam, 8 * gamma_b + lam), rel=1e-12)
