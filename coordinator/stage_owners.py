@@ -105,6 +105,9 @@ class StageOwners:
         losses = []
         for blocks, owner in list(self.owners.items()):
             if wanted.get(blocks) != owner:
+                if self.synced.get(blocks) == version:  # the master already has this version (a sync just ran):
+                    del self.owners[blocks]              # the board drops the stage with its next other work
+                    continue
                 loss = self._take_back(owner, version, commit, attempt, is_alive, release=True)
                 if loss:
                     losses.append(loss)

@@ -200,15 +200,39 @@ def test_nan_gradients_void_the_step_and_a_releasing_pull_gives_the_stage_up(end
     state = endpoint.state
     before = {n: t.clone() for n, t in host.state_dict().items()}
 
+    # Execute: NaN gradients, then a good step 0, then a new plan without owned stages at version 1
     state.begin(0, 0, 2, -1, 0)
     for p in host.block_modules(0, 2)[0].parameters():
         p.grad = torch.full_like(p, float("nan"))
     with pytest.raises(Exception, match="NaN/Inf"):
         state.finish(0, 0, LR)
+    voided = {n: t.clone() for n, t in host.state_dict().items()}
     state.begin(0, 0, 2, -1, 0)  # the voided step is redone from the same version
-    losses, failed = owners.place({}, 0, (-1, 0), 1, lambda d: True)  # a new plan without owned stages
+    _grads_on_host(host, torch.randn(4, 3, 32, 32))
+    state.finish(0, 1, LR)
+    moved = owners.bytes_moved
+    losses, failed = owners.place({}, 1, (0, 1), 0, lambda d: True)
 
-    assert (losses, failed) == ([], {}) and owners.owners == {}
-    assert not state.holds(0, 2)  # the pull released the stage
-    assert all(torch.equal(t, before[n]) for n, t in host.state_dict().items())
+    # Assert: the NaN step changed nothing; the good one was applied, pulled, and the stage released
+    assert all(torch.equal(t, before[n]) for n, t in voided.items())
+    assert (losses, failed) == ([], {}) and owners.owners == {} and owners.bytes_moved > moved
+    assert not state.holds(0, 2)
+    for name, p in master.named_parameters():
+        if name.startswith(("blocks.conv1.", "blocks.conv2.")):
+            assert torch.equal(p, dict(host.named_parameters())[name]) and not torch.equal(p, before[name])
+    owners.close()
+
+
+def test_a_re_plan_right_after_a_sync_moves_no_state_twice(endpoint):
+    master = build_model("small_cnn", seed=0)
+    optimizer = torch.optim.SGD(master.parameters(), lr=LR)
+    endpoint.state.attach(build_model("small_cnn", seed=0), "job")
+    owners = StageOwners("job", master, optimizer, timeout_s=10)
+    owners.place({(0, 2): Owner("h-1", f"127.0.0.1:{endpoint.port}", (0, 2))}, 0, (-1, 0), 0, lambda d: True)
+    assert owners.sync(0, (-1, 0), lambda d: True) == []
+    moved = owners.bytes_moved
+
+    assert owners.place({}, 0, (-1, 0), 0, lambda d: True) == ([], {})
+
+    assert owners.owners == {} and owners.bytes_moved == moved  # the master had version 0 already
     owners.close()
