@@ -142,10 +142,11 @@ def test_killed_stage_host_ends_the_step_with_a_clear_error_and_a_new_plan_conti
     assert any(d.startswith("b-") and ("gone" in r or "no result" in r) for d, r in failed.items()), failed
     assert redone["attempts"] == len(attempts) + 1
     # b owned stage 1's parameters: they went back to the coordinator's last pull (at most
-    # sync_every = 5 steps old), and c took them over from there
+    # sync_every = 5 steps old; nothing is lost when b died in the step right after a pull), and
+    # c took them over from there
     lost = [f["lost_state"] for s in steps for f in s.get("failures", []) if "lost_state" in f]
-    assert [(x["blocks"], x["device"][:2]) for x in lost] == [([2, 4], "b-")], lost
-    assert 0 <= lost[0]["steps_lost"] <= 5 and lost[0]["restored_version"] % 5 == 0, lost
+    assert [(x["blocks"], x["device"][:2]) for x in lost] in ([([2, 4], "b-")], []), lost
+    assert all(0 < x["steps_lost"] <= 5 and x["restored_version"] % 5 == 0 for x in lost), lost
     after = steps[stalled:]
     assert all(any(d.startswith("c-") for d in s["shares"]) for s in after)
     assert all(not any(d.startswith("b-") for d in s["shares"]) for s in after)
