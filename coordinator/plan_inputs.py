@@ -21,8 +21,9 @@ link rate and delay, battery and power figures.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -39,6 +40,17 @@ MIN_OBSERVED_BYTES = 4 * 1024**2
 """Parameter and gradient bytes a board must have moved before its observed transfer rate counts."""
 
 _model_costs: dict[tuple[str, int], ModelCost] = {}
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Measure as one core does: torch on a single thread for the block, then as before."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def block_seconds(model: torch.nn.Module, batch: int, repeats: int = 2) -> list[float]:
@@ -109,9 +121,7 @@ def board_from_record(record: DeviceRecord, model: ModelCost) -> BoardCost:
 def one_core_speed(model_name: str, batches: tuple[int, int] = (4, 32)) -> SpeedEstimate:
     """Training speed of the model on one core of this machine: samples/s and the fixed cost
     per forward+backward call (fitted over two batch sizes), for a fleet file's speeds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         model = build_model(model_name, seed=0)
         model.train()
         timings = []
@@ -125,8 +135,6 @@ def one_core_speed(model_name: str, batches: tuple[int, int] = (4, 32)) -> Speed
                 model.zero_grad(set_to_none=True)
             timings.append((batch, best))
         return fit_speed(timings)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def transfer_cpu_s_per_byte(nbytes: int = 16 * 1024**2) -> float:
@@ -134,9 +142,7 @@ def transfer_cpu_s_per_byte(nbytes: int = 16 * 1024**2) -> float:
     with checksums, and unpacking (what a transfer costs besides the link)."""
     from edgetrain.tensors import ChunkAssembler, iter_chunks, pack, unpack
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         tensors = {"x": torch.randn(nbytes // 4)}
         best = float("inf")
         for _ in range(2):
@@ -148,8 +154,6 @@ def transfer_cpu_s_per_byte(nbytes: int = 16 * 1024**2) -> float:
             unpack(metas, assembler.payload())
             best = min(best, time.perf_counter() - started)
         return best / nbytes
-    finally:
-        torch.set_num_threads(threads)
 
 
 def boards_from_fleet(boards: list, model: ModelCost, one_core: SpeedEstimate,

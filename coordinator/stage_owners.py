@@ -29,15 +29,14 @@ from torch import nn
 
 from edgetrain import serde
 from edgetrain.grpc_options import CHANNEL_OPTIONS
+from edgetrain.pipeline import stage_parameter_prefixes
 from edgetrain.tensors import (
-    ChunkAssembler,
     TransferError,
     bundle_metas,
     check_finite,
     check_metas,
     iter_chunks,
     pack,
-    unpack,
 )
 from edgetrain.training import MOMENTUM_PREFIX
 from protos import stage_pb2 as spb
@@ -163,8 +162,7 @@ class StageOwners:
                                 weight_decay=group["weight_decay"], nesterov=group["nesterov"], release=release)
 
     def _stage(self, blocks: tuple[int, int]) -> tuple[dict[str, nn.Parameter], dict[str, torch.Tensor]]:
-        keys = list(self.model.blocks.keys())[blocks[0]:blocks[1]]
-        prefixes = tuple(f"blocks.{key}." for key in keys)
+        prefixes = stage_parameter_prefixes(self.model.block_names, *blocks)
         return ({n: p for n, p in self.model.named_parameters() if n.startswith(prefixes)},
                 {n: b for n, b in self.model.named_buffers() if n.startswith(prefixes)})
 
@@ -210,12 +208,7 @@ class StageOwners:
                                     f"tensor {m.name!r}")
             templates[m.name] = target.detach()
         check_metas(metas, bundle_metas(templates), f"state of blocks {list(owner.blocks)}")
-        assembler = ChunkAssembler(total)
-        for message in stream:
-            if message.WhichOneof("kind") != "chunk":
-                raise TransferError("invalid_argument", "only chunks may follow the bundle header")
-            assembler.add(message.chunk.offset, message.chunk.data, message.chunk.crc32)
-        tensors = unpack(metas, assembler.payload())
+        tensors = serde.read_bundle(stream, metas, total, after="bundle header")
         missing = sorted((set(params) | set(buffers)) - set(tensors))
         if missing:
             raise TransferError("invalid_argument", f"state of blocks {list(owner.blocks)} lacks {missing[:4]}")

@@ -37,9 +37,9 @@ from edge_client.stage_state import StageState, StageStateError
 from edgetrain import serde
 from edgetrain.data import make_batch
 from edgetrain.grpc_options import CHANNEL_OPTIONS, SERVER_OPTIONS
-from edgetrain.pipeline import overlaps, schedule
+from edgetrain.pipeline import overlaps, schedule, stage_parameter_prefixes
 from edgetrain.shaping import LinkShaper
-from edgetrain.tensors import ChunkAssembler, TransferError, iter_chunks, pack, unpack
+from edgetrain.tensors import TransferError, iter_chunks, pack
 from edgetrain.training import BUFFER_PREFIX, GRAD_PREFIX, ShardResult
 from protos import coordinator_pb2 as pb
 from protos import stage_pb2 as spb
@@ -145,14 +145,8 @@ class StagePeerServicer(spb_grpc.StagePeerServicer):
             if bundle is None or bundle.WhichOneof("kind") != "bundle":
                 raise TransferError("invalid_argument", "the StateRequest must be followed by a BundleHeader")
             metas, total = serde.header_from_proto(bundle.bundle)
-            assembler = ChunkAssembler(total)
-            for message in request_iterator:
-                if message.WhichOneof("kind") != "chunk":
-                    raise TransferError("invalid_argument", "only chunks may follow the bundle header")
-                if self.shaper:
-                    self.shaper.after_receive(len(message.chunk.data))
-                assembler.add(message.chunk.offset, message.chunk.data, message.chunk.crc32)
-            tensors = unpack(metas, assembler.payload())
+            tensors = serde.read_bundle(request_iterator, metas, total, after="bundle header",
+                                        on_chunk=self.shaper.after_receive if self.shaper else None)
             self.state.load(request, tensors)
         except TransferError as e:
             context.abort(_status(e), str(e))
@@ -189,14 +183,8 @@ class StagePeerServicer(spb_grpc.StagePeerServicer):
                     not metas[0].shape or metas[0].shape[0] != rows):
                 raise TransferError("invalid_argument", f"stage tensor must be one float32 'x' with {rows} rows, "
                                     f"got {[(m.name, m.dtype, list(m.shape)) for m in metas]}")
-            assembler = ChunkAssembler(total)
-            for message in request_iterator:
-                if message.WhichOneof("kind") != "chunk":
-                    raise TransferError("invalid_argument", "only chunks may follow the stage header")
-                if self.shaper:
-                    self.shaper.after_receive(len(message.chunk.data))
-                assembler.add(message.chunk.offset, message.chunk.data, message.chunk.crc32)
-            tensor = unpack(metas, assembler.payload())["x"]
+            tensor = serde.read_bundle(request_iterator, metas, total, after="stage header",
+                                       on_chunk=self.shaper.after_receive if self.shaper else None)["x"]
         except TransferError as e:
             context.abort(_status(e), str(e))
         except ValueError as e:
@@ -439,8 +427,7 @@ def _run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndp
         for future in sends:
             future.cancel()
         raise
-    keys = _block_names(model, st.first_block, st.end_block)
-    prefixes = tuple(f"blocks.{key}." for key in keys)
+    prefixes = stage_parameter_prefixes(model.block_names, st.first_block, st.end_block)
     tensors = {}
     for name, p in model.named_parameters():
         if name.startswith(prefixes):
@@ -458,8 +445,3 @@ def _forward(blocks, x: torch.Tensor) -> torch.Tensor:
     for block in blocks:
         x = block(x)
     return x
-
-
-def _block_names(model: nn.Module, begin: int, end: int) -> list[str]:
-    """Module keys of blocks [begin, end): parameter names start with blocks.<key>."""
-    return list(model.blocks.keys())[begin:end]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from edgetrain.pipeline import stage_parameter_prefixes
 from edgetrain.training import MOMENTUM_PREFIX
 
 
@@ -182,10 +183,10 @@ class StageState:
     def _stage_tensors(self, first: int, end: int) -> tuple[dict[str, nn.Parameter], dict[str, torch.Tensor]]:
         if self.model is None:
             raise StageStateError("this board has no job yet")
-        keys = list(self.model.blocks.keys())
-        if not 0 <= first < end <= len(keys):
-            raise StageStateError(f"blocks [{first}, {end}) are not a range of the model's {len(keys)} blocks")
-        prefixes = tuple(f"blocks.{key}." for key in keys[first:end])
+        names = self.model.block_names
+        if not 0 <= first < end <= len(names):
+            raise StageStateError(f"blocks [{first}, {end}) are not a range of the model's {len(names)} blocks")
+        prefixes = stage_parameter_prefixes(names, first, end)
         params = {n: p for n, p in self.model.named_parameters() if n.startswith(prefixes)}
         buffers = {n: b for n, b in self.model.named_buffers() if n.startswith(prefixes)}
         return params, buffers

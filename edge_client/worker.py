@@ -36,6 +36,7 @@ from edgetrain import serde
 from edgetrain.compression import ErrorFeedback
 from edgetrain.data import load_dataset, make_batch
 from edgetrain.models import build_model
+from edgetrain.pipeline import stage_parameter_prefixes
 from edgetrain.tensors import TransferError, check_metas, pack, unpack
 from edgetrain.throttle import CpuLimiter
 from edgetrain.training import (
@@ -363,9 +364,10 @@ class EdgeWorker:
         else:
             state.drop()
             loaded = (work.param_version, st.first_block, st.end_block)
+            prefixes = stage_parameter_prefixes(self._model.block_names, st.first_block, st.end_block)
             if self._stage_loaded != loaded:
-                prefixes = [f"blocks.{key}." for key in list(self._model.blocks.keys())[st.first_block:st.end_block]]
-                metas, payload = self.conn.download_parameters(self.device_id, work.param_version, prefixes=prefixes)
+                metas, payload = self.conn.download_parameters(self.device_id, work.param_version,
+                                                               prefixes=list(prefixes))
                 load_state_tensors(self._model, unpack(metas, payload))
                 self._stage_loaded, self._version, self._loaded, self._view = loaded, -1, -1, {}  # the view is gone
             download_s = time.perf_counter() - started
@@ -374,7 +376,6 @@ class EdgeWorker:
                                self.limiter)
             compute_s = time.perf_counter() - started - result.wait_s
             self._stage_loaded = None if self._has_running_stats() else self._stage_loaded
-            prefixes = tuple(f"blocks.{key}." for key in list(self._model.blocks.keys())[st.first_block:st.end_block])
         started = time.perf_counter()
         fmt = self._formats(work.codec, prefixes)
         wire, commit = fmt.encode({} if st.owned else result.shard.tensors, None)

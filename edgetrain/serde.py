@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from edgetrain.data import DatasetSpec
 from edgetrain.telemetry import TelemetrySample
-from edgetrain.tensors import DTYPES, RawChunk, TensorMeta, TransferError
+from edgetrain.tensors import DTYPES, ChunkAssembler, RawChunk, TensorMeta, TransferError, unpack
 from protos import coordinator_pb2 as pb
 from protos import tensor_pb2 as tpb
 
@@ -55,6 +55,21 @@ def parameter_stream(metas: Sequence[TensorMeta], chunks: Iterator[RawChunk]) ->
     yield pb.ParameterMessage(header=header_to_proto(metas))
     for chunk in chunks:
         yield pb.ParameterMessage(chunk=chunk_to_proto(chunk))
+
+
+def read_bundle(messages: Iterator, metas: Sequence[TensorMeta], total: int, *, after: str,
+                on_chunk: Callable[[int], None] | None = None) -> dict:
+    """The tensors of a bundle whose chunks follow in `messages` (any stream message with a
+    ``chunk`` field in its ``kind`` oneof); TransferError on anything else, a bad checksum or a
+    gap. `on_chunk` is told each chunk's size (a link shaper's receive side)."""
+    assembler = ChunkAssembler(total)
+    for message in messages:
+        if message.WhichOneof("kind") != "chunk":
+            raise TransferError("invalid_argument", f"only chunks may follow the {after}")
+        if on_chunk is not None:
+            on_chunk(len(message.chunk.data))
+        assembler.add(message.chunk.offset, message.chunk.data, message.chunk.crc32)
+    return unpack(metas, assembler.payload())
 
 
 def dataset_to_proto(spec: DatasetSpec) -> pb.DatasetSpec:
