@@ -90,10 +90,16 @@ class Job:
     """Soft job: fewest boards it runs on."""
     max_boards: int = 1
     """Soft job: most boards it can use."""
+    setup_s: float = 0.0
+    """Seconds from launch to its first step (start its coordinator, boards join and profile)."""
+
+    def duration(self, samples_per_s: float) -> float:
+        """Predicted seconds from launch to finish at this speed."""
+        return self.setup_s + self.work / samples_per_s
 
     def __post_init__(self) -> None:
-        if self.work <= 0 or self.priority <= 0:
-            raise ValueError(f"job {self.id}: work and priority must be > 0")
+        if self.work <= 0 or self.priority <= 0 or self.setup_s < 0:
+            raise ValueError(f"job {self.id}: work and priority must be > 0, setup_s >= 0")
         if self.kind == "hard" and (self.boards is None) == (self.count is None):
             raise ValueError(f"hard job {self.id}: give exactly one of boards or count")
         if self.kind == "hard" and (len(self.boards or ()) if self.count is None else self.count) < 1:
@@ -262,7 +268,7 @@ class _Context:
     def option(self, job: Job, names: tuple[str, ...], tl: _Timeline) -> _Option:
         """The job on ``names`` after their last bookings."""
         start = max(tl.avail[b] for b in names)
-        finish = start + job.work / self.speed_of(job, names)
+        finish = start + job.duration(self.speed_of(job, names))
         single = self.single(job)
         held = sum(single[b] * (finish - tl.avail[b]) for b in names) / sum(single.values())
         return _Option(names, start, finish, held)
@@ -296,7 +302,7 @@ class _Context:
         for k in counts:
             while len(free) >= k:
                 names = tuple(free[:k])
-                finish = tl.now + job.work / self.speed_of(job, names)
+                finish = tl.now + job.duration(self.speed_of(job, names))
                 short = {b for b in names if tl.gap[b] < finish - EPS}
                 if not short:
                     held = sum(single[b] for b in names) * (finish - tl.now) / sum(single.values())
@@ -430,7 +436,7 @@ def _bounds(ctx: _Context, job: Job) -> tuple[int, float, float]:
     ranked = sorted(ctx.placeable, key=lambda b: (-single[b], b))
     sets = [tuple(sorted(job.boards))] if job.boards else [tuple(ranked[:k]) for k in ctx.counts(job)]
     speeds = [ctx.speed_of(job, s) for s in sets]
-    return min(len(s) for s in sets), job.work / max(speeds), job.work / sum(single.values())
+    return min(len(s) for s in sets), job.duration(max(speeds)), job.work / sum(single.values())
 
 
 def _plan_value(ctx: _Context, placed: list[tuple[Job, _Option]]) -> float:
@@ -466,7 +472,7 @@ def _free_now(now: float, state: FleetState) -> list[Board]:
 def _launch(now: float, state: FleetState, job: Job, boards: Iterable[Board]) -> Assignment:
     names = tuple(b.name for b in boards)
     order = tuple(b for b in state.boards if b.name in names)
-    finish = now + job.work / state.speed(job, order)
+    finish = now + job.duration(state.speed(job, order))
     return Assignment(job_id=job.id, boards=frozenset(names), start=now, finish=finish)
 
 

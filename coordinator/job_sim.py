@@ -138,7 +138,7 @@ def _apply(now: float, fleet: _Fleet, launches, speed: SpeedOracle) -> list[Runn
         if not a.boards or not a.boards <= free:
             raise SimulationError(f"t={now:.3f}: {a.job_id} launched on busy or absent boards {sorted(a.boards)}")
         order = tuple(b for b in fleet.boards.values() if b.name in a.boards)
-        run = Running(job=job, boards=a.boards, start=now, finish=now + job.work / speed(job, order))
+        run = Running(job=job, boards=a.boards, start=now, finish=now + job.duration(speed(job, order)))
         fleet.waiting.remove(job)
         fleet.running[job.id] = run
         started.append(run)

@@ -9,6 +9,7 @@ import edgetrain
 from edge_client.connection import CoordinatorConnection, CoordinatorUnreachable
 from edge_client.discovery import default_interfaces, find_coordinator
 from edge_client.emulation import BoardEmulation
+from edge_client.lobby import Lobby, is_job_server
 from edge_client.profiler import set_threads, torch_threads_for
 from edge_client.telemetry import LinkMeter
 from edge_client.worker import BATTERY_EMPTY, ClientOptions, EdgeWorker
@@ -29,7 +30,8 @@ def _discover(cluster: str | None, interfaces: list[str] | None) -> str:
 
 def run_client(address: str | None, options: ClientOptions, *, threads: int | None = None,
                cluster: str | None = None, interfaces: list[str] | None = None) -> str:
-    """Work for the coordinator at `address` (found over mDNS when None) until its job ends.
+    """Work for the coordinator at `address` (found over mDNS when None) until its job ends; at
+    a job server (`edgetrain coordinator --jobs`), serve one job after another.
 
     Without an explicit address, a coordinator that stays unreachable is looked up again over
     mDNS (it may have restarted elsewhere). Returns the coordinator's reason for finishing, or
@@ -47,8 +49,25 @@ def run_client(address: str | None, options: ClientOptions, *, threads: int | No
         worker: EdgeWorker | None = None
         try:
             while True:
-                conn = CoordinatorConnection(address or _discover(cluster, interfaces), shaper=emulation.shaper,
-                                             link=link)
+                found = address or _discover(cluster, interfaces)
+                try:
+                    jobs = is_job_server(found)
+                except CoordinatorUnreachable:
+                    if address:
+                        raise
+                    continue
+                if jobs:
+                    lobby = Lobby(found, options, limiter, emulation, link)
+                    try:
+                        return lobby.serve()
+                    except CoordinatorUnreachable:
+                        if address:
+                            raise
+                        logger.warning("[Client] lost the job server at %s; looking for it again", found)
+                        continue
+                    finally:
+                        lobby.close()
+                conn = CoordinatorConnection(found, shaper=emulation.shaper, link=link)
                 if worker is None:
                     worker = EdgeWorker(conn, options, limiter, emulation)
                 worker.conn = conn

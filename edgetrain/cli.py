@@ -7,6 +7,8 @@
   edgetrain demo                               the demo job on 4 emulated boards
   edgetrain fleet up FLEET.yaml | down NAME    an emulated fleet (namespaces, links, batteries)
   edgetrain plan FLEET.yaml [--model M]        the hybrid plan for a fleet, explained
+  edgetrain coordinator --jobs                 a job server: several jobs share the fleet
+  edgetrain submit JOB.yaml | jobs | cancel ID its jobs: queue one, list them, cancel one
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
 
     coord = sub.add_parser("coordinator", help="serve a training job")
     coord.add_argument("--config", type=Path, default=DEMO_JOB, help="job YAML (default: the demo job)")
+    coord.add_argument("--jobs", action="store_true",
+                       help="serve as a job server: jobs are submitted with `edgetrain submit` and share the boards")
+    coord.add_argument("--state-dir", type=Path, default=Path(".jobs"), help="with --jobs: where jobs are kept")
+    coord.add_argument("--scheduler", default="rolling", choices=("rolling", "fifo", "first_fit", "static"),
+                       help="with --jobs: how jobs get boards (default rolling)")
     coord.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a job setting, e.g. training.steps=20 (repeatable)")
     coord.add_argument("--bind", default="0.0.0.0:50051", help="address to serve on (port 0: any free port)")
@@ -67,6 +74,18 @@ def _parser() -> argparse.ArgumentParser:
     client.add_argument("--threads", type=int, default=None, help="torch threads (default: all, or per --speed)")
     client.add_argument("--data-dir", default="data", help="dataset directory")
     client.add_argument("--download", action="store_true", help="download CIFAR-10 if missing (needs internet)")
+
+    submit = sub.add_parser("submit", help="queue a job at a job server")
+    submit.add_argument("config", type=Path, help="job YAML (its schedule section says what it asks for)")
+    submit.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="job override")
+    jobs = sub.add_parser("jobs", help="a job server's jobs: state, boards, planned start, predicted finish")
+    jobs.add_argument("--json", action="store_true", help="machine-readable output")
+    cancel = sub.add_parser("cancel", help="cancel a job at a job server")
+    cancel.add_argument("id", help="job id (see `edgetrain jobs`)")
+    for cmd in (submit, jobs, cancel):
+        cmd.add_argument("--server", metavar="HOST:PORT", help="job server (default: find it over mDNS)")
+        cmd.add_argument("--cluster", help="with several advertised servers, this cluster's")
+        cmd.add_argument("--interface", action="append", default=None, metavar="IP", help="mDNS interface")
 
     devices = sub.add_parser("devices", help="advertised coordinators and their registered boards")
     devices.add_argument("--coordinator", metavar="HOST:PORT", help="ask this coordinator (default: all found)")
@@ -106,15 +125,49 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
     from coordinator.main import run_coordinator
+    from coordinator.trainer import JobAborted
     from edge_client.discovery import default_interfaces
 
-    job = load_job(args.config, dict(parse_override(o) for o in args.set))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # end the job cleanly: boards are told it ended
     host = args.bind.rsplit(":", 1)[0]
     advertise = None if args.no_advertise else (
         args.advertise or (default_interfaces() if host in ("0.0.0.0", "") else [host]))
-    run_coordinator(job, bind=args.bind, data_dir=args.data_dir, runs_dir=args.runs_dir,
-                    port_file=args.port_file, resume=args.resume, cluster=args.cluster, advertise=advertise)
+    if args.jobs:
+        from coordinator.job_server import serve_jobs
+
+        serve_jobs(bind=args.bind, state_dir=args.state_dir, runs_dir=args.runs_dir, data_dir=args.data_dir,
+                   scheduler=args.scheduler, port_file=args.port_file, stop=stop, cluster=args.cluster,
+                   advertise=advertise)
+        return 0
+    job = load_job(args.config, dict(parse_override(o) for o in args.set))
+    try:
+        run_coordinator(job, bind=args.bind, data_dir=args.data_dir, runs_dir=args.runs_dir, port_file=args.port_file,
+                        resume=args.resume, stop=stop, cluster=args.cluster, advertise=advertise)
+    except JobAborted as e:
+        print(f"edgetrain coordinator: job {job.name} stopped: {e}", file=sys.stderr)
+        return 4
+    return 0
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    from coordinator.jobs_command import JobsCommandError, cancel_job, jobs_report, submit_job
+
+    try:
+        if args.command == "submit":
+            print(submit_job(args.config, [parse_override(o) for o in args.set], server=args.server,
+                             cluster=args.cluster, interfaces=args.interface))
+        elif args.command == "cancel":
+            print(cancel_job(args.id, server=args.server, cluster=args.cluster, interfaces=args.interface))
+        else:
+            print(jobs_report(server=args.server, cluster=args.cluster, interfaces=args.interface, as_json=args.json))
+    except JobsCommandError as e:
+        print(f"edgetrain {args.command}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -174,6 +227,12 @@ def _fleet(args: argparse.Namespace) -> int:
     if args.fleet_command == "up":
         state = fleet_up(Path(args.fleet), state_dir=args.state_dir, runs_dir=args.runs_dir,
                          data_dir=args.data_dir)
+        if load_fleet(args.fleet).jobs:
+            print(f"fleet {state['name']} is up ({state['mode']} network): job server {state['coordinator']}, "
+                  f"{len(state['pids']) - 1} boards; `edgetrain submit JOB.yaml --server {state['coordinator']}` "
+                  f"queues a job, `edgetrain jobs --server {state['coordinator']}` shows them, "
+                  f"`edgetrain fleet down {state['name']}` stops it")
+            return 0
         print(f"fleet {state['name']} is up ({state['mode']} network): coordinator {state['coordinator']}, "
               f"{len(state['pids']) - 1} boards; `edgetrain devices` shows them, "
               f"`edgetrain fleet down {state['name']}` stops it")
@@ -190,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
     handlers = {"coordinator": _coordinator, "client": _client, "local": _local, "demo": _local,
-                "devices": _devices, "fleet": _fleet, "plan": _plan}
+                "devices": _devices, "fleet": _fleet, "plan": _plan, "submit": _jobs, "jobs": _jobs, "cancel": _jobs}
     try:
         return handlers[args.command](args)
     except (ConfigError, FileNotFoundError) as e:

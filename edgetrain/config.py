@@ -374,6 +374,44 @@ class PlannerConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class ScheduleConfig:
+    """What the job asks of a shared fleet (``edgetrain submit``; a lone coordinator ignores it).
+
+    soft: elastic, any ``min_boards``..``max_boards`` boards (0: as many as the fleet has), the
+    scheduler picks how many and which. hard: exactly ``boards`` (by name) or exactly ``count``.
+    """
+
+    kind: str = "soft"
+    """soft or hard."""
+    boards: list = field(default_factory=list)
+    """Hard job: exactly these boards."""
+    count: int = 0
+    """Hard job: exactly this many boards, any of them."""
+    min_boards: int = 1
+    """Soft job: fewest boards it runs on."""
+    max_boards: int = 0
+    """Soft job: most boards it can use; 0: no limit."""
+    priority: float = 1.0
+    """Weight of this job's completion time in the scheduler's objective."""
+
+    def __post_init__(self) -> None:
+        _require(self.kind in ("soft", "hard"), "kind", self.kind, "must be soft or hard")
+        _require(self.priority > 0, "priority", self.priority, "must be > 0")
+        _require(all(isinstance(b, str) and b for b in self.boards), "boards", self.boards,
+                 "must be a list of board names")
+        _require(len(set(self.boards)) == len(self.boards), "boards", self.boards, "must not repeat a board")
+        if self.kind == "hard":
+            _require(bool(self.boards) != (self.count > 0), "kind", "hard",
+                     "give exactly one of boards (names) or count (> 0)")
+        else:
+            _require(not self.boards and self.count == 0, "kind", "soft",
+                     "a soft job takes min_boards..max_boards; boards and count are for hard jobs")
+            _require(self.min_boards >= 1, "min_boards", self.min_boards, "must be >= 1")
+            _require(self.max_boards == 0 or self.max_boards >= self.min_boards, "max_boards",
+                     self.max_boards, "must be 0 (no limit) or >= min_boards")
+
+
+@dataclass(kw_only=True, frozen=True)
 class JobConfig:
     """One training job: model, data, training loop and optimizer."""
 
@@ -399,6 +437,8 @@ class JobConfig:
     """Pipeline model parallelism (empty: data parallelism only)."""
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     """Hybrid mode: stages and DP shards planned from the live fleet, re-planned as it changes."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """What the job asks of a fleet shared with other jobs (edgetrain submit)."""
 
     def __post_init__(self) -> None:
         _require(self.model in MODEL_NAMES, "model", self.model, f"must be one of {MODEL_NAMES}")

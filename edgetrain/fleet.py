@@ -109,8 +109,10 @@ class Supervisor:
         address_file = self.work_dir / "coordinator.address"
         address_file.unlink(missing_ok=True)
         log = (self.log_dir / "coordinator.log").open("a")
+        role = (["--jobs", "--state-dir", str(self.runs_dir / self.spec.name / "job-server")] if self.spec.jobs
+                else ["--config", str(job_file)])
         self.procs["coordinator"] = subprocess.Popen(edgetrain_command(
-            "coordinator", "--config", str(job_file), "--bind", f"{self.gateway}:0", "--port-file",
+            "coordinator", *role, "--bind", f"{self.gateway}:0", "--port-file",
             str(address_file), "--cluster", self.spec.cluster, "--advertise", self.gateway, "--runs-dir",
             str(self.runs_dir), "--data-dir", str(self.data_dir)), stdout=log, stderr=subprocess.STDOUT)
         self._save()

@@ -72,6 +72,9 @@ class FleetSpec:
     network: str = "auto"
     probe_interval_s: float = 30.0
     """How often each board probes its link when no large transfer measured it."""
+    jobs: bool = False
+    """Run a job server (`edgetrain coordinator --jobs`) instead of the coordinator of `job`:
+    jobs come with `edgetrain submit` and share the boards."""
     boards: tuple[BoardSpec, ...] = field(default_factory=tuple)
     events: tuple[FleetEvent, ...] = field(default_factory=tuple)
 
@@ -143,7 +146,7 @@ def load_fleet(path: str | Path) -> FleetSpec:
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     unknown = sorted(set(data) - {"name", "cluster", "job", "job_file", "network", "probe_interval_s", "boards",
-                                  "events"})
+                                  "events", "jobs"})
     if unknown:
         raise ConfigError(f"{path}: unknown key {unknown[0]!r}")
     if "job_file" in data:
@@ -159,7 +162,10 @@ def load_fleet(path: str | Path) -> FleetSpec:
     probe = data.get("probe_interval_s", 30.0)
     if not isinstance(probe, (int, float)) or probe <= 0:
         raise ConfigError(f"{path}: probe_interval_s: expected a number > 0, got {probe!r}")
-    return FleetSpec(name=name, cluster=str(data.get("cluster", name)), job=job, network=network,
+    jobs = data.get("jobs", False)
+    if not isinstance(jobs, bool):
+        raise ConfigError(f"{path}: jobs: expected true or false, got {jobs!r}")
+    return FleetSpec(name=name, cluster=str(data.get("cluster", name)), job=job, network=network, jobs=jobs,
                      probe_interval_s=float(probe), boards=tuple(boards), events=tuple(events))
 
 

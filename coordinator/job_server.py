@@ -1,0 +1,593 @@
+"""The job server: several training jobs share one fleet (`edgetrain coordinator --jobs`).
+
+Boards wait in its lobby (``JobServer.Join`` / ``NextJob``). Users submit jobs (``Submit``),
+list them (``ListJobs``) and cancel them (``Cancel``). At every event — a job submitted,
+finished or cancelled, a board joining or leaving — the scheduler (``coordinator.job_scheduler``,
+``rolling`` by default) plans every waiting job's boards and start over a rolling horizon, with
+each job's speed on a set of boards predicted by the hybrid planner (``coordinator.job_speed``).
+Jobs planned to start now are launched: each gets its own coordinator process (the ordinary
+``edgetrain coordinator``, on a free port of this host, not advertised), and its boards are
+told that port on their next ``NextJob``. They work for it until it finishes, then come back.
+Running jobs are never preempted, migrated or reconfigured.
+
+Jobs live in ``<state-dir>/jobs.json`` (``coordinator.job_store``): a restarted job server adopts
+job coordinators that are still running and re-queues the others to resume from their
+checkpoints. Every scheduling decision is appended to ``<state-dir>/decisions.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import grpc
+import psutil
+import yaml
+
+import edgetrain
+from coordinator.job_scheduler import SCHEDULERS, Board, FleetState, Job, Running
+from coordinator.job_speed import PlannerSpeed, board_spec, warm
+from coordinator.job_store import ACTIVE, DONE, JobRecord, JobStore
+from edgetrain.config import ConfigError, JobConfig, job_from_dict
+from edgetrain.grpc_options import SERVER_OPTIONS
+from edgetrain.launch import edgetrain_command
+from protos import jobs_pb2 as pb
+from protos import jobs_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+MAX_JOB_YAML_BYTES = 256 * 1024
+DEFAULT_SETUP_S = 20.0
+"""Launch to first step (coordinator start, boards join and profile) before any job measured it."""
+START_TIMEOUT_S = 180.0
+"""A job coordinator that does not serve within this long has failed."""
+
+
+@dataclass
+class LobbyBoard:
+    """A board the job server knows."""
+
+    name: str
+    speed: float
+    """Fraction of one core of this machine (reference workload timed on both)."""
+    mbit_per_s: float
+    last_seen: float
+    job: str = ""
+    """Job id it is assigned to ("" when free)."""
+    alive: bool = True
+
+
+def request_text(config: JobConfig) -> str:
+    s = config.schedule
+    if s.kind == "hard":
+        return f"boards {','.join(s.boards)}" if s.boards else f"{s.count} boards"
+    return f"{s.min_boards}-{s.max_boards or 'all'} boards"
+
+
+def parse_job(text: str) -> JobConfig:
+    """A submitted job YAML, validated (ConfigError names the bad key)."""
+    if len(text.encode()) > MAX_JOB_YAML_BYTES:
+        raise ConfigError(f"job YAML is {len(text.encode())} bytes; the limit is {MAX_JOB_YAML_BYTES}")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"not valid YAML: {e}") from None
+    config = job_from_dict(data, source="job")
+    if config.aggregation.federated:
+        raise ConfigError("job: federated rounds are not scheduled on a shared fleet yet")
+    return config
+
+
+class JobServer:
+    """Jobs, boards and the scheduling loop; the gRPC servicer below is its face."""
+
+    def __init__(self, *, state_dir: Path, runs_dir: Path, data_dir: Path, host: str = "127.0.0.1",
+                 scheduler: str = "rolling", poll_s: float = 5.0, board_timeout_s: float = 20.0,
+                 reference_s: float | None = None, clock: Callable[[], float] = time.time) -> None:
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, got {scheduler!r}")
+        self.state_dir, self.runs_dir, self.data_dir = Path(state_dir), Path(runs_dir), Path(data_dir)
+        self.host = host
+        self.scheduler_name = scheduler
+        self.poll_s, self.board_timeout_s = poll_s, board_timeout_s
+        self.clock = clock
+        self.store = JobStore(self.state_dir / "jobs.json")
+        self.boards: dict[str, LobbyBoard] = {}
+        self.procs: dict[str, subprocess.Popen | psutil.Process] = {}
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self.dirty = True
+        self.plan_exact = False
+        self.arrivals = [j.submitted for j in self.store.jobs.values()]
+        self._reference_s = reference_s
+        self._adopt()
+
+    # --- reference speed ---------------------------------------------------------------------
+
+    @property
+    def reference_s(self) -> float:
+        """This machine's time for the reference workload on one core (measured once)."""
+        if self._reference_s is None:
+            from coordinator.plan_inputs import _one_thread
+            from edgetrain.speed_reference import reference_seconds
+
+            with _one_thread():
+                self._reference_s = reference_seconds()
+            logger.info("[JobServer] reference workload: %.3f s on one core here", self._reference_s)
+        return self._reference_s
+
+    # --- restart -----------------------------------------------------------------------------
+
+    def _adopt(self) -> None:
+        """After a restart: keep coordinators still running, re-queue the rest to resume."""
+        for job in self.store.in_state(*ACTIVE):
+            proc = _process(job.pid, job.pid_started)
+            if proc is not None and job.port:
+                self.procs[job.id] = proc
+                job.state = "running"
+                logger.info("[JobServer] adopted job %s (coordinator pid %d, port %d)", job.id, job.pid, job.port)
+                for name in job.boards:
+                    self.boards[name] = LobbyBoard(name=name, speed=0.0, mbit_per_s=0.0, last_seen=self.clock(),
+                                                   job=job.id)
+            else:
+                self._requeue(job, "the job server restarted while it ran; it resumes from its checkpoint")
+        self.store.save()
+
+    def _requeue(self, job: JobRecord, why: str) -> None:
+        job.state, job.resume, job.message = "waiting", True, why
+        job.steps_done = self._steps_done(job)
+        job.boards, job.pid, job.port = [], 0, 0
+
+    # --- users -------------------------------------------------------------------------------
+
+    def submit(self, text: str) -> JobRecord:
+        config = parse_job(text)
+        warm(config.model)
+        with self.lock:
+            now = self.clock()
+            record = JobRecord(id=self.store.new_id(), name=config.name, yaml=text, model=config.model,
+                               kind=config.schedule.kind, request=request_text(config),
+                               priority=config.schedule.priority, submitted=now, steps=config.training.steps,
+                               global_batch=config.training.global_batch)
+            self.store.add(record)
+            self.arrivals.append(now)
+            logger.info("[JobServer] job %s (%s, %s, %s) submitted", record.id, record.name, record.model,
+                        record.request)
+            self._event()
+            return record
+
+    def cancel(self, job_id: str) -> JobRecord:
+        with self.lock:
+            job = self.store.jobs.get(job_id)
+            if job is None:
+                raise KeyError(job_id)
+            if job.state in DONE:
+                raise ValueError(f"job {job_id} is already {job.state}")
+            proc = self.procs.pop(job_id, None)
+            job.state, job.finished, job.message = "cancelled", self.clock(), "cancelled by a user"
+            self._free_boards(job)
+            self.store.save()
+            self._event()
+        if proc is not None:
+            _terminate(proc)
+        logger.info("[JobServer] job %s cancelled", job_id)
+        return job
+
+    def snapshot(self) -> tuple[list[JobRecord], list[LobbyBoard]]:
+        with self.lock:
+            for job in self.store.in_state("running"):
+                job.steps_done = self._steps_done(job)
+            return list(self.store.jobs.values()), list(self.boards.values())
+
+    # --- boards ------------------------------------------------------------------------------
+
+    def join(self, name: str, reference_s: float, mbit_per_s: float) -> None:
+        if not name:
+            raise ValueError("a board needs a name")
+        if not (reference_s > 0 and math.isfinite(reference_s)):
+            raise ValueError(f"reference_s must be a positive number of seconds, got {reference_s}")
+        if not (mbit_per_s >= 0 and math.isfinite(mbit_per_s)):
+            raise ValueError(f"link_mbit_per_s must be >= 0, got {mbit_per_s}")
+        speed = self.reference_s / reference_s
+        with self.lock:
+            old = self.boards.get(name)
+            job = old.job if old else ""
+            self.boards[name] = LobbyBoard(name=name, speed=speed, mbit_per_s=mbit_per_s, last_seen=self.clock(),
+                                           job=job)
+            logger.info("[JobServer] board %s joined: %.2f of a core here, link %s", name, speed,
+                        f"{mbit_per_s:.0f} Mbit/s" if mbit_per_s else "unknown")
+            if old is None or not old.alive or (old.speed, old.mbit_per_s) != (speed, mbit_per_s):
+                self._event()
+
+    def next_job(self, name: str, max_wait_s: float) -> JobRecord | None:
+        """The running job this board should serve, waiting up to `max_wait_s` for one."""
+        deadline = time.monotonic() + max(0.0, min(max_wait_s, 30.0))
+        with self.lock:
+            while True:
+                board = self.boards.get(name)
+                if board is None or board.speed <= 0:  # unknown, or adopted after a restart: join again
+                    raise KeyError(name)
+                board.last_seen = self.clock()
+                if not board.alive:
+                    board.alive = True
+                    self._event()
+                job = self.store.jobs.get(board.job)
+                if job is not None and job.state == "running" and job.port:
+                    return job
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.changed.wait(min(left, 1.0))
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def _event(self) -> None:
+        self.dirty = True
+        self.changed.notify_all()
+
+    def run(self, stop: threading.Event) -> None:
+        """Watch jobs and boards and schedule at every event, until `stop`."""
+        while not stop.is_set():
+            with self.lock:
+                self._reap()
+                self._expire()
+                if self.dirty:
+                    self.dirty = False
+                    try:
+                        self._schedule()
+                    except Exception:  # never let one bad decision stop the server
+                        logger.exception("[JobServer] scheduling failed")
+                self.changed.wait(0.5)
+
+    def shutdown(self) -> None:
+        """Stop every job coordinator this server runs; their jobs resume when it starts again."""
+        with self.lock:
+            procs = dict(self.procs)
+            self.procs.clear()
+            for job_id in procs:
+                job = self.store.jobs[job_id]
+                self._free_boards(job)
+                self._requeue(job, "the job server stopped while it ran; it resumes from its checkpoint")
+            self.store.save()
+        _terminate(*procs.values())
+
+    def _reap(self) -> None:
+        for job_id, proc in list(self.procs.items()):
+            code = _exit_code(proc)
+            if code is None:
+                continue
+            del self.procs[job_id]
+            job = self.store.jobs[job_id]
+            job.steps_done = self._steps_done(job)
+            job.finished = self.clock()
+            job.setup_s = self._measured_setup(job)
+            summary = self.runs_dir / job.run_name / "summary.json"
+            if code == 0 or (code == -1 and summary.exists()):
+                job.state = "finished"
+                try:
+                    acc = json.loads(summary.read_text()).get("test_accuracy")
+                    job.message = f"test accuracy {acc:.3f}" if acc is not None else ""
+                except (OSError, ValueError):
+                    job.message = ""
+            else:
+                job.state = "failed"
+                job.message = f"its coordinator exited with code {code}; see {self._log(job)}"
+            logger.info("[JobServer] job %s %s after %.0f s", job_id, job.state, job.finished - job.started)
+            self._free_boards(job)
+            self.store.save()
+            self._event()
+
+    def _expire(self) -> None:
+        now = self.clock()
+        for board in self.boards.values():
+            if board.alive and not board.job and now - board.last_seen > self.board_timeout_s:
+                board.alive = False
+                logger.info("[JobServer] board %s left (silent for %.0f s)", board.name, now - board.last_seen)
+                self._event()
+
+    def _free_boards(self, job: JobRecord) -> None:
+        now = self.clock()
+        for board in self.boards.values():
+            if board.job == job.id:
+                board.job, board.last_seen = "", now  # it has board_timeout_s to come back
+
+    def _steps_done(self, job: JobRecord) -> int:
+        """Steps its coordinator logged (metrics.jsonl), at least what it had before."""
+        path = self.runs_dir / job.run_name / "metrics.jsonl"
+        done = job.steps_done
+        try:
+            with path.open("rb") as f:
+                for line in f:
+                    if b'"kind": "train"' in line:
+                        done = max(done, int(json.loads(line)["step"]) + 1)
+        except (OSError, ValueError, KeyError):
+            pass
+        return done
+
+    def _measured_setup(self, job: JobRecord) -> float:
+        """Launch to the start of its first step, from its coordinator's step log (0: unknown)."""
+        times = []
+        try:
+            with (self.runs_dir / job.run_name / "metrics.jsonl").open("rb") as f:
+                times = [json.loads(line)["time"] for line in f if b'"kind": "train"' in line]
+        except (OSError, ValueError, KeyError):
+            return 0.0
+        if len(times) < 2 or not job.started:
+            return 0.0
+        step_s = (times[-1] - times[0]) / (len(times) - 1)
+        return max(0.0, times[0] - step_s - job.started)
+
+    def setup_estimate(self) -> float:
+        """Median launch-to-first-step time of the last jobs that measured it."""
+        measured = [j.setup_s for j in sorted(self.store.jobs.values(), key=lambda j: j.finished) if j.setup_s > 0]
+        return statistics.median(measured[-5:]) if measured else DEFAULT_SETUP_S
+
+    def _log(self, job: JobRecord) -> Path:
+        return self.state_dir / "logs" / f"{job.run_name}.log"
+
+    # --- scheduling --------------------------------------------------------------------------
+
+    def _configs(self) -> dict[str, JobConfig]:
+        return {j.id: parse_job(j.yaml) for j in self.store.jobs.values() if j.state not in DONE}
+
+    def _scheduler_job(self, record: JobRecord, config: JobConfig, setup_s: float = 0.0) -> Job:
+        s = config.schedule
+        return Job(id=record.id, arrival=record.submitted, kind=s.kind, model=record.model,
+                   work=record.work_samples, priority=s.priority, setup_s=setup_s,
+                   boards=frozenset(s.boards) if s.kind == "hard" and s.boards else None,
+                   count=s.count if s.kind == "hard" and s.count else None,
+                   min_boards=s.min_boards if s.kind == "soft" else 1,
+                   max_boards=(s.max_boards or max(1, len(self.boards))) if s.kind == "soft" else 1)
+
+    def _schedule(self) -> None:
+        now = self.clock()
+        configs = self._configs()
+        setup = self.setup_estimate()
+        usable = [b for b in self.boards.values() if b.alive and b.speed > 0]
+        fleet = tuple(Board(b.name, f"{b.speed:.2f}@{b.mbit_per_s:.0f}") for b in sorted(usable, key=lambda b: b.name))
+        speed = PlannerSpeed(configs, {b.name: board_spec(b.name, b.speed, b.mbit_per_s) for b in usable})
+        running = []
+        for job in self.store.in_state(*ACTIVE):
+            sjob = self._scheduler_job(job, configs[job.id])
+            on = tuple(b for b in fleet if b.name in job.boards)
+            finish = job.predicted_finish
+            if on and finish <= now:  # overran its prediction: re-predict what is left
+                finish = now + sjob.work / max(speed(sjob, on), 1e-9)
+            running.append(Running(job=sjob, boards=frozenset(job.boards), start=job.started or now,
+                                   finish=max(finish, now + 1.0)))
+        fleet_names = {b.name for b in fleet}
+        held = {n for r in running for n in r.boards}
+        # boards of running jobs that the lobby no longer counts still hold their job's place
+        fleet = fleet + tuple(Board(n, "held") for n in sorted(held - fleet_names))
+        waiting = [j for j in self.store.in_state("waiting")]
+        state = FleetState(boards=fleet, speed=speed, running=tuple(running),
+                           waiting=tuple(self._scheduler_job(j, configs[j.id], setup) for j in waiting),
+                           leaving=frozenset(held - fleet_names), arrivals=tuple(sorted(self.arrivals)))
+        if not waiting:
+            return
+        started = time.perf_counter()
+        plan = SCHEDULERS[self.scheduler_name](now, state)
+        seconds = time.perf_counter() - started
+        self.plan_exact = plan.exact
+        by_id = {a.job_id: a for a in plan.assignments}
+        for job in waiting:
+            a = by_id.get(job.id)
+            if a is None:
+                job.boards, job.planned_start, job.predicted_finish = [], 0.0, 0.0
+                job.message = job.message if job.resume else "no plan places it yet (its request does not fit the fleet)"
+                continue
+            job.boards = sorted(a.boards)
+            job.planned_start, job.predicted_finish = a.start, a.finish
+            sjob = next(j for j in state.waiting if j.id == job.id)
+            job.predicted_samples_per_s = sjob.work / max(a.finish - a.start - sjob.setup_s, 1e-9)
+        launches = plan.launches(now)
+        self._record_decision(now, seconds, plan, state, launches)
+        for a in launches:
+            self._launch(self.store.jobs[a.job_id], configs[a.job_id], sorted(a.boards), now)
+        self.store.save()
+
+    def _record_decision(self, now, seconds, plan, state, launches) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        record = {"time": round(now, 3), "scheduler": self.scheduler_name, "plan_seconds": round(seconds, 4),
+                  "exact": plan.exact, "boards": {b.name: b.kind for b in state.boards},
+                  "running": [{"job": r.job.id, "boards": sorted(r.boards), "finish": round(r.finish, 1)}
+                              for r in state.running],
+                  "plan": [{"job": a.job_id, "boards": sorted(a.boards), "start": round(a.start, 1),
+                            "finish": round(a.finish, 1)} for a in plan.assignments],
+                  "launch": [a.job_id for a in launches]}
+        with (self.state_dir / "decisions.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _launch(self, job: JobRecord, config: JobConfig, boards: list[str], now: float) -> None:
+        run_config = replace(config, name=job.run_name,
+                             training=replace(config.training, min_clients=len(boards)))
+        from edgetrain.config import job_to_dict
+
+        job_dir = self.state_dir / "jobs"
+        job_dir.mkdir(parents=True, exist_ok=True)
+        config_file = job_dir / f"{job.run_name}.yaml"
+        config_file.write_text(yaml.safe_dump(job_to_dict(run_config)))
+        port_file = job_dir / f"{job.run_name}.address"
+        port_file.unlink(missing_ok=True)
+        self._log(job).parent.mkdir(parents=True, exist_ok=True)
+        with self._log(job).open("a") as log:
+            proc = subprocess.Popen(edgetrain_command(
+                "coordinator", "--config", str(config_file), "--bind", f"{self.host}:0", "--port-file", str(port_file),
+                "--runs-dir", str(self.runs_dir), "--data-dir", str(self.data_dir), "--no-advertise",
+                *(["--resume"] if job.resume else [])), stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        self.procs[job.id] = proc
+        job.state, job.boards, job.started, job.message = "starting", boards, now, ""
+        job.pid, job.pid_started = proc.pid, _create_time(proc.pid)
+        for name in boards:
+            self.boards[name].job = job.id
+        logger.info("[JobServer] job %s starts on %s (predicted finish in %.0f s)", job.id, ", ".join(boards),
+                    job.predicted_finish - now)
+        threading.Thread(target=self._await_port, args=(job, proc, port_file), daemon=True).start()
+
+    def _await_port(self, job: JobRecord, proc: subprocess.Popen, port_file: Path) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline and proc.poll() is None:
+            text = port_file.read_text().strip() if port_file.exists() else ""
+            if text:
+                with self.lock:
+                    if job.state == "starting":
+                        job.port, job.state = int(text.rsplit(":", 1)[1]), "running"
+                        self.store.save()
+                        self.changed.notify_all()
+                return
+            time.sleep(0.1)
+        if proc.poll() is None:
+            logger.error("[JobServer] job %s: its coordinator did not serve within %.0f s", job.id, START_TIMEOUT_S)
+            _terminate(proc)
+
+
+def _create_time(pid: int) -> float:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return 0.0
+
+
+def _process(pid: int, started: float) -> psutil.Process | None:
+    """The process `pid` if it is still the one we started (a recycled pid is not)."""
+    if not pid:
+        return None
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - started) > 1.0 or proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc
+    except psutil.Error:
+        return None
+
+
+def _exit_code(proc: subprocess.Popen | psutil.Process) -> int | None:
+    """The exit code, None while running; -1 for an adopted process (its code is not ours to read)."""
+    if isinstance(proc, subprocess.Popen):
+        return proc.poll()
+    try:
+        return None if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE else -1
+    except psutil.Error:
+        return -1
+
+
+def _terminate(*procs: subprocess.Popen | psutil.Process, grace_s: float = 8.0) -> None:
+    """SIGTERM (a coordinator then tells its boards the job ended), SIGKILL what is left after `grace_s`."""
+    for proc in procs:
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except (subprocess.TimeoutExpired, psutil.TimeoutExpired):
+            proc.kill()
+        except (ProcessLookupError, psutil.Error):
+            pass
+
+
+# --- gRPC ---------------------------------------------------------------------------------------
+
+
+def job_view(job: JobRecord, runs_dir: Path) -> pb.JobView:
+    return pb.JobView(id=job.id, name=job.name, model=job.model, kind=job.kind, request=job.request,
+                      state=job.state, boards=job.boards, priority=job.priority, submitted=job.submitted,
+                      planned_start=job.planned_start, predicted_finish=job.predicted_finish,
+                      started=job.started, finished=job.finished, steps=job.steps, steps_done=job.steps_done,
+                      predicted_samples_per_s=job.predicted_samples_per_s, message=job.message,
+                      run_dir=str(runs_dir / job.run_name))
+
+
+class JobServerServicer(pb_grpc.JobServerServicer):
+    """gRPC face of a JobServer; every bad request gets a precise status, the server keeps serving."""
+
+    def __init__(self, server: JobServer) -> None:
+        self.server = server
+
+    def Submit(self, request: pb.SubmitRequest, context) -> pb.JobView:
+        try:
+            return job_view(self.server.submit(request.job_yaml), self.server.runs_dir)
+        except ConfigError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Submit: {e}")
+
+    def ListJobs(self, request: pb.ListJobsRequest, context) -> pb.ListJobsReply:
+        jobs, boards = self.server.snapshot()
+        return pb.ListJobsReply(
+            jobs=[job_view(j, self.server.runs_dir) for j in jobs], scheduler=self.server.scheduler_name,
+            boards=[pb.BoardView(name=b.name, speed=b.speed, link_mbit_per_s=b.mbit_per_s, job=b.job, alive=b.alive)
+                    for b in sorted(boards, key=lambda b: b.name)],
+            now=self.server.clock(), plan_exact=self.server.plan_exact)
+
+    def Cancel(self, request: pb.CancelRequest, context) -> pb.JobView:
+        try:
+            return job_view(self.server.cancel(request.id), self.server.runs_dir)
+        except KeyError:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"Cancel: no job {request.id!r}")
+        except ValueError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"Cancel: {e}")
+
+    def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
+        if request.protocol_version != edgetrain.PROTOCOL_VERSION:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"Join: protocol version {request.protocol_version}, this server speaks "
+                          f"{edgetrain.PROTOCOL_VERSION}")
+        try:
+            self.server.join(request.name, request.reference_s, request.link_mbit_per_s)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Join: {e}")
+        return pb.JoinReply(poll_s=self.server.poll_s)
+
+    def NextJob(self, request: pb.NextJobRequest, context) -> pb.JobOffer:
+        try:
+            job = self.server.next_job(request.name, request.max_wait_s)
+        except KeyError:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"NextJob: unknown board {request.name!r}: Join first")
+        if job is None:
+            return pb.JobOffer()
+        return pb.JobOffer(job_id=job.id, port=job.port, job_name=job.run_name)
+
+    def Probe(self, request: pb.LobbyProbe, context) -> pb.LobbyProbeAck:
+        return pb.LobbyProbeAck()
+
+
+def serve_jobs(*, bind: str, state_dir: Path, runs_dir: Path, data_dir: Path, scheduler: str = "rolling",
+               port_file: str | None = None, stop: threading.Event | None = None, cluster: str = "edgetrain",
+               advertise: list[str] | None = None) -> None:
+    """Run a job server until `stop` (or SIGTERM in the CLI)."""
+    from coordinator.main import _advertise
+
+    stop = stop or threading.Event()
+    host = bind.rsplit(":", 1)[0]
+    server = JobServer(state_dir=state_dir, runs_dir=runs_dir, data_dir=data_dir,
+                       host="0.0.0.0" if host in ("", "[::]") else host, scheduler=scheduler)
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=SERVER_OPTIONS)
+    pb_grpc.add_JobServerServicer_to_server(JobServerServicer(server), grpc_server)
+    port = grpc_server.add_insecure_port(bind)
+    if port == 0:
+        raise OSError(f"cannot bind the job server to {bind}")
+    grpc_server.start()
+    server.reference_s  # noqa: B018 - measure before boards join, on a quiet machine
+    advertiser = _advertise(cluster, host, port, advertise) if advertise else None
+    logger.info("[JobServer] serving on %s:%d (scheduler %s, state in %s)", host, port, scheduler, state_dir)
+    if port_file:
+        Path(port_file).write_text(f"{host}:{port}\n")
+    try:
+        server.run(stop)
+    finally:
+        if advertiser:
+            advertiser.close()
+        grpc_server.stop(grace=1.0)
+        server.shutdown()

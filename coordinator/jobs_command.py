@@ -1,0 +1,113 @@
+"""`edgetrain submit | jobs | cancel`: a user's view of a job server (`edgetrain coordinator --jobs`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+from edgetrain.config import ConfigError, apply_overrides
+from edgetrain.grpc_options import CHANNEL_OPTIONS
+from protos import jobs_pb2 as pb
+from protos import jobs_pb2_grpc as pb_grpc
+
+SERVER_ENV = "EDGETRAIN_SERVER"
+
+
+class JobsCommandError(RuntimeError):
+    """What the user should read: no server found, or the server's precise answer."""
+
+
+def find_server(server: str | None, cluster: str | None, interfaces: list[str] | None) -> str:
+    """`server`, else $EDGETRAIN_SERVER, else the job server advertised over mDNS."""
+    if server or os.environ.get(SERVER_ENV):
+        return server or os.environ[SERVER_ENV]
+    from edge_client.discovery import browse, default_interfaces
+    from edge_client.lobby import is_job_server
+
+    records = [r for r in browse(interfaces=interfaces or default_interfaces(), timeout_s=5.0)
+               if cluster is None or r.cluster == cluster]
+    servers = [r.address for r in records if _answers(r.address, is_job_server)]
+    if not servers:
+        seen = ", ".join(f"{r.cluster} at {r.address}" for r in records) or "nothing"
+        raise JobsCommandError(f"no job server found over mDNS (saw {seen}); pass --server HOST:PORT")
+    return servers[0]
+
+
+def _answers(address: str, is_job_server) -> bool:
+    try:
+        return is_job_server(address, budget_s=3.0)
+    except ConnectionError:
+        return False
+
+
+def _call(address: str, method: str, request) -> Any:
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        try:
+            return getattr(pb_grpc.JobServerStub(channel), method)(request, timeout=60)
+        except grpc.RpcError as e:
+            raise JobsCommandError(f"{e.code().name}: {e.details()}") from None
+
+
+def submit_job(path: Path, overrides: list[tuple[str, Any]], *, server: str | None = None,
+               cluster: str | None = None, interfaces: list[str] | None = None) -> str:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise JobsCommandError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise JobsCommandError(f"{path}: not valid YAML: {e}") from None
+    try:
+        data = apply_overrides(data if data is not None else {}, dict(overrides))
+    except ConfigError as e:
+        raise JobsCommandError(f"{path}: {e}") from None
+    address = find_server(server, cluster, interfaces)
+    view = _call(address, "Submit", pb.SubmitRequest(job_yaml=yaml.safe_dump(data)))
+    return f"job {view.id} ({view.name}, {view.model}, {view.kind}: {view.request}) submitted to {address}"
+
+
+def cancel_job(job_id: str, *, server: str | None = None, cluster: str | None = None,
+               interfaces: list[str] | None = None) -> str:
+    view = _call(find_server(server, cluster, interfaces), "Cancel", pb.CancelRequest(id=job_id))
+    return f"job {view.id} ({view.name}) cancelled"
+
+
+def _when(t: float, now: float) -> str:
+    if not t:
+        return "-"
+    d = t - now
+    return "now" if abs(d) < 1 else (f"in {d:.0f} s" if d > 0 else f"{-d:.0f} s ago")
+
+
+def jobs_report(*, server: str | None = None, cluster: str | None = None, interfaces: list[str] | None = None,
+                as_json: bool = False) -> str:
+    address = find_server(server, cluster, interfaces)
+    reply: pb.ListJobsReply = _call(address, "ListJobs", pb.ListJobsRequest())
+    from google.protobuf.json_format import MessageToDict
+
+    if as_json:
+        return json.dumps(MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True),
+                          indent=1)
+    now = reply.now or time.time()
+    head = ("id", "name", "model", "request", "state", "boards", "start", "finish", "progress", "note")
+    rows = []
+    for j in reply.jobs:
+        start = j.started if j.state in ("starting", "running", "finished", "failed") else j.planned_start
+        finish = j.finished or j.predicted_finish
+        rows.append((j.id, j.name, j.model, f"{j.kind}: {j.request}", j.state, ",".join(j.boards) or "-",
+                     _when(start, now), ("predicted " if not j.finished and finish else "") + _when(finish, now),
+                     f"{j.steps_done}/{j.steps}", j.message))
+    widths = [max(len(str(r[i])) for r in (head, *rows)) for i in range(len(head) - 1)]
+    lines = [f"job server {address}: scheduler {reply.scheduler}"
+             + (" (last plan proven optimal)" if reply.plan_exact else "")]
+    for r in (head, *rows):
+        lines.append("  ".join(str(v).ljust(w) for v, w in zip(r, widths)) + "  " + r[-1])
+    lines.append("boards: " + (", ".join(
+        f"{b.name} ({b.speed:.2f} core, {b.link_mbit_per_s:.0f} Mbit/s, "
+        f"{'job ' + b.job if b.job else 'free' if b.alive else 'gone'})" for b in reply.boards) or "none"))
+    return "\n".join(lines)

@@ -1,0 +1,245 @@
+"""The job server: several jobs share a fleet of real client processes; bad requests; restarts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+import yaml
+
+import edgetrain
+from coordinator.job_scheduler import Board, Job
+from coordinator.job_server import JobServer, JobServerServicer
+from coordinator.job_sim import simulate
+from coordinator.job_speed import PlannerSpeed, board_spec
+from edgetrain.config import job_from_dict
+from protos import jobs_pb2 as pb
+from protos import jobs_pb2_grpc as pb_grpc
+
+
+def job_yaml(name: str, steps: int, schedule: dict, model: str = "mobilenet_v2", batch: int = 16) -> str:
+    return yaml.safe_dump({
+        "name": name, "model": model,
+        "dataset": {"name": "synthetic", "train_size": 512, "test_size": 64, "augment": False},
+        "training": {"global_batch": batch, "steps": steps, "eval_every": 0, "log_every": 1,
+                     "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 8.0},
+        "schedule": schedule,
+    })
+
+
+class InProcessServer:
+    """A JobServer with its gRPC face on 127.0.0.1:0 in this process (no boards)."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.server = JobServer(state_dir=state_dir, runs_dir=state_dir / "runs", data_dir=state_dir / "data",
+                                reference_s=0.05)
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        pb_grpc.add_JobServerServicer_to_server(JobServerServicer(self.server), self.grpc)
+        self.port = self.grpc.add_insecure_port("127.0.0.1:0")
+        self.grpc.start()
+        self.stop = threading.Event()
+        self.loop = threading.Thread(target=self.server.run, args=(self.stop,), daemon=True)
+        self.loop.start()
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = pb_grpc.JobServerStub(self.channel)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.loop.join(5)
+        self.channel.close()
+        self.grpc.stop(0).wait()
+        self.server.shutdown()
+
+
+@pytest.fixture
+def in_process(tmp_path):
+    servers = []
+
+    def start():
+        servers.append(InProcessServer(tmp_path / "state"))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def _code(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+def test_bad_requests_get_precise_status_and_the_server_keeps_serving(in_process):
+    stub = in_process().stub
+    cases = [
+        (lambda: stub.Submit(pb.SubmitRequest(job_yaml="name: [unclosed")), grpc.StatusCode.INVALID_ARGUMENT,
+         "not valid YAML"),
+        (lambda: stub.Submit(pb.SubmitRequest(job_yaml="name: x\nbogus: 1\n")), grpc.StatusCode.INVALID_ARGUMENT,
+         "bogus"),
+        (lambda: stub.Submit(pb.SubmitRequest(job_yaml=job_yaml("x", 5, {"kind": "hard"}))),
+         grpc.StatusCode.INVALID_ARGUMENT, "exactly one of boards"),
+        (lambda: stub.Submit(pb.SubmitRequest(job_yaml=job_yaml("x", 5, {"kind": "soft", "min_boards": 3,
+                                                                         "max_boards": 2}))),
+         grpc.StatusCode.INVALID_ARGUMENT, "max_boards"),
+        (lambda: stub.Submit(pb.SubmitRequest(job_yaml="x" * 300_000)), grpc.StatusCode.INVALID_ARGUMENT, "limit"),
+        (lambda: stub.Cancel(pb.CancelRequest(id="j99")), grpc.StatusCode.NOT_FOUND, "j99"),
+        (lambda: stub.NextJob(pb.NextJobRequest(name="ghost", max_wait_s=0)), grpc.StatusCode.NOT_FOUND, "ghost"),
+        (lambda: stub.Join(pb.JoinRequest(name="b", reference_s=-1, protocol_version=edgetrain.PROTOCOL_VERSION)),
+         grpc.StatusCode.INVALID_ARGUMENT, "reference_s"),
+        (lambda: stub.Join(pb.JoinRequest(name="b", reference_s=float("nan"),
+                                          protocol_version=edgetrain.PROTOCOL_VERSION)),
+         grpc.StatusCode.INVALID_ARGUMENT, "reference_s"),
+        (lambda: stub.Join(pb.JoinRequest(name="b", reference_s=0.1, protocol_version=999)),
+         grpc.StatusCode.FAILED_PRECONDITION, "protocol version"),
+    ]
+    for call, code, words in cases:
+        got, details = _code(call)
+        assert got == code, details
+        assert words in details
+    assert list(stub.ListJobs(pb.ListJobsRequest()).jobs) == []  # nothing half-added
+    view = stub.Submit(pb.SubmitRequest(job_yaml=job_yaml("ok", 5, {"kind": "soft"})))
+    assert (view.id, view.state) == ("j1", "waiting")
+    stub.Cancel(pb.CancelRequest(id="j1"))
+    got, details = _code(lambda: stub.Cancel(pb.CancelRequest(id="j1")))
+    assert got == grpc.StatusCode.FAILED_PRECONDITION and "cancelled" in details
+
+
+def test_jobs_survive_a_restart_of_the_job_server(in_process):
+    first = in_process()
+    for name in ("a", "b", "c"):
+        first.stub.Submit(pb.SubmitRequest(job_yaml=job_yaml(name, 5, {"kind": "hard", "count": 2})))
+    first.stub.Cancel(pb.CancelRequest(id="j2"))
+    first.close()
+    second = in_process()
+    jobs = {j.id: j for j in second.stub.ListJobs(pb.ListJobsRequest()).jobs}
+    assert {k: (j.name, j.state, j.request) for k, j in jobs.items()} == {
+        "j1": ("a", "waiting", "2 boards"), "j2": ("b", "cancelled", "2 boards"), "j3": ("c", "waiting", "2 boards")}
+    assert second.stub.Submit(pb.SubmitRequest(job_yaml=job_yaml("d", 5, {"kind": "soft"}))).id == "j4"
+
+
+def test_a_corrupt_jobs_file_is_a_clear_error(tmp_path):
+    from coordinator.job_store import StoreError
+
+    (tmp_path / "jobs.json").write_text("{not json")
+    with pytest.raises(StoreError, match="jobs.json"):
+        JobServer(state_dir=tmp_path, runs_dir=tmp_path, data_dir=tmp_path, reference_s=0.05)
+
+
+# --- the emulated fleet -------------------------------------------------------------------------
+
+
+def _cli(*args: str, cwd: Path) -> str:
+    done = subprocess.run([sys.executable, "-m", "edgetrain", *args], capture_output=True, text=True, timeout=120,
+                          cwd=cwd)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+@pytest.fixture
+def job_server(tmp_path, client_factory):
+    """`edgetrain coordinator --jobs` as a process, and three client processes at 0.3 of a core."""
+    port_file = tmp_path / "server.address"
+    log = (tmp_path / "server.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "edgetrain", "coordinator", "--jobs", "--bind", "127.0.0.1:0",
+                             "--port-file", str(port_file), "--state-dir", str(tmp_path / "state"),
+                             "--runs-dir", str(tmp_path / "runs"), "--data-dir", str(tmp_path / "data"),
+                             "--no-advertise"], stdout=log, stderr=subprocess.STDOUT)
+    address = _wait(lambda: port_file.exists() and port_file.read_text().strip(), 120, "the job server")
+    for i in range(3):
+        client_factory(address, f"b{i}", speed=0.3)
+    channel = grpc.insecure_channel(address)
+    stub = pb_grpc.JobServerStub(channel)
+    _wait(lambda: len(stub.ListJobs(pb.ListJobsRequest()).boards) == 3, 120, "three boards in the lobby")
+    yield address, stub, tmp_path
+    channel.close()
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    for child in children:  # job coordinators it started (it stops them itself; this is a backstop)
+        if child.is_running():
+            child.kill()
+    log.close()
+
+
+def test_jobs_share_the_fleet_in_the_order_and_placement_the_simulator_predicts(job_server):
+    address, stub, tmp = job_server
+    specs = {"a": (6, {"kind": "hard", "boards": ["b0", "b1"]}), "b": (24, {"kind": "hard", "boards": ["b2"]}),
+             "c": (6, {"kind": "soft", "min_boards": 1, "max_boards": 2})}
+    for name, (steps, schedule) in specs.items():
+        (tmp / f"{name}.yaml").write_text(job_yaml(name, steps, schedule))
+        assert "submitted" in _cli("submit", str(tmp / f"{name}.yaml"), "--server", address, cwd=tmp)
+
+    def all_done():
+        jobs = stub.ListJobs(pb.ListJobsRequest()).jobs
+        return jobs if all(j.state in ("finished", "failed", "cancelled") for j in jobs) else None
+
+    jobs = {j.name: j for j in _wait(all_done, 400, "every job to finish")}
+    assert {n: j.state for n, j in jobs.items()} == {"a": "finished", "b": "finished", "c": "finished"}, \
+        {n: j.message for n, j in jobs.items()}
+    assert all(j.steps_done == j.steps for j in jobs.values())
+    for j in jobs.values():
+        assert (Path(j.run_dir) / "summary.json").exists()
+    a, b, c = jobs["a"], jobs["b"], jobs["c"]
+    # a and b trained at the same time on disjoint boards; c waited for boards to come free
+    assert set(a.boards).isdisjoint(b.boards)
+    assert max(a.started, b.started) < min(a.finished, b.finished)
+    assert c.started >= a.finished - 1.0
+    text = _cli("jobs", "--server", address, cwd=tmp)
+    assert "finished" in text and "b0" in text
+
+    # the simulator, with the same scheduler and the planner's predictions, gives the same schedule
+    listing = stub.ListJobs(pb.ListJobsRequest())
+    boards = {bv.name: board_spec(bv.name, bv.speed, bv.link_mbit_per_s) for bv in listing.boards}
+    configs, trace = {}, []
+    for j in sorted(listing.jobs, key=lambda j: j.submitted):
+        config = job_from_dict(yaml.safe_load(job_yaml(j.name, j.steps, specs[j.name][1])))
+        configs[j.id] = config
+        s = config.schedule
+        trace.append(Job(id=j.id, arrival=j.submitted, kind=s.kind, model=j.model, work=float(j.steps * 16),
+                         boards=frozenset(s.boards) if s.boards else None, count=s.count or None,
+                         min_boards=s.min_boards, max_boards=s.max_boards or 3, setup_s=20.0))
+    fleet = tuple(Board(bv.name, f"{bv.speed:.2f}@{bv.link_mbit_per_s:.0f}")
+                  for bv in sorted(listing.boards, key=lambda bv: bv.name))
+    result = simulate(tuple(trace), fleet, PlannerSpeed(configs, boards), "rolling")
+    simulated = sorted(result.records, key=lambda r: r.start)
+    live = sorted(listing.jobs, key=lambda j: j.started)
+    assert [r.job.id for r in simulated] == [j.id for j in live]
+    assert {r.job.id: sorted(r.boards) for r in simulated} == {j.id: sorted(j.boards) for j in live}
+    decisions = [json.loads(line) for line in (tmp / "state" / "decisions.jsonl").read_text().splitlines()]
+    assert [d["launch"] for d in decisions if d["launch"]] == [["j1"], ["j2"], ["j3"]]
+
+
+def test_cancelling_a_running_job_returns_its_boards_to_the_lobby(job_server):
+    address, stub, tmp = job_server
+    (tmp / "long.yaml").write_text(job_yaml("long", 2000, {"kind": "hard", "boards": ["b1"]}))
+    _cli("submit", str(tmp / "long.yaml"), "--server", address, cwd=tmp)
+    _wait(lambda: stub.ListJobs(pb.ListJobsRequest()).jobs[0].steps_done >= 1, 180, "the job to train")
+    assert "cancelled" in _cli("cancel", "j1", "--server", address, cwd=tmp)
+    job = stub.ListJobs(pb.ListJobsRequest()).jobs[0]
+    assert job.state == "cancelled" and 0 < job.steps_done < 2000
+    # the board comes back and takes the next job
+    (tmp / "next.yaml").write_text(job_yaml("next", 3, {"kind": "hard", "boards": ["b1"]}))
+    _cli("submit", str(tmp / "next.yaml"), "--server", address, cwd=tmp)
+    _wait(lambda: stub.ListJobs(pb.ListJobsRequest()).jobs[1].state == "finished", 180, "the next job on b1")
