@@ -53,8 +53,12 @@ Baselines, same interface, launching only (nothing planned ahead):
   first job that does not fit blocks everything behind it.
 - ``first_fit``: Kubernetes-style; arrival order, each job its request (soft: max_boards, capped at
   the fleet), on the fastest free boards if they fit now, else skipped.
-- ``static``: the fleet cut into fixed groups of ``group_size`` boards in fleet order; each job, in
-  arrival order, runs on the first free group whatever it requested (hard requests are not kept).
+- ``static``: the fleet cut into fixed groups of ``group_size`` boards in fleet order; groups are
+  the unit of allocation. Each job, in arrival order, takes whole free groups: a soft job the first
+  free group (more, in fleet order, until it has ``min_boards``) and trains on its boards up to
+  ``max_boards``; a hard job exactly its request, taking every group that holds a board it names
+  (all must be free), or the first free groups holding at least ``count`` boards, on the fastest
+  ``count`` of them. Boards of a taken group that the job does not use stay idle until it ends.
 """
 
 from __future__ import annotations
@@ -525,12 +529,35 @@ def first_fit(now: float, state: FleetState) -> Plan:
 
 
 def static(now: float, state: FleetState, group_size: int = 2) -> Plan:
-    """Fixed groups of ``group_size`` boards in fleet order; each job takes the first free group."""
+    """Fixed groups of ``group_size`` boards in fleet order, allocated whole (module docstring)."""
     placeable = [b for b in state.boards if b.name not in state.leaving]
     groups = [placeable[i : i + group_size] for i in range(0, len(placeable), group_size)]
     free = {b.name for b in _free_now(now, state)}
     open_groups = [g for g in groups if all(b.name in free for b in g)]
-    launched = [_launch(now, state, job, group) for job, group in zip(state.waiting, open_groups)]
+    launched = []
+    for job in state.waiting:
+        if job.boards is not None:
+            taken = [g for g in groups if any(b.name in job.boards for b in g)]
+            if not all(g in open_groups for g in taken) or sum(len(g) for g in taken) < len(job.boards):
+                continue
+            boards = [b for g in taken for b in g if b.name in job.boards]
+            if len(boards) < len(job.boards):
+                continue  # it names a board that is not in the fleet
+        else:
+            need = job.count if job.count is not None else job.min_boards
+            taken, have = [], 0
+            for g in open_groups:
+                if have >= need:
+                    break
+                taken.append(g)
+                have += len(g)
+            if have < need:
+                continue
+            most = job.count if job.count is not None else job.max_boards
+            pool = [b for g in taken for b in g]
+            boards = sorted(pool, key=lambda b: (-state.speed(job, (b,)), b.name))[:most]
+        launched.append(_launch(now, state, job, boards))
+        open_groups = [g for g in open_groups if g not in taken]
     return Plan(assignments=tuple(launched))
 
 

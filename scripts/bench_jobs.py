@@ -12,10 +12,11 @@ Traces (``poisson_trace``): Poisson arrivals at an offered load of 0.9 of the fl
 (every board computing alone), half ResNet-18 and half MobileNetV2, 30% hard jobs (half name k
 boards, half ask for any k, k in {1, 2, 4}), soft jobs 1..{2, 4, 8} boards, work log-uniform over
 5,000-50,000 samples; 40 jobs on the lab fleet (seed 3), and 500 jobs on 64 boards (the lab fleet
-eight times, seed 3). Schedulers: rolling, fifo, first_fit, static (groups of 2 boards).
+eight times, seed 3). Schedulers: rolling, fifo, first_fit, static (fixed groups of 2 boards, allocated whole,
+requests kept).
 
 Prints a table per fleet (JCT and makespan in seconds; average JCT of soft and of hard jobs apart,
-since ``static`` does not keep hard requests; scheduler calls, how many were solved exactly,
+since hard requests constrain every scheduler differently; scheduler calls, how many were solved exactly,
 simulation seconds), and as its last line one JSON object: avg_jct, p95_jct, makespan (maps
 from scheduler to seconds) for the 8-board trace, the same under "large" for 64 boards / 500 jobs,
 "simulated": true.

@@ -34,8 +34,8 @@ from coordinator.job_sim import (
 
 pytestmark = pytest.mark.timeout(60)
 SPEEDS = {"fast": {"m": 3.0}, "mid": {"m": 2.0}, "slow": {"m": 1.0}}
-KEEP_REQUESTS = ("rolling", "fifo", "first_fit")
-"""Schedulers that honour requests (static runs every job on a fixed group)."""
+KEEP_REQUESTS = ("rolling", "fifo", "first_fit", "static")
+"""Schedulers that honour requests (all of them: static allocates whole groups but keeps requests)."""
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -318,3 +318,21 @@ def test_every_scheduler_finishes_a_generated_trace(name: str) -> None:
     trace = poisson_trace(TraceSpec(n_jobs=60, load=0.9, seed=7, work_range=(50.0, 500.0)), boards, speed)
     result = simulate(trace, boards, speed, name)
     assert len(result.records) == 60 and result.makespan > 0
+
+
+def test_static_allocates_whole_groups_and_keeps_hard_requests_by_hand() -> None:
+    # Prepare: four boards of 1 sample/s in groups (b1, b2), (b3, b4); alpha 0.
+    boards = unit_fleet(4)
+    speed = scaled_sum_oracle(SPEEDS, alpha=0.0)
+    named = Job(id="N", arrival=0.0, kind="hard", model="m", work=10.0, boards=frozenset({"b2"}))
+    spread = soft("S", 0.0, 10.0, lo=1, hi=1)
+    three = Job(id="T", arrival=0.0, kind="hard", model="m", work=30.0, count=3)
+    # Execute
+    result = simulate([named, spread, three], boards, speed, "static")
+    # Assert: N holds group 1 but trains on b2 alone; S takes group 2 and uses one board of it;
+    # T (3 boards) needs both groups, so it starts when both are free, at 10 s, and runs 10 s.
+    records = {r.job.id: r for r in result.records}
+    assert records["N"].boards == {"b2"} and records["N"].start == 0.0
+    assert len(records["S"].boards) == 1 and records["S"].boards <= {"b3", "b4"}
+    assert records["T"].start == pytest.approx(10.0) and len(records["T"].boards) == 3
+    assert records["T"].finish == pytest.approx(20.0)
