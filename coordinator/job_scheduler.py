@@ -94,16 +94,17 @@ class Job:
     """Soft job: fewest boards it runs on."""
     max_boards: int = 1
     """Soft job: most boards it can use."""
-    setup_s: float = 0.0
-    """Seconds from launch to its first step (start its coordinator, boards join and profile)."""
+    overhead_s: float = 0.0
+    """Seconds it runs besides training: from launch to its first step (its coordinator starts,
+    boards join and profile) and from its last step to its end (final evaluation, checkpoint)."""
 
     def duration(self, samples_per_s: float) -> float:
         """Predicted seconds from launch to finish at this speed."""
-        return self.setup_s + self.work / samples_per_s
+        return self.overhead_s + self.work / samples_per_s
 
     def __post_init__(self) -> None:
-        if self.work <= 0 or self.priority <= 0 or self.setup_s < 0:
-            raise ValueError(f"job {self.id}: work and priority must be > 0, setup_s >= 0")
+        if self.work <= 0 or self.priority <= 0 or self.overhead_s < 0:
+            raise ValueError(f"job {self.id}: work and priority must be > 0, overhead_s >= 0")
         if self.kind == "hard" and (self.boards is None) == (self.count is None):
             raise ValueError(f"hard job {self.id}: give exactly one of boards or count")
         if self.kind == "hard" and (len(self.boards or ()) if self.count is None else self.count) < 1:

@@ -47,8 +47,8 @@ from protos import jobs_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 MAX_JOB_YAML_BYTES = 256 * 1024
-DEFAULT_SETUP_S = 20.0
-"""Launch to first step (coordinator start, boards join and profile) before any job measured it."""
+DEFAULT_OVERHEAD_S = 25.0
+"""A job's time besides training (launch to first step, last step to exit) before one measured it."""
 START_TIMEOUT_S = 180.0
 """A job coordinator that does not serve within this long has failed."""
 
@@ -270,7 +270,7 @@ class JobServer:
             job = self.store.jobs[job_id]
             job.steps_done = self._steps_done(job)
             job.finished = self.clock()
-            job.setup_s = self._measured_setup(job)
+            job.overhead_s = self._measured_overhead(job)
             summary = self.runs_dir / job.run_name / "summary.json"
             if code == 0 or (code == -1 and summary.exists()):
                 job.state = "finished"
@@ -314,23 +314,23 @@ class JobServer:
             pass
         return done
 
-    def _measured_setup(self, job: JobRecord) -> float:
-        """Launch to the start of its first step, from its coordinator's step log (0: unknown)."""
+    def _measured_overhead(self, job: JobRecord) -> float:
+        """Launch to exit minus its training steps, from its coordinator's step log (0: unknown)."""
         times = []
         try:
             with (self.runs_dir / job.run_name / "metrics.jsonl").open("rb") as f:
                 times = [json.loads(line)["time"] for line in f if b'"kind": "train"' in line]
         except (OSError, ValueError, KeyError):
             return 0.0
-        if len(times) < 2 or not job.started:
+        if len(times) < 2 or not job.started or job.resume:
             return 0.0
-        step_s = (times[-1] - times[0]) / (len(times) - 1)
-        return max(0.0, times[0] - step_s - job.started)
+        training = (times[-1] - times[0]) * len(times) / (len(times) - 1)
+        return max(0.0, job.finished - job.started - training)
 
-    def setup_estimate(self) -> float:
-        """Median launch-to-first-step time of the last jobs that measured it."""
-        measured = [j.setup_s for j in sorted(self.store.jobs.values(), key=lambda j: j.finished) if j.setup_s > 0]
-        return statistics.median(measured[-5:]) if measured else DEFAULT_SETUP_S
+    def overhead_estimate(self) -> float:
+        """Median time besides training of the last jobs that measured it."""
+        measured = [j.overhead_s for j in sorted(self.store.jobs.values(), key=lambda j: j.finished) if j.overhead_s > 0]
+        return statistics.median(measured[-5:]) if measured else DEFAULT_OVERHEAD_S
 
     def _log(self, job: JobRecord) -> Path:
         return self.state_dir / "logs" / f"{job.run_name}.log"
@@ -340,10 +340,10 @@ class JobServer:
     def _configs(self) -> dict[str, JobConfig]:
         return {j.id: parse_job(j.yaml) for j in self.store.jobs.values() if j.state not in DONE}
 
-    def _scheduler_job(self, record: JobRecord, config: JobConfig, setup_s: float = 0.0) -> Job:
+    def _scheduler_job(self, record: JobRecord, config: JobConfig, overhead_s: float = 0.0) -> Job:
         s = config.schedule
         return Job(id=record.id, arrival=record.submitted, kind=s.kind, model=record.model,
-                   work=record.work_samples, priority=s.priority, setup_s=setup_s,
+                   work=record.work_samples, priority=s.priority, overhead_s=overhead_s,
                    boards=frozenset(s.boards) if s.kind == "hard" and s.boards else None,
                    count=s.count if s.kind == "hard" and s.count else None,
                    min_boards=s.min_boards if s.kind == "soft" else 1,
@@ -352,7 +352,7 @@ class JobServer:
     def _schedule(self) -> None:
         now = self.clock()
         configs = self._configs()
-        setup = self.setup_estimate()
+        setup = self.overhead_estimate()
         usable = [b for b in self.boards.values() if b.alive and b.speed > 0]
         fleet = tuple(Board(b.name, f"{b.speed:.2f}@{b.mbit_per_s:.0f}") for b in sorted(usable, key=lambda b: b.name))
         speed = PlannerSpeed(configs, {b.name: board_spec(b.name, b.speed, b.mbit_per_s) for b in usable})
@@ -389,7 +389,7 @@ class JobServer:
             job.boards = sorted(a.boards)
             job.planned_start, job.predicted_finish = a.start, a.finish
             sjob = next(j for j in state.waiting if j.id == job.id)
-            job.predicted_samples_per_s = sjob.work / max(a.finish - a.start - sjob.setup_s, 1e-9)
+            job.predicted_samples_per_s = sjob.work / max(a.finish - a.start - sjob.overhead_s, 1e-9)
         launches = plan.launches(now)
         self._record_decision(now, seconds, plan, state, launches)
         for a in launches:

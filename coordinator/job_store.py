@@ -51,8 +51,9 @@ class JobRecord:
     pid_started: float = 0.0
     """The coordinator process's creation time (a recycled pid is not ours)."""
     port: int = 0
-    setup_s: float = 0.0
-    """Measured seconds from launch to its first step (0: not measured)."""
+    overhead_s: float = 0.0
+    """Measured seconds it ran besides training steps: launch to first step, last step to exit
+    (0: not measured)."""
     resume: bool = False
     """Start from the run's checkpoint (the job ran before the job server restarted)."""
 

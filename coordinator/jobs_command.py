@@ -99,8 +99,9 @@ def jobs_report(*, server: str | None = None, cluster: str | None = None, interf
     for j in reply.jobs:
         start = j.started if j.state in ("starting", "running", "finished", "failed") else j.planned_start
         finish = j.finished or j.predicted_finish
+        overdue = j.state == "waiting" and start and start < now - 1  # its boards' jobs overran their prediction
         rows.append((j.id, j.name, j.model, f"{j.kind}: {j.request}", j.state, ",".join(j.boards) or "-",
-                     _when(start, now), ("predicted " if not j.finished and finish else "") + _when(finish, now),
+                     "when its boards free" if overdue else _when(start, now), ("predicted " if not j.finished and finish else "") + _when(finish, now),
                      f"{j.steps_done}/{j.steps}", j.message))
     widths = [max(len(str(r[i])) for r in (head, *rows)) for i in range(len(head) - 1)]
     lines = [f"job server {address}: scheduler {reply.scheduler}"

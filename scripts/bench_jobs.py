@@ -21,16 +21,29 @@ simulation seconds), and as its last line one JSON object: avg_jct, p95_jct, mak
 from scheduler to seconds) for the 8-board trace, the same under "large" for 64 boards / 500 jobs,
 "simulated": true.
 
-    python scripts/bench_jobs.py [--seed 3] [--load 0.9]
+With ``--live`` it also runs a short trace for real, for each scheduler in turn: a job server
+(``edgetrain coordinator --jobs --scheduler NAME``) and the five lab boards of
+``edgetrain/presets/lab-jobs.yaml`` as client processes on this machine (CPU quotas, links shaped
+in the application), 8 jobs (Poisson arrivals at load 0.9 counting training work only, half
+ResNet-18 and half MobileNetV2, 30% hard, 600-2400 samples in steps of 32, SYNTHETIC data,
+planner enabled) submitted at their arrival times. It prints each scheduler's measured average
+JCT and makespan beside the simulator's prediction for the same trace (the planner's predicted
+speeds, the measured setup time), and adds them to the JSON line under "live".
+
+    python scripts/bench_jobs.py [--seed 3] [--load 0.9] [--live [--live-schedulers rolling,first_fit]]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
-from coordinator.job_scheduler import SCHEDULERS, Board
+from coordinator.job_scheduler import SCHEDULERS, Board, Job
 from coordinator.job_sim import SimResult, TraceSpec, poisson_trace, scaled_sum_oracle, simulate
 
 ONE_CORE = {"resnet18": 25.0, "mobilenet_v2": 105.0}
@@ -80,16 +93,138 @@ def _maps(results: dict[str, SimResult]) -> dict[str, dict[str, float]]:
             for key in ("avg_jct", "p95_jct", "makespan")}
 
 
+LIVE_FLEET = Path(__file__).resolve().parents[1] / "edgetrain" / "presets" / "lab-jobs.yaml"
+LIVE_BATCH = 32
+
+
+def live_trace(seed: int, load: float) -> tuple[list, tuple[Job, ...]]:
+    """The live trace on the lab-jobs boards (relative speeds from the preset)."""
+    from edgetrain.fleet_config import load_fleet
+
+    specs = load_fleet(LIVE_FLEET).boards
+    boards = [Board(b.name, b.name) for b in specs]
+    per_board = {b.name: {m: b.speed * v for m, v in ONE_CORE.items()} for b in specs}
+    speed = scaled_sum_oracle(per_board)
+    trace = poisson_trace(TraceSpec(n_jobs=8, load=load, seed=seed, work_range=(600.0, 2400.0),
+                                    hard_counts=(1, 2), soft_max=(2, 3)), boards, speed)
+    return list(specs), trace
+
+
+def job_yaml(job: Job) -> str:
+    """The job YAML a trace job is submitted as."""
+    import yaml
+
+    steps = max(1, round(job.work / LIVE_BATCH))
+    if job.kind == "hard":
+        schedule = {"kind": "hard", **({"boards": sorted(job.boards)} if job.boards else {"count": job.count})}
+    else:
+        schedule = {"kind": "soft", "min_boards": job.min_boards, "max_boards": job.max_boards}
+    return yaml.safe_dump({
+        "name": job.id, "model": job.model,
+        "dataset": {"name": "synthetic", "train_size": 4096, "test_size": 256, "augment": False},
+        "training": {"global_batch": LIVE_BATCH, "steps": steps, "eval_every": 0, "log_every": 10},
+        "optimizer": {"lr": 0.05, "momentum": 0.9, "schedule": "cosine", "warmup_steps": 2},
+        "planner": {"enabled": True}, "schedule": schedule})
+
+
+def run_live(scheduler: str, specs: list, trace: tuple[Job, ...], workdir: Path) -> dict:
+    """One scheduler on the live trace; returns measured and simulated JCTs."""
+    import grpc
+    import yaml
+
+    from coordinator.job_speed import PlannerSpeed, board_spec
+    from edgetrain.config import job_from_dict
+    from edgetrain.fleet_config import board_to_dict
+    from edgetrain.launch import edgetrain_command
+    from protos import jobs_pb2 as pb
+    from protos import jobs_pb2_grpc as pb_grpc
+
+    work = workdir / scheduler
+    work.mkdir(parents=True)
+    port_file = work / "server.address"
+    procs = [subprocess.Popen(edgetrain_command(
+        "coordinator", "--jobs", "--scheduler", scheduler, "--bind", "127.0.0.1:0", "--port-file", str(port_file),
+        "--state-dir", str(work / "state"), "--runs-dir", str(work / "runs"), "--data-dir", str(work / "data"),
+        "--no-advertise"), stdout=(work / "server.log").open("w"), stderr=subprocess.STDOUT)]
+    try:
+        while not (port_file.exists() and port_file.read_text().strip()):
+            time.sleep(0.2)
+        address = port_file.read_text().strip()
+        for b in specs:
+            board_file = work / f"{b.name}.yaml"
+            board_file.write_text(yaml.safe_dump(board_to_dict(b)))
+            procs.append(subprocess.Popen(edgetrain_command(
+                "client", "--coordinator", address, "--name", b.name, "--emulate", str(board_file), "--threads", "1",
+                "--probe-interval", "15", "--data-dir", str(work / "data")),
+                stdout=(work / f"{b.name}.log").open("w"), stderr=subprocess.STDOUT))
+        stub = pb_grpc.JobServerStub(grpc.insecure_channel(address))
+        while len(stub.ListJobs(pb.ListJobsRequest()).boards) < len(specs):
+            time.sleep(0.5)
+        t0 = time.time()
+        ids = {}
+        for job in sorted(trace, key=lambda j: j.arrival):
+            time.sleep(max(0.0, t0 + job.arrival - time.time()))
+            ids[stub.Submit(pb.SubmitRequest(job_yaml=job_yaml(job))).id] = job
+        while True:
+            listing = stub.ListJobs(pb.ListJobsRequest())
+            if all(j.state in ("finished", "failed", "cancelled") for j in listing.jobs):
+                break
+            time.sleep(2.0)
+        jobs = list(listing.jobs)
+        failed = [f"{j.id}: {j.message}" for j in jobs if j.state != "finished"]
+        jct = [j.finished - j.submitted for j in jobs]
+        makespan = max(j.finished for j in jobs) - min(j.submitted for j in jobs)
+        state = json.loads((work / "state" / "jobs.json").read_text())["jobs"]
+        setups = [j["overhead_s"] for j in state if j["overhead_s"] > 0]
+        overhead_s = statistics.median(setups) if setups else 20.0
+        # the simulator on the same trace, with the server's measured boards and the planner's speeds
+        boards = {bv.name: board_spec(bv.name, bv.speed, bv.link_mbit_per_s) for bv in listing.boards}
+        configs = {j.id: job_from_dict(yaml.safe_load(job_yaml(ids[j.id]))) for j in jobs}
+        sim_trace = tuple(Job(id=j.id, arrival=j.submitted - t0, kind=ids[j.id].kind, model=ids[j.id].model,
+                              work=float(j.steps * LIVE_BATCH), boards=ids[j.id].boards, count=ids[j.id].count,
+                              min_boards=ids[j.id].min_boards, max_boards=ids[j.id].max_boards, overhead_s=overhead_s)
+                          for j in jobs)
+        fleet = [Board(bv.name, f"{bv.speed:.2f}@{bv.link_mbit_per_s:.0f}") for bv in listing.boards]
+        sim = simulate(sim_trace, fleet, PlannerSpeed(configs, boards), scheduler)
+        return {"avg_jct": round(statistics.mean(jct), 1), "makespan": round(makespan, 1),
+                "simulated_avg_jct": round(sim.avg_jct, 1), "simulated_makespan": round(sim.makespan, 1),
+                "overhead_s": round(overhead_s, 1), "failed": failed}
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--load", type=float, default=0.9)
+    parser.add_argument("--live", action="store_true", help="also run a short trace on emulated boards")
+    parser.add_argument("--live-schedulers", default="rolling,first_fit,static,fifo")
     args = parser.parse_args()
     print(f"lab fleet, 8 boards, 40 jobs, load {args.load} (simulated)")
     small = run(1, 40, args.seed, args.load)
     print(f"64 boards, 500 jobs, load {args.load} (simulated)")
     large = run(8, 500, args.seed, args.load)
-    print(json.dumps({**_maps(small), "large": _maps(large), "simulated": True}))
+    out = {**_maps(small), "large": _maps(large), "simulated": True}
+    if args.live:
+        specs, trace = live_trace(args.seed, args.load)
+        print(f"live: {len(trace)} jobs on the {len(specs)} lab-jobs boards, emulated on this machine, SYNTHETIC data")
+        live = {}
+        with tempfile.TemporaryDirectory(prefix="bench-jobs-") as tmp:
+            for name in args.live_schedulers.split(","):
+                live[name] = run_live(name, specs, trace, Path(tmp))
+                r = live[name]
+                print(f"  {name:<10} measured avg JCT {r['avg_jct']:6.0f} s, makespan {r['makespan']:6.0f} s | "
+                      f"simulated {r['simulated_avg_jct']:6.0f} s, {r['simulated_makespan']:6.0f} s "
+                      f"(setup {r['overhead_s']:.0f} s){'  FAILED: ' + '; '.join(r['failed']) if r['failed'] else ''}",
+                      flush=True)
+        out["live"] = live
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,12 @@
       64 boards  planning time only: no exact reference is tractable (the only cheap bound,
                  every board computing with no communication, is far too loose on slow links).
 (b) End to end. Two emulated fleets of four boards (0.5, 0.3, 0.2, 0.1 of a core):
-    compute-bound (1000 Mbit/s links) and bandwidth-bound (100, 50, 20, 10 Mbit/s), training
-    ResNet-18 and MobileNetV2 (batch 32) on SYNTHETIC CIFAR-shaped data in five ways:
+    compute-bound (1000 Mbit/s links, global batch 256) and bandwidth-bound (100, 50, 20, 10
+    Mbit/s, global batch 32), training ResNet-18 and MobileNetV2 on SYNTHETIC CIFAR-shaped data
+    in five ways. The compute-bound fleet needs the larger batch to be compute-bound: at batch 32
+    a ResNet-18 step computes for about 1 s on the whole fleet while each board moves 90 MB
+    (0.7 s at 1000 Mbit/s, plus the CPU a fraction of a core spends on every byte), and every
+    forward/backward call carries a fixed cost that grows as 1/speed on the small boards:
         ideal          sum of the boards' training throughput (their share of one measured core,
                        computing all the time, no communication)
         hybrid         planner.enabled: the coordinator plans from the live fleet
@@ -57,6 +61,8 @@ from edgetrain.shaping import LinkSpec
 
 SPEEDS = (0.5, 0.3, 0.2, 0.1)
 FLEETS = {"compute": (1000, 1000, 1000, 1000), "bandwidth": (100, 50, 20, 10)}
+FLEET_BATCH = {"compute": 256, "bandwidth": 32}
+"""Global batch per fleet (see the module docstring)."""
 MODES = ("hybrid", "equal", "proportional", "pipeline")
 KINDS = (  # name, fraction of this machine's core, idle W, busy W, links (Mbit/s)
     ("pi3", 0.14, 1.9, 5.1, (100, 20)), ("pi4", 0.4, 2.7, 6.4, (1000, 40)), ("nano", 0.32, 1.3, 10.0, (1000, 100)),
@@ -116,12 +122,12 @@ def best_pure_pipeline(boards: list[BoardCost], model, batch: int) -> Plan:
     return best[0]
 
 
-def run_mode(mode: str, model_name: str, links, args, workdir: Path, model, one_core) -> dict:
+def run_mode(mode: str, model_name: str, links, batch: int, args, workdir: Path, model, one_core) -> dict:
     name = f"bench-plan-{model_name}-{mode}"
     job = yaml.safe_load(DEMO_JOB.read_text())
     job.update(name=name, model=model_name)
     job["dataset"].update(train_size=2048, test_size=256, augment=False)
-    job["training"].update(steps=args.steps, min_clients=len(SPEEDS), eval_every=0, global_batch=args.batch,
+    job["training"].update(steps=args.steps, min_clients=len(SPEEDS), eval_every=0, global_batch=batch,
                            log_every=1, split="equal" if mode == "equal" else "proportional",
                            heartbeat_timeout_s=120.0)
     if mode == "hybrid":
@@ -131,7 +137,7 @@ def run_mode(mode: str, model_name: str, links, args, workdir: Path, model, one_
         specs = [BoardSpec(name=f"board{i}", speed=s, link=LinkSpec(mbit_per_s=m)) for i, (s, m) in
                  enumerate(zip(SPEEDS, links))]
         plan = best_pure_pipeline(boards_from_fleet(specs, model, one_core, cpu_s_per_byte=transfer_cpu_s_per_byte()),
-                                  model, args.batch)
+                                  model, batch)
         job["pipeline"] = {**plan.to_pipeline_section(), "stage_timeout_s": 600, "sync_every": 1000}
     run_dir = run_on_emulated_boards(job, list(zip(SPEEDS, links)), workdir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -152,7 +158,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch-compute", type=int, default=FLEET_BATCH["compute"])
+    parser.add_argument("--batch-bandwidth", type=int, default=FLEET_BATCH["bandwidth"])
     parser.add_argument("--fleets", default=",".join(FLEETS))
     parser.add_argument("--models", default="resnet18,mobilenet_v2")
     parser.add_argument("--modes", default=",".join(MODES))
@@ -168,14 +175,15 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench_planner_") as tmp:
             for fleet in args.fleets.split(","):
                 links = FLEETS[fleet]
+                batch = getattr(args, f"batch_{fleet}")
                 for model_name in args.models.split(","):
-                    model, one_core = measure_model_cost(model_name), one_core_speed(model_name, (4, args.batch))
+                    model, one_core = measure_model_cost(model_name), one_core_speed(model_name, (4, 32))
                     ideal = sum(SPEEDS) * one_core.samples_per_s * (
-                        args.batch / (args.batch + one_core.overhead_s * one_core.samples_per_s))
+                        batch / (batch + one_core.overhead_s * one_core.samples_per_s))
                     row = {"ideal": round(ideal, 3)}
                     key = f"{fleet}/{model_name}"
                     for mode in args.modes.split(","):
-                        r = run_mode(mode, model_name, links, args, Path(tmp), model, one_core)
+                        r = run_mode(mode, model_name, links, batch, args, Path(tmp), model, one_core)
                         row[mode] = round(r["samples_per_s"], 3)
                         extra = ""
                         if mode == "hybrid" and r.get("measured_step_s"):
@@ -195,7 +203,8 @@ def main() -> None:
                     result["fleets"][key] = row
     if errors:
         result["prediction_error"]["mean_abs"] = round(sum(errors) / len(errors), 3)
-    result.update(synthetic_data=True, boards=list(SPEEDS), links=FLEETS, global_batch=args.batch,
+    result.update(synthetic_data=True, boards=list(SPEEDS), links=FLEETS,
+                  global_batch={"compute": args.batch_compute, "bandwidth": args.batch_bandwidth},
                   steps=args.steps, warmup=args.warmup, train_flops_per_sample_resnet18=train_flops_per_sample(resnet))
     print(json.dumps(result))
 

@@ -234,7 +234,7 @@ def test_override_below_a_scalar_is_a_config_error() -> None:
         apply_overrides({"model": "small_cnn"}, {"model.depth": 3})
 
 
-@pytest.mark.parametrize("preset", sorted((Path(edgetrain.__file__).parent / "presets").glob("*.yaml")),
+@pytest.mark.parametrize("preset", sorted((Path(edgetrain.__file__).parent / "presets").glob("**/*.yaml")),
                          ids=lambda p: p.name)
 def test_every_preset_loads(preset: Path) -> None:
     """The shipped presets are valid: fleet files (with boards) and job files alike."""

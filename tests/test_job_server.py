@@ -219,7 +219,7 @@ def test_jobs_share_the_fleet_in_the_order_and_placement_the_simulator_predicts(
         s = config.schedule
         trace.append(Job(id=j.id, arrival=j.submitted, kind=s.kind, model=j.model, work=float(j.steps * 16),
                          boards=frozenset(s.boards) if s.boards else None, count=s.count or None,
-                         min_boards=s.min_boards, max_boards=s.max_boards or 3, setup_s=20.0))
+                         min_boards=s.min_boards, max_boards=s.max_boards or 3, overhead_s=20.0))
     fleet = tuple(Board(bv.name, f"{bv.speed:.2f}@{bv.link_mbit_per_s:.0f}")
                   for bv in sorted(listing.boards, key=lambda bv: bv.name))
     result = simulate(tuple(trace), fleet, PlannerSpeed(configs, boards), "rolling")
