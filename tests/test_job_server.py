@@ -243,3 +243,70 @@ def test_cancelling_a_running_job_returns_its_boards_to_the_lobby(job_server):
     (tmp / "next.yaml").write_text(job_yaml("next", 3, {"kind": "hard", "boards": ["b1"]}))
     _cli("submit", str(tmp / "next.yaml"), "--server", address, cwd=tmp)
     _wait(lambda: stub.ListJobs(pb.ListJobsRequest()).jobs[1].state == "finished", 180, "the next job on b1")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_killed_job_server_adopts_its_running_job_when_it_comes_back(tmp_path, client_factory):
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    logs = []
+
+    def start_server() -> subprocess.Popen:
+        logs.append((tmp_path / f"server{len(logs)}.log").open("w"))
+        return subprocess.Popen([sys.executable, "-m", "edgetrain", "coordinator", "--jobs", "--bind", address,
+                                 "--state-dir", str(tmp_path / "state"), "--runs-dir", str(tmp_path / "runs"),
+                                 "--data-dir", str(tmp_path / "data"), "--no-advertise"],
+                                stdout=logs[-1], stderr=subprocess.STDOUT)
+
+    server = start_server()
+    coordinators = []
+    try:
+        for i in range(2):
+            client_factory(address, f"b{i}", speed=0.3)
+        channel = grpc.insecure_channel(address)
+        stub = pb_grpc.JobServerStub(channel)
+        _wait(lambda: len(getattr(_listing(stub), "boards", ())) == 2, 120, "two boards")
+        stub.Submit(pb.SubmitRequest(job_yaml=job_yaml("long", 40, {"kind": "hard", "boards": ["b0"]})))
+        _wait(lambda: stub.ListJobs(pb.ListJobsRequest()).jobs[0].steps_done >= 3, 180, "the job to train")
+        coordinators = psutil.Process(server.pid).children(recursive=True)
+        assert len(coordinators) == 1
+        server.kill()  # no clean shutdown: the job's coordinator and its board go on without it
+        server.wait(10)
+        time.sleep(2)
+        assert coordinators[0].is_running()
+        server = start_server()
+        job = _wait(lambda: _listing(stub), 120, "the restarted job server").jobs[0]
+        assert (job.id, job.state) == ("j1", "running")  # adopted, not restarted
+        stub.Submit(pb.SubmitRequest(job_yaml=job_yaml("other", 3, {"kind": "hard", "boards": ["b1"]})))
+        jobs = _wait(lambda: [j for j in stub.ListJobs(pb.ListJobsRequest()).jobs if j.state == "finished"]
+                     if all(j.state == "finished" for j in stub.ListJobs(pb.ListJobsRequest()).jobs) else None,
+                     300, "both jobs to finish")
+        assert [(j.id, j.steps_done) for j in jobs] == [("j1", 40), ("j2", 3)]
+        run = [json.loads(line) for line in (tmp_path / "runs" / "j1-long" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in run if r["kind"] == "train"] == list(range(40))  # one run, no step redone
+        # b0 came back to the lobby after its job and joined again
+        _wait(lambda: {b.name: b.job for b in stub.ListJobs(pb.ListJobsRequest()).boards}.get("b0") == "", 60,
+              "b0 back in the lobby")
+        channel.close()
+    finally:
+        server.terminate()
+        server.wait(30)
+        for proc in coordinators:
+            if proc.is_running():
+                proc.kill()
+        for log in logs:
+            log.close()
+
+
+def _listing(stub):
+    try:
+        return stub.ListJobs(pb.ListJobsRequest(), timeout=5)
+    except grpc.RpcError:
+        return None
