@@ -43,7 +43,9 @@ def summarize(job: JobConfig, final_eval: dict, trainer, devices) -> dict:
     return {
         "job": job.name, "model": job.model, "dataset": job.dataset.name,
         "synthetic_data": dataset_is_synthetic(job.dataset), "split": job.training.split,
-        "global_batch": job.training.global_batch, "steps": job.training.steps,
+        "global_batch": job.training.global_batch,
+        "steps": final_eval["step"] + 1 if "step" in final_eval else job.training.steps,
+        "target_accuracy": job.training.target_accuracy or None,
         "test_accuracy": final_eval.get("test_accuracy"), "test_loss": final_eval.get("test_loss"),
         "train_samples": trainer.samples_done, "train_seconds": round(trainer.train_seconds, 2),
         "samples_per_s": trainer.samples_done / trainer.train_seconds if trainer.train_seconds else 0.0,

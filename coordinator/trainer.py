@@ -171,10 +171,19 @@ class Trainer:
                 checkpoint = last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
                 if self.owners.owners and (evaluate or checkpoint or (step + 1) % self._plan().sync_every == 0):
                     self._sync_owned(step + 1)
+                reached = False
                 if evaluate:
                     self._evaluate(step)
-                if checkpoint:
+                    reached = bool(cfg.target_accuracy) and not last and \
+                        self.metrics.last_eval["test_accuracy"] >= cfg.target_accuracy
+                if checkpoint or reached:
                     self._checkpoint(step + 1)
+                if reached:
+                    logger.info("[Coordinator.Trainer] test accuracy %.4f reached the target %.4f after step %d: done",
+                                self.metrics.last_eval["test_accuracy"], cfg.target_accuracy, step)
+                    self.board.finish(f"job {self.job.name} reached test accuracy {cfg.target_accuracy} "
+                                      f"after {step + 1} steps")
+                    return self.metrics.last_eval
             self.board.finish(f"job {self.job.name} completed {cfg.steps} steps")
             return self.metrics.last_eval
         except BaseException as e:

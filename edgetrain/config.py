@@ -19,6 +19,7 @@ Errors name the file, the key and the bad value.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from edgetrain.data import DatasetSpec
+from edgetrain.data import FULL_TRAIN_SIZE, DatasetSpec
 from edgetrain.models import MODEL_NAMES
 
 SPLITS = ("proportional", "equal")
@@ -72,7 +73,12 @@ class TrainingConfig:
     global_batch: int = 64
     """Samples per step across all devices."""
     steps: int = 300
-    """Number of optimizer steps."""
+    """Number of optimizer steps (the most, with target_accuracy)."""
+    epochs: float = 0.0
+    """Train this many passes over the training set instead: steps = ceil(epochs x training
+    samples / global_batch) (0: use steps)."""
+    target_accuracy: float = 0.0
+    """Stop after an evaluation (eval_every) reaching this test accuracy (0: train all steps)."""
     split: str = "proportional"
     """proportional: batch shares follow measured speed; equal: the framework-default baseline."""
     min_clients: int = 1
@@ -97,6 +103,10 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         _require(self.global_batch > 0, "global_batch", self.global_batch, "must be > 0")
         _require(self.steps > 0, "steps", self.steps, "must be > 0")
+        _require(self.epochs >= 0, "epochs", self.epochs, "must be >= 0")
+        _require(0 <= self.target_accuracy <= 1, "target_accuracy", self.target_accuracy, "must be in [0, 1]")
+        _require(not self.target_accuracy or self.eval_every > 0, "target_accuracy", self.target_accuracy,
+                 "needs eval_every > 0 (the accuracy is checked at each evaluation)")
         _require(self.split in SPLITS, "split", self.split, f"must be one of {SPLITS}")
         _require(self.min_clients >= 1, "min_clients", self.min_clients, "must be >= 1")
         _require(self.eval_every >= 0, "eval_every", self.eval_every, "must be >= 0")
@@ -442,6 +452,10 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         _require(self.model in MODEL_NAMES, "model", self.model, f"must be one of {MODEL_NAMES}")
+        if self.training.epochs:
+            samples = self.dataset.train_size or FULL_TRAIN_SIZE
+            steps = max(1, math.ceil(self.training.epochs * samples / self.training.global_batch))
+            object.__setattr__(self, "training", dataclasses.replace(self.training, steps=steps))
         _require(not (self.planner.enabled and self.pipeline.enabled), "planner.enabled", True,
                  "the planner makes the plan: leave pipeline.stages and pipeline.plan_file empty")
         _require(not (self.planner.enabled and self.aggregation.federated), "planner.enabled", True,

@@ -248,3 +248,14 @@ def test_every_preset_loads(preset: Path) -> None:
         assert fleet.boards and fleet.job.name
     else:
         assert load_job(preset).name
+
+
+def test_epochs_set_the_steps_and_target_accuracy_needs_evaluations() -> None:
+    job = job_from_dict({"dataset": {"name": "synthetic", "train_size": 1000},
+                         "training": {"global_batch": 64, "epochs": 2.5}})
+    assert job.training.steps == 40  # ceil(2.5 * 1000 / 64)
+    assert job_from_dict({"training": {"global_batch": 100, "epochs": 1}}).training.steps == 500  # 50,000 samples
+    with pytest.raises(ConfigError, match="eval_every"):
+        job_from_dict({"training": {"target_accuracy": 0.5, "eval_every": 0}})
+    with pytest.raises(ConfigError, match="target_accuracy"):
+        job_from_dict({"training": {"target_accuracy": 1.5}})

@@ -100,3 +100,19 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path, client_factory):
     assert steps == list(range(8))
     diff = max_abs_difference(checkpoint_state(second.run_dir), reference_state(long))
     assert diff < TOLERANCE, f"resumed run differs from the reference by {diff}"
+
+
+@pytest.mark.timeout(180)
+def test_a_reached_target_accuracy_ends_the_job_early_with_a_checkpoint(coordinator_factory, client_factory):
+    # Prepare: a target any model reaches at its first evaluation, after 2 of 20 steps
+    job = small_job(training={"steps": 20, "eval_every": 2, "target_accuracy": 0.001})
+    coordinator = coordinator_factory(job)
+    client = client_factory(coordinator.address, "only", 0.5)
+    # Execute
+    coordinator.wait(timeout=150)
+    # Assert: 2 steps trained, evaluated, checkpointed; the board was told the job ended
+    assert [s["step"] for s in read_metrics(coordinator.run_dir)] == [0, 1]
+    assert json.loads((coordinator.run_dir / "checkpoint.json").read_text())["next_step"] == 2
+    summary = json.loads((coordinator.run_dir / "summary.json").read_text())
+    assert (summary["steps"], summary["target_accuracy"]) == (2, 0.001)
+    assert client.wait(timeout=30) == 0
