@@ -51,6 +51,9 @@ DEFAULT_OVERHEAD_S = 25.0
 """A job's time besides training (launch to first step, last step to exit) before one measured it."""
 START_TIMEOUT_S = 180.0
 """A job coordinator that does not serve within this long has failed."""
+FIRST_STEP_TIMEOUT_S = 300.0
+"""A running job that has not finished a step this long after launch lost a board before it
+started (its coordinator waits for all of them): it is stopped and queued again."""
 
 
 @dataclass
@@ -240,6 +243,7 @@ class JobServer:
         while not stop.is_set():
             with self.lock:
                 self._reap()
+                self._restart_stalled()
                 self._expire()
                 if self.dirty:
                     self.dirty = False
@@ -287,6 +291,25 @@ class JobServer:
             self.store.save()
             self._event()
 
+    def _restart_stalled(self) -> None:
+        now = self.clock()
+        for job in self.store.in_state("running"):
+            if job.id not in self.procs or now - job.started < FIRST_STEP_TIMEOUT_S or job.stepped:
+                continue
+            job.stepped = self._stepped_since(job, job.started)
+            if job.stepped:
+                continue
+            logger.warning("[JobServer] job %s: no step %.0f s after launch; a board did not join. Queued again",
+                           job.id, now - job.started)
+            proc = self.procs.pop(job.id)
+            self._free_boards(job)
+            for name in job.boards:  # each must poll the lobby again before it gets another job
+                self.boards[name].alive = False
+            self._requeue(job, f"queued again: not all of {', '.join(job.boards)} joined its coordinator")
+            self.store.save()
+            self._event()
+            threading.Thread(target=_terminate, args=(proc,), daemon=True).start()
+
     def _expire(self) -> None:
         now = self.clock()
         for board in self.boards.values():
@@ -331,6 +354,14 @@ class JobServer:
         """Median time besides training of the last jobs that measured it."""
         measured = [j.overhead_s for j in sorted(self.store.jobs.values(), key=lambda j: j.finished) if j.overhead_s > 0]
         return statistics.median(measured[-5:]) if measured else DEFAULT_OVERHEAD_S
+
+    def _stepped_since(self, job: JobRecord, since: float) -> bool:
+        """Whether its coordinator logged a step after `since`."""
+        try:
+            with (self.runs_dir / job.run_name / "metrics.jsonl").open("rb") as f:
+                return any(json.loads(line)["time"] >= since for line in f if b'"kind": "train"' in line)
+        except (OSError, ValueError, KeyError):
+            return False
 
     def _log(self, job: JobRecord) -> Path:
         return self.state_dir / "logs" / f"{job.run_name}.log"
@@ -427,7 +458,8 @@ class JobServer:
                 *(["--resume"] if job.resume else [])), stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)
         self.procs[job.id] = proc
-        job.state, job.boards, job.started, job.message = "starting", boards, now, ""
+        job.state, job.boards, job.started, job.message, job.stepped = "starting", boards, now, "", False
+        job.launches += 1
         job.pid, job.pid_started = proc.pid, _create_time(proc.pid)
         for name in boards:
             self.boards[name].job = job.id
@@ -508,7 +540,7 @@ def job_view(job: JobRecord, runs_dir: Path) -> pb.JobView:
                       planned_start=job.planned_start, predicted_finish=job.predicted_finish,
                       started=job.started, finished=job.finished, steps=job.steps, steps_done=job.steps_done,
                       predicted_samples_per_s=job.predicted_samples_per_s, message=job.message,
-                      run_dir=str(runs_dir / job.run_name))
+                      run_dir=str(runs_dir / job.run_name), launches=job.launches)
 
 
 class JobServerServicer(pb_grpc.JobServerServicer):

@@ -54,6 +54,11 @@ class JobRecord:
     overhead_s: float = 0.0
     """Measured seconds it ran besides training steps: launch to first step, last step to exit
     (0: not measured)."""
+    launches: int = 0
+    """How often its coordinator was started (more than once: the server restarted, or a board
+    did not join)."""
+    stepped: bool = False
+    """Its coordinator has logged a step since this launch."""
     resume: bool = False
     """Start from the run's checkpoint (the job ran before the job server restarted)."""
 

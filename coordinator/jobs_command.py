@@ -102,7 +102,7 @@ def jobs_report(*, server: str | None = None, cluster: str | None = None, interf
         overdue = j.state == "waiting" and start and start < now - 1  # its boards' jobs overran their prediction
         rows.append((j.id, j.name, j.model, f"{j.kind}: {j.request}", j.state, ",".join(j.boards) or "-",
                      "when its boards free" if overdue else _when(start, now), ("predicted " if not j.finished and finish else "") + _when(finish, now),
-                     f"{j.steps_done}/{j.steps}", j.message))
+                     f"{j.steps_done}/{j.steps}", j.message + (f" (launch {j.launches})" if j.launches > 1 else "")))
     widths = [max(len(str(r[i])) for r in (head, *rows)) for i in range(len(head) - 1)]
     lines = [f"job server {address}: scheduler {reply.scheduler}"
              + (" (last plan proven optimal)" if reply.plan_exact else "")]

@@ -13,7 +13,7 @@ class SubmitRequest(_message.Message):
     def __init__(self, job_yaml: _Optional[str] = ...) -> None: ...
 
 class JobView(_message.Message):
-    __slots__ = ("id", "name", "model", "kind", "request", "state", "boards", "priority", "submitted", "planned_start", "predicted_finish", "started", "finished", "steps", "steps_done", "predicted_samples_per_s", "message", "run_dir")
+    __slots__ = ("id", "name", "model", "kind", "request", "state", "boards", "priority", "submitted", "planned_start", "predicted_finish", "started", "finished", "steps", "steps_done", "predicted_samples_per_s", "message", "run_dir", "launches")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class JobView(_message.Message):
     PREDICTED_SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RUN_DIR_FIELD_NUMBER: _ClassVar[int]
+    LAUNCHES_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     model: str
@@ -50,7 +51,8 @@ class JobView(_message.Message):
     predicted_samples_per_s: float
     message: str
     run_dir: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., request: _Optional[str] = ..., state: _Optional[str] = ..., boards: _Optional[_Iterable[str]] = ..., priority: _Optional[float] = ..., submitted: _Optional[float] = ..., planned_start: _Optional[float] = ..., predicted_finish: _Optional[float] = ..., started: _Optional[float] = ..., finished: _Optional[float] = ..., steps: _Optional[int] = ..., steps_done: _Optional[int] = ..., predicted_samples_per_s: _Optional[float] = ..., message: _Optional[str] = ..., run_dir: _Optional[str] = ...) -> None: ...
+    launches: int
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., request: _Optional[str] = ..., state: _Optional[str] = ..., boards: _Optional[_Iterable[str]] = ..., priority: _Optional[float] = ..., submitted: _Optional[float] = ..., planned_start: _Optional[float] = ..., predicted_finish: _Optional[float] = ..., started: _Optional[float] = ..., finished: _Optional[float] = ..., steps: _Optional[int] = ..., steps_done: _Optional[int] = ..., predicted_samples_per_s: _Optional[float] = ..., message: _Optional[str] = ..., run_dir: _Optional[str] = ..., launches: _Optional[int] = ...) -> None: ...
 
 class BoardView(_message.Message):
     __slots__ = ("name", "speed", "link_mbit_per_s", "job", "alive")

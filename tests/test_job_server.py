@@ -310,3 +310,25 @@ def _listing(stub):
         return stub.ListJobs(pb.ListJobsRequest(), timeout=5)
     except grpc.RpcError:
         return None
+
+
+def test_a_job_whose_board_never_joins_is_stopped_and_queued_again(in_process, monkeypatch):
+    import coordinator.job_server as job_server_module
+
+    monkeypatch.setattr(job_server_module, "FIRST_STEP_TIMEOUT_S", 3.0)
+    server = in_process()
+    stub = server.stub
+    stub.Join(pb.JoinRequest(name="silent", reference_s=0.1, protocol_version=edgetrain.PROTOCOL_VERSION))
+    stub.Submit(pb.SubmitRequest(job_yaml=job_yaml("stuck", 5, {"kind": "hard", "boards": ["silent"]},
+                                                   model="small_cnn")))
+    offer = stub.NextJob(pb.NextJobRequest(name="silent", max_wait_s=30), timeout=200)
+    assert offer.job_id == "j1" and offer.port > 0  # offered, but this board never goes there
+    first_pid = server.server.store.jobs["j1"].pid
+
+    job = _wait(lambda: (j := stub.ListJobs(pb.ListJobsRequest()).jobs[0]).state == "waiting" and j, 60,
+                "the stalled job to be queued again")
+    assert "silent" in job.message and job.boards == []  # the board must show up in the lobby first
+    stub.NextJob(pb.NextJobRequest(name="silent", max_wait_s=0))
+    _wait(lambda: stub.ListJobs(pb.ListJobsRequest()).jobs[0].launches == 2, 60, "a second launch")
+    _wait(lambda: not psutil.pid_exists(first_pid) or psutil.Process(first_pid).status() == psutil.STATUS_ZOMBIE,
+          30, "its coordinator to stop")
