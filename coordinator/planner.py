@@ -37,13 +37,32 @@ multiset otherwise); a step prepends a stage [i, j) on any group G ⊆ rest. Eac
 Pareto set of labels (max c, max γ, Σ energy/sample, least feasible M, S): every cost is monotone
 in each, so pruning dominated labels is exact. Per final label and M the pipeline/DP split
 (dp_share) is exact too: cost is piecewise linear in it, so only the ends, the balanced split
-and the points where a shard starts need checking. When the DP's transition count exceeds
-``exact_budget`` (beyond 6 distinct boards at 10 blocks for time, 5 when energy counts; typed
-fleets go further: 16 boards of 2 types at 5 blocks), boards are coarsened into bundles that
-always act together (identical boards paired first, then the two most alike merged), the DP runs
-over bundles, and a hill climb at board level (shift a cut, split off a board, move, swap, add
-or drop a board, merge two stages) polishes its best few structures with the exact cost: a
-heuristic, no bound claimed.
+and, when energy counts, the points where a shard starts need checking (step time alone is least
+with no DP samples or where the falling pipeline time meets the rising DP time, if the shards
+can take that many).
+When the DP's transition count exceeds ``exact_budget`` (beyond 6 distinct boards at 10 blocks
+for time, 5 when energy counts; typed fleets go further: 16 boards of 2 types at 5 blocks), a
+heuristic takes over: beam searches, the same DP with each state keeping only the BEAM_WIDTH
+labels of best outlook (an optimistic completion: the blocks still to place split perfectly over
+the spare boards, which may also take DP shares at full speed), then a hill climb.
+  - One beam takes every board, within BEAM_BUDGET transitions: over the classes as they are if
+    that fits, else with each stage on boards of one class when every class has several boards
+    (16 boards of 2 kinds: mixed stages are left to the climb), else over bundles of boards that
+    always act together (identical boards paired first, then the two most alike merged).
+  - One or two more take only the classes of the fastest boards, unbundled, as many as fit
+    FAST_BUDGET with any groups, and with one-class groups: bundles and slow boards hide plans
+    that leave the slow boards out.
+  - From each search's POLISH_STARTS best structures and its best of each stage count, a
+    best-improvement hill climb over shapes (each stage's board count per class), scored with
+    the exact cost on the whole fleet: shift a cut anywhere between its neighbours, merge two
+    stages, split one (blocks and boards), and per class add, drop, move or trade a board. The
+    best local optimum then climbs again from its LOOKAHEAD best neighbours while that improves
+    it (two moves that only pay together, e.g. two more boards into two stages).
+  No bound is claimed. Measured (ResNet-18 blocks, batch 64, time, fleets drawn as in
+  scripts/bench_planner.py): on 43 random 16-board fleets of 2 kinds, the exact optimum on 42
+  and within 0.7% on the last, in about 0.5 s (the exact DP: 1-9 s); on 16 boards of 2-3 kinds
+  or of all 5 kinds with mixed links, within 2.1% of the best plan a 3x wider beam with 10x the
+  budget finds (4-7 s).
 Boards on battery below ``battery_floor`` and not plugged in are left out under every objective.
 """
 
@@ -62,11 +81,25 @@ BATTERY_FLOOR_PERCENT = 20.0
 """A board below this charge and not plugged in gets no work."""
 EXACT_BUDGET = 60_000
 """Most DP transitions (block ranges x groups, x3 when energy counts) the exact search may take
-before coarsening: about 0.3 s of pure Python."""
-LOCAL_SEARCH_ROUNDS = 12
-"""Most improving moves the heuristic's hill climb makes from each start."""
+before the heuristic takes over: about 0.3 s of pure Python for distinct boards, up to about 2 s
+for fleets of two kinds (their states keep more labels)."""
+BEAM_WIDTH = 8
+"""Labels each DP state keeps in the heuristic's beam searches (those of best outlook)."""
+BEAM_BUDGET = 40_000
+"""Most DP transitions of the heuristic's beam over every board (bundled until it fits): about
+0.4 s of pure Python at BEAM_WIDTH labels."""
+FAST_BUDGET = 30_000
+"""Most DP transitions of the heuristic's other beams, over the classes of the fastest boards
+alone (never bundled)."""
 POLISH_STARTS = 3
-"""How many of the bundled DP's best structures the heuristic hill-climbs from."""
+"""How many of each beam's best structures the heuristic hill-climbs from (besides the best of
+each stage count)."""
+LOOKAHEAD = 3
+"""From the best structure the climbs reach, the heuristic climbs again from its this many best
+neighbours, for as long as that improves it."""
+SPLIT_ALL = 40
+"""A hill-climb move that splits a stage tries every division of its boards when there are at
+most this many, else the divisions in proportion to the two parts' FLOPs."""
 
 _EPS = 1e-12
 _ENERGY_LABEL_COST = 3
@@ -346,6 +379,19 @@ def _capacity(shards: Sequence[_Shard], tau: float) -> float:
     return sum(s.r * (tau - s.o) for s in shards if s.o < tau)
 
 
+def _starts(shards: Sequence[_Shard]) -> list[float]:
+    """DP samples at which each shard (sorted by o) starts getting work: ``_capacity`` at each
+    o, from running sums over the shards that start before it."""
+    out, rate, offset, a = {0.0}, 0.0, 0.0, 0
+    for s in shards:
+        while shards[a].o < s.o:
+            rate += shards[a].r
+            offset += shards[a].r * shards[a].o
+            a += 1
+        out.add(max(0.0, rate * s.o - offset))
+    return sorted(out)
+
+
 def _balanced(shards: Sequence[_Shard], o_p: float, g_p: float, total: float) -> float:
     """DP samples at which a pipeline taking o_p + g_p·samples and the shards finish together."""
     rate = offset = 0.0
@@ -392,6 +438,10 @@ class _Problem:
         self.shards = sorted((self.shard_of[k.name] for k in self.eligible if self.shard_of[k.name].cap > 0),
                              key=lambda s: (s.o, s.board.name))
         self._stage_cache: dict[tuple, _Stage] = {}
+        self.every_split = True
+        """Whether ``points`` tries every end of the pieces the DP samples' cost is linear on:
+        energy needs them; step time alone is least with no DP samples or at the balanced split
+        (the most the shards take, when the pipeline is slower still)."""
 
     def _span(self, i: int, j: int) -> tuple[float, float, float, float]:
         """P, F, X, A of blocks [i, j) (see the module docstring)."""
@@ -447,7 +497,7 @@ class _Problem:
             if shards and most >= total * (1 - _EPS):
                 yield self._point(None, shards, 1, total)
             return
-        starts = sorted({_capacity(shards, s.o) for s in shards})
+        starts = _starts(shards) if self.every_split else []
         for t in range(pipe.m, len(self.ms)):
             m = self.ms[t]
             hi = min(total - m, most)
@@ -455,7 +505,9 @@ class _Problem:
             if shards and hi > 0:
                 k = m + pipe.stages - 1
                 bal = _balanced(shards, pipe.c_all + k * pipe.lam, k * pipe.gamma / m, total)
-                cands.update([hi, min(hi, bal)], (n for n in starts if n <= hi))
+                cands.add(min(hi, bal))
+                if self.every_split:
+                    cands.update([hi], (n for n in starts if n <= hi))
             for n in sorted(cands):
                 yield self._point(pipe, shards, m, n)
 
@@ -592,20 +644,37 @@ def _classes(boards: Sequence[BoardCost]) -> list[_Unit]:
     return list(units.values())
 
 
-def _transitions(units: Sequence[_Unit], blocks: int) -> int:
-    """An upper bound on the DP's (block range, group) transitions."""
-    return blocks * (blocks + 1) // 2 * math.prod((len(u.items) + 1) * (len(u.items) + 2) // 2 for u in units)
+def _transitions(units: Sequence[_Unit], blocks: int, single: bool = False) -> int:
+    """An upper bound on the DP's (block range, group) transitions; ``single``: when each group
+    draws on one unit only."""
+    ranges = blocks * (blocks + 1) // 2
+    if single:
+        return ranges * math.prod(len(u.items) + 1 for u in units) * sum(len(u.items) for u in units) // 2
+    return ranges * math.prod((len(u.items) + 1) * (len(u.items) + 2) // 2 for u in units)
 
 
-def _coarsen(units: list[_Unit], blocks: int, budget: int) -> list[_Unit]:
-    """Bundle boards until the DP fits ``budget``: pair identical items, else merge the two most
-    alike single bundles (by per-board log speed and log link rate)."""
+def _fit(units: Sequence[_Unit], blocks: int, budget: int) -> bool | None:
+    """How a DP over ``units`` fits ``budget`` transitions: False with every group, True with
+    one-unit groups only (allowed when every unit is a class of several unbundled boards: with
+    single boards or bundles as units, a stage would be just one of them), None not at all."""
+    if _transitions(units, blocks) <= budget:
+        return False
+    if (_transitions(units, blocks, single=True) <= budget
+            and all(len(u.items) > 1 and len(u.items[0]) == 1 for u in units)):
+        return True
+    return None
+
+
+def _coarsen(units: list[_Unit], blocks: int, budget: int) -> tuple[list[_Unit], bool]:
+    """Units for a DP within ``budget`` transitions, and whether its groups draw on one unit
+    only (see ``_fit``): bundle boards until it fits, pairing identical items, else merging the
+    two most alike single bundles (by per-board log speed and log link rate)."""
     def profile(item: tuple[BoardCost, ...]) -> tuple[float, float]:
         return (sum(math.log(k.flops_per_s) for k in item) / len(item),
                 sum(math.log(k.mbit_per_s) for k in item) / len(item))
 
     units = list(units)
-    while _transitions(units, blocks) > budget:
+    while (single := _fit(units, blocks, budget)) is None:
         big = max(units, key=lambda u: len(u.items))
         if len(big.items) > 1:
             units.remove(big)
@@ -618,8 +687,19 @@ def _coarsen(units: list[_Unit], blocks: int, budget: int) -> list[_Unit]:
                 len(p[0].items[0]) + len(p[1].items[0])))
             units = [u for u in units if u is not x and u is not y] + [_Unit([x.items[0] + y.items[0]])]
         else:
+            return units, False
+    return units, single
+
+
+def _fastest(units: list[_Unit], blocks: int, budget: int, single: bool) -> list[_Unit]:
+    """The classes of the fastest boards (then best linked), as many as an unbundled DP takes
+    within ``budget`` (``single``: with one-class groups, see ``_fit``)."""
+    out: list[_Unit] = []
+    for unit in sorted(units, key=lambda u: (-u.items[0][0].flops_per_s, -u.items[0][0].mbit_per_s)):
+        if _fit([*out, unit], blocks, budget) not in ((False, True) if single else (False,)):
             break
-    return units
+        out.append(unit)
+    return out
 
 
 def _insert(bucket: list[tuple], new: tuple) -> None:
@@ -637,42 +717,136 @@ def _insert(bucket: list[tuple], new: tuple) -> None:
     bucket.append(new)
 
 
-def _search(prob: _Problem, units: list[_Unit], energy: bool) -> Iterator[tuple[tuple, _Point]]:
+def _dominated(bucket: list[tuple], new: tuple) -> bool:
+    """Whether a label in ``bucket`` is no worse than ``new`` in every compared entry."""
+    c, g, e, m, n, ca, oo = *new[:5], new[8], new[9]
+    for o in bucket:
+        if o[0] <= c and o[1] <= g and o[2] <= e and o[3] <= m and o[4] <= n and o[8] <= ca and o[9] <= oo:
+            return True
+    return False
+
+
+def _admit(bucket: list[tuple], new: tuple, width: int) -> None:
+    """``_insert`` for the beam, of a label none in ``bucket`` dominates: labels carry their
+    outlook at index 10, and only the ``width`` labels of best outlook stay."""
+    worst = max(bucket, key=lambda o: o[10]) if len(bucket) >= width else None
+    if worst is not None and new[10] >= worst[10]:
+        return
+    c, g, e, m, n, ca, oo = *new[:5], new[8], new[9]
+    bucket[:] = [o for o in bucket if not (c <= o[0] and g <= o[1] and e <= o[2] and m <= o[3] and n <= o[4]
+                                           and ca <= o[8] and oo <= o[9])]
+    bucket.append(new)
+    if len(bucket) > width:
+        bucket.remove(worst)
+
+
+class _Outlook:
+    """An optimistic guess of the final cost of a label whose stages cover blocks i.. with the
+    boards ``used`` (counts per unit); it ranks labels in the beam. The blocks before i (F_head
+    FLOPs) are one more stage, split perfectly over the spare boards (f_spare FLOP/s), which may
+    also take DP shares at full speed. Per micro-batch count M, with k = M + S − 1 and a pipeline
+    taking p samples in a + p·kγ/M (a = c + k·λ): the least t with t ≥ a + kγ (p ≥ M),
+    t ≥ F_head·B / f_spare and f_spare·t ≥ F_head·p + F·(B − p) for the most p the pipeline
+    finishes by t; energy: the used boards idle over t, plus the label's busy energy and the
+    head's at the thriftiest board's J/FLOP."""
+
+    def __init__(self, prob: _Problem, units: Sequence[_Unit]) -> None:
+        self.prob = prob
+        self.flops = [sum(k.flops_per_s for k in u.items[0]) for u in units]
+        self.rtt = [max(k.rtt_s for k in u.items[0]) for u in units]
+        self.idle = [sum(k.idle_w for k in u.items[0]) for u in units]
+        self.counts = [len(u.items) for u in units]
+        self.thrift = min(((k.busy_w - k.idle_w) / k.flops_per_s for u in units for k in u.items[0]), default=0.0)
+        self._at: dict[tuple, tuple] = {}
+
+    def _context(self, i: int, used: tuple[int, ...]) -> tuple:
+        prob = self.prob
+        spare = sum(f * (n - u) for f, n, u in zip(self.flops, self.counts, used))
+        head, total = prob._fc[i], prob._fc[-1]
+        out = (spare, max((r for r, u in zip(self.rtt, used) if u), default=0.0),
+               sum(w * u for w, u in zip(self.idle, used)), head / spare if spare > 0 else math.inf,
+               head * prob.B / spare if spare > 0 else 0.0, total - head, total * prob.B)
+        self._at[i, used] = out
+        return out
+
+    def __call__(self, i: int, used: tuple[int, ...], c: float, gamma: float, e: float, m: int, depth: int,
+                 o: float) -> float:
+        spare, rtt, idle, rate, floor, done, work = self._at.get((i, used)) or self._context(i, used)
+        if i:
+            if spare <= 0:
+                return math.inf
+            depth += 1
+            if gamma < rate:
+                gamma = rate
+        lam = o + (2 if depth > 2 else depth - 1) * rtt
+        best = math.inf
+        for mb in self.prob.ms[m:]:
+            k = mb + depth - 1
+            a, slope = c + k * lam, k * gamma / mb
+            t = a + mb * slope
+            if t < floor:
+                t = floor
+            den = done + slope * spare
+            if den > 0:
+                both = (slope * work + done * a) / den
+                if both > t:
+                    t = both
+            if t < best:
+                best = t
+        return self.prob.cost(best, idle * best + (e + self.prob._fc[i] * self.thrift) * self.prob.B)
+
+
+def _search(prob: _Problem, units: list[_Unit], energy: bool, width: int | None = None,
+            single: bool = False, others: Sequence[BoardCost] = ()) -> Iterator[tuple[tuple, _Point]]:
     """Every candidate of every non-dominated final DP label: (label, point). Without
-    ``energy``, labels are compared on time alone (e is kept only as a tie-break)."""
+    ``energy``, labels are compared on time alone (e is kept only as a tie-break). With a
+    ``width``, a beam: each state keeps at most that many labels, those of best outlook;
+    ``single``: each stage's group draws on one unit only; ``others``: boards outside the units,
+    DP shards only."""
     counts = tuple(len(u.items) for u in units)
     reps = [u.items[0] for u in units]
+    outlook = _Outlook(prob, units) if width else None
     layers: list[dict[tuple, list[tuple]]] = [{} for _ in range(prob.L + 1)]
     layers[prob.L][(0,) * len(units)] = [(0.0, 0.0, 0.0, 0, 0, None, None, 0.0, 0.0, 0.0)]
     subs: dict[tuple, list[tuple]] = {}
-    terms: dict[tuple, _Stage] = {}
+    terms: dict[tuple, tuple[_Stage, tuple[int | None, ...]]] = {}
     for j in range(prob.L, 0, -1):
         for used, labels in layers[j].items():
             rest = tuple(c - u for c, u in zip(counts, used))
             if rest not in subs:
-                subs[rest] = [g for g in itertools.product(*(range(r + 1) for r in rest)) if any(g)]
+                subs[rest] = [g for g in itertools.product(*(range(r + 1) for r in rest))
+                              if any(g) and (not single or sum(1 for x in g if x) == 1)]
             for g in subs[rest]:
                 after = tuple(u + n for u, n in zip(used, g))
                 for i in range(j):
-                    st = terms.get((i, j, g))
-                    if st is None:
+                    term = terms.get((i, j, g))
+                    if term is None:
                         members = [k for rep, n in zip(reps, g) for _ in range(n) for k in rep]
-                        st = terms[i, j, g] = prob.stage(i, j, members)
+                        st = prob.stage(i, j, members)
+                        term = terms[i, j, g] = (st, tuple(prob.fit_index(st.q, p) for p in range(1, prob.L + 1)))
+                    st, fits = term
                     if st.q < 0:
                         continue
+                    sc, sg, sca, so, se = st.c, st.gamma, st.c_all, st.o, st.e
                     bucket = layers[i].setdefault(after, [])
                     for lab in labels:
-                        t = prob.fit_index(st.q, lab[4] + 1)
-                        if t is not None:
-                            e = lab[7] + st.e
-                            _insert(bucket, (max(lab[0], st.c), max(lab[1], st.gamma),
-                                             e if energy else 0.0, max(lab[3], t), lab[4] + 1,
-                                             lab, (i, j, g), e, max(lab[8], st.c_all), max(lab[9], st.o)))
+                        t = fits[lab[4]]
+                        if t is None:
+                            continue
+                        e = lab[7] + se
+                        new = (sc if sc > lab[0] else lab[0], sg if sg > lab[1] else lab[1], e if energy else 0.0,
+                               t if t > lab[3] else lab[3], lab[4] + 1, lab, (i, j, g), e,
+                               sca if sca > lab[8] else lab[8], so if so > lab[9] else lab[9])
+                        if outlook is None:
+                            _insert(bucket, new)
+                        elif not _dominated(bucket, new):
+                            _admit(bucket, (*new, outlook(i, after, new[0], new[1], e, new[3], new[4], new[9])),
+                                   width)
     for used, labels in layers[0].items():
         hosts = [k for rep, n in zip(reps, used) for _ in range(n) for k in rep]
         spare = [k for rep, c, u in zip(reps, counts, used) for _ in range(c - u) for k in rep]
-        shards = sorted((prob.shard_of[k.name] for k in spare if prob.shard_of[k.name].cap > 0),
-                        key=lambda s: s.o)
+        shards = sorted((prob.shard_of[k.name] for k in (*spare, *others) if prob.shard_of[k.name].cap > 0),
+                        key=lambda s: (s.o, s.board.name))
         idle = sum(k.idle_w for k in hosts)
         for lab in labels:
             pipe = _Pipe(lab[0], lab[8], lab[1], lab[7], lab[3], lab[4], prob.latency(lab[9], hosts, lab[4]), idle)
@@ -682,6 +856,8 @@ def _search(prob: _Problem, units: list[_Unit], energy: bool) -> Iterator[tuple[
 
 def _concrete(units: list[_Unit], label: tuple | None) -> Stages:
     """The stages of a label chain (None: pure DP), with boards taken from each unit in turn."""
+    if label is None:
+        return []
     pools = [list(u.items) for u in units]
     stages = []
     while label is not None and label[6] is not None:
@@ -694,48 +870,176 @@ def _concrete(units: list[_Unit], label: tuple | None) -> Stages:
 # --- the local search of the heuristic ----------------------------------------------------------
 
 
-def _neighbours(prob: _Problem, stages: Stages) -> Iterator[Stages]:
-    """Shift a cut, split off one board with a head or tail of its blocks, move a board between
-    stages or out, add or swap in an outside board, merge two stages."""
-    used = {k.name for *_, g in stages for k in g}
-    outside = [k for k in prob.eligible if k.name not in used]
-
-    def put(s: int, g: tuple[BoardCost, ...], base: Stages = stages) -> Stages:
-        return base[:s] + [(base[s][0], base[s][1], g)] + base[s + 1:]
-
-    for s in range(len(stages) - 1):
-        (i, j, g), (_, end, h) = stages[s], stages[s + 1]
-        for cut in (j - 1, j + 1):
-            if i < cut < end:
-                yield stages[:s] + [(i, cut, g), (cut, end, h)] + stages[s + 2:]
-        yield stages[:s] + [(i, end, g + h)] + stages[s + 2:]
-    for s, (i, j, g) in enumerate(stages):
-        for k in g:
-            rest = tuple(x for x in g if x is not k)
-            if rest:
-                for cut in range(i + 1, j):
-                    yield stages[:s] + [(i, cut, rest), (cut, j, (k,))] + stages[s + 1:]
-                    yield stages[:s] + [(i, cut, (k,)), (cut, j, rest)] + stages[s + 1:]
-                yield put(s, rest)
-                for t in range(len(stages)):
-                    if t != s:
-                        yield put(t, stages[t][2] + (k,), put(s, rest))
-            for o in outside:
-                yield put(s, tuple(o if x is k else x for x in g))
-        for o in outside:
-            yield put(s, g + (o,))
+Shape = tuple[tuple[int, int, tuple[int, ...]], ...]
+"""A structure up to interchangeable boards: its stages as (begin, end, boards of each class)."""
 
 
-def _polish(prob: _Problem, stages: Stages, point: _Point) -> tuple[Stages, _Point]:
-    """Best-improvement hill climb with the exact cost, at most LOCAL_SEARCH_ROUNDS moves."""
-    for _ in range(LOCAL_SEARCH_ROUNDS):
-        scored = ((prob.best(n), n) for n in _neighbours(prob, stages))
-        cand, nxt = min(((p, n) for p, n in scored if p is not None), key=lambda x: x[0].key,
-                        default=(None, None))
-        if cand is None or cand.key >= point.key:
+class _Climb:
+    """Hill climbing over shapes (stages as board counts per class of identical boards), each
+    scored once with the exact cost."""
+
+    def __init__(self, prob: _Problem) -> None:
+        self.prob = prob
+        self.pools = [[k for (k,) in u.items] for u in _classes(prob.eligible)]
+        self.sizes = tuple(len(p) for p in self.pools)
+        self.index = {k.name: c for c, pool in enumerate(self.pools) for k in pool}
+        self.scores: dict[Shape, _Point | None] = {}
+        self._terms: dict[tuple, _Stage] = {}
+        self._shards: dict[tuple[int, ...], list[_Shard]] = {}
+
+    def shape(self, stages: Stages) -> Shape:
+        """The shape of concrete stages."""
+        out = []
+        for i, j, g in stages:
+            n = [0] * len(self.pools)
+            for k in g:
+                n[self.index[k.name]] += 1
+            out.append((i, j, tuple(n)))
+        return tuple(out)
+
+    def stages(self, shape: Shape) -> Stages:
+        """Boards for a shape: each stage takes the next ones of each class."""
+        taken, out = [0] * len(self.pools), []
+        for i, j, g in shape:
+            members = []
+            for c, n in enumerate(g):
+                members += self.pools[c][taken[c]:taken[c] + n]
+                taken[c] += n
+            out.append((i, j, tuple(members)))
+        return out
+
+    def score(self, shape: Shape) -> _Point | None:
+        """``prob.best`` of the shape's stages, with stage terms and shards cached by class counts."""
+        if shape in self.scores:
+            return self.scores[shape]
+        prob, depth = self.prob, len(shape)
+        c = c_all = gamma = e = o = 0.0
+        m = 0
+        used = [0] * len(self.pools)
+        point = None
+        for s, (i, j, g) in enumerate(shape):
+            st = self._terms.get((i, j, g))
+            if st is None:
+                members = [k for pool, n in zip(self.pools, g) for k in pool[:n]]
+                st = self._terms[i, j, g] = prob.stage(i, j, members)
+            t = prob.fit_index(st.q, depth - s)
+            if t is None:
+                break
+            c, c_all, gamma, e, m, o = (max(c, st.c), max(c_all, st.c_all), max(gamma, st.gamma), e + st.e,
+                                        max(m, t), max(o, st.o))
+            used = [u + n for u, n in zip(used, g)]
+        else:
+            hosts = [pool[0] for pool, n in zip(self.pools, used) if n]
+            idle = sum(pool[0].idle_w * n for pool, n in zip(self.pools, used))
+            spare = tuple(n - u for n, u in zip(self.sizes, used))
+            shards = self._shards.get(spare)
+            if shards is None:  # the boards ``stages`` leaves out: the last ones of each class
+                outside = (prob.shard_of[k.name] for pool, n in zip(self.pools, spare) for k in pool[len(pool) - n:])
+                shards = self._shards[spare] = sorted((x for x in outside if x.cap > 0),
+                                                      key=lambda x: (x.o, x.board.name))
+            pipe = _Pipe(c, c_all, gamma, e, m, depth, prob.latency(o, hosts, depth), idle)
+            point = min(prob.points(pipe, shards), key=lambda p: p.key, default=None)
+        self.scores[shape] = point
+        return point
+
+    def splits(self, i: int, cut: int, j: int, g: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+        """Boards for the head [i, cut) when stage [i, j) on ``g`` splits at ``cut``."""
+        if math.prod(n + 1 for n in g) <= SPLIT_ALL:
+            yield from itertools.product(*(range(n + 1) for n in g))
+            return
+        fc = self.prob._fc
+        share = (fc[cut] - fc[i]) / (fc[j] - fc[i]) if fc[j] > fc[i] else (cut - i) / (j - i)
+        base = tuple(math.floor(n * share) for n in g)
+        yield base
+        for c, n in enumerate(g):
+            if base[c] < n:
+                yield base[:c] + (base[c] + 1,) + base[c + 1:]
+
+    def moves(self, shape: Shape) -> Iterator[Shape]:
+        """Shift a cut anywhere between its neighbours, merge two neighbouring stages, split a
+        stage in two (blocks and boards), and per class: add a board from outside, drop one, move
+        one to another stage, trade one for another class's board from outside or from another
+        stage."""
+        classes, stages = range(len(self.sizes)), list(shape)
+        spare = [n - sum(g[c] for *_, g in shape) for c, n in enumerate(self.sizes)]
+
+        def put(base: list, s: int, g: tuple[int, ...]) -> list:
+            return base[:s] + [(base[s][0], base[s][1], g)] + base[s + 1:]
+
+        def plus(g: tuple[int, ...], c: int, d: int) -> tuple[int, ...]:
+            return g[:c] + (g[c] + d,) + g[c + 1:]
+
+        for s in range(len(stages) - 1):
+            (i, j, g), (_, end, h) = stages[s], stages[s + 1]
+            for cut in range(i + 1, end):
+                if cut != j:
+                    yield tuple(stages[:s] + [(i, cut, g), (cut, end, h)] + stages[s + 2:])
+            yield tuple(stages[:s] + [(i, end, tuple(x + y for x, y in zip(g, h)))] + stages[s + 2:])
+        for s, (i, j, g) in enumerate(stages):
+            for cut in range(i + 1, j):
+                for head in self.splits(i, cut, j, g):
+                    tail = tuple(x - y for x, y in zip(g, head))
+                    if any(head) and any(tail):
+                        yield tuple(stages[:s] + [(i, cut, head), (cut, j, tail)] + stages[s + 1:])
+            for c in classes:
+                if spare[c]:
+                    yield tuple(put(stages, s, plus(g, c, 1)))
+                if not g[c]:
+                    continue
+                less = plus(g, c, -1)
+                if any(less):
+                    yield tuple(put(stages, s, less))
+                for d in classes:
+                    if d != c and spare[d]:
+                        yield tuple(put(stages, s, plus(less, d, 1)))
+                for t, (*_, h) in enumerate(stages):
+                    if t == s:
+                        continue
+                    if any(less):
+                        yield tuple(put(put(stages, s, less), t, plus(h, c, 1)))
+                    for d in classes:
+                        if d != c and h[d] and t > s:
+                            yield tuple(put(put(stages, s, plus(less, d, 1)), t, plus(plus(h, d, -1), c, 1)))
+
+    def escape(self, shape: Shape, point: _Point) -> tuple[Shape, _Point] | None:
+        """From a local optimum: climb from its LOOKAHEAD best neighbours; the best result if it
+        beats ``point``."""
+        near = sorted(((p, n) for n in self.moves(shape) if (p := self.score(n)) is not None),
+                      key=lambda x: x[0].key)[:LOOKAHEAD]
+        best = min((self.climb(n, p) for p, n in near), key=lambda x: x[1].key, default=None)
+        return best if best is not None and best[1].key < point.key else None
+
+    def climb(self, shape: Shape, point: _Point) -> tuple[Shape, _Point]:
+        """Best-improvement hill climb from ``shape`` until no move improves."""
+        while True:
+            best = min(((p, n) for n in self.moves(shape) if (p := self.score(n)) is not None),
+                       key=lambda x: x[0].key, default=None)
+            if best is None or best[0].key >= point.key:
+                return shape, point
+            point, shape = best
+
+
+def _polish(prob: _Problem, starts: Sequence[Stages]) -> tuple[Stages, _Point]:
+    """The best of the structures hill-climbed from each start (no stages: pure DP, kept as is),
+    scored on the whole fleet (a start may come from a search over some of its boards)."""
+    climb = _Climb(prob)
+    done, seen = [], set()
+    for stages in starts:
+        shape = climb.shape(stages)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        point = climb.score(shape) if shape else prob.best([])
+        if point is not None:
+            done.append(climb.climb(shape, point) if shape else (shape, point))
+    _check(bool(done), "no plan fits the boards' memory")
+    shape, point = min(done, key=lambda c: c[1].key)
+    while shape and LOOKAHEAD:
+        nxt = climb.escape(shape, point)
+        if nxt is None:
             break
-        stages, point = nxt, cand
-    return stages, point
+        shape, point = nxt
+    return climb.stages(shape), point
 
 
 # --- the public planner ------------------------------------------------------------------------
@@ -750,17 +1054,34 @@ def _weight(objective: str | float) -> float:
     return float(objective)
 
 
-def _candidates(prob: _Problem, exact_budget: int, energy: bool) -> tuple[list[_Unit], Iterator[tuple], bool]:
-    """The units searched, every candidate (label or None for pure DP, point), and whether the
-    search is exact."""
+def _candidates(prob: _Problem, exact_budget: int, energy: bool) -> tuple[list[Iterator[tuple]], bool]:
+    """Every candidate, (label or None for pure DP, units, point), one iterator per search, and
+    whether the search is exact. Beyond the exact budget, beams: over every board, bundled to
+    fit BEAM_BUDGET, and over the classes of the fastest boards alone, unbundled, with any groups
+    and with one-class groups (those that differ)."""
     units = _classes(prob.eligible)
     exact = _transitions(units, prob.L) * (_ENERGY_LABEL_COST if energy else 1) <= exact_budget
-    if not exact:
-        units = _coarsen(units, prob.L, exact_budget)
     pure = prob.best([])
-    head = [(None, pure)] if pure is not None else []
-    found = _search(prob, units, energy) if units else ()
-    return units, itertools.chain(head, found), exact
+    head = iter([(None, None, pure)] if pure is not None else [])
+    if exact:
+        return [itertools.chain(head, _tagged(units, _search(prob, units, energy)))], True
+    searches = [_coarsen(units, prob.L, BEAM_BUDGET)]
+    for single in (False, True):
+        fast = _fastest(units, prob.L, FAST_BUDGET, single)
+        if fast and (fast, single) not in searches:
+            searches.append((fast, single))
+    beams = []
+    for some, single in searches:
+        inside = {k.name for u in some for item in u.items for k in item}
+        others = [k for k in prob.eligible if k.name not in inside]
+        beams.append(_tagged(some, _search(prob, some, energy, BEAM_WIDTH, single, others)))
+    return [head, *beams], False
+
+
+def _tagged(units: list[_Unit], found: Iterator[tuple[tuple, _Point]]) -> Iterator[tuple]:
+    """A search's candidates, each with the units its label's groups count."""
+    for label, point in found:
+        yield label, units, point
 
 
 def predict(plan: Plan, fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, *,
@@ -783,20 +1104,39 @@ def plan_optimal(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int
                  stage_state: str = "hosts", sync_every: int = 50) -> Plan:
     """The plan minimising ``objective`` ("time", "energy" or a weight η of energy in [0, 1]):
     exact over pipelines, hybrids and pure DP when the DP fits ``exact_budget``, else the
-    bundled DP plus a hill climb. Raises ValueError when nothing fits in memory."""
+    heuristic (beam searches plus a hill climb, see the module docstring). Raises ValueError
+    when nothing fits in memory."""
     prob = _Problem(fleet, model, global_batch, _weight(objective), microbatches, battery_floor, stage_state, sync_every)
-    units, found, exact = _candidates(prob, exact_budget, prob.eta > 0)
-    by_label: dict[int, tuple] = {}
-    for label, point in found:
-        old = by_label.get(id(label))
-        if old is None or point.key < old[1].key:
-            by_label[id(label)] = (label, point)
-    _check(bool(by_label), "no plan fits the boards' memory")
-    starts = sorted(by_label.values(), key=lambda c: c[1].key)[:1 if exact else POLISH_STARTS]
-    tried = [(_concrete(units, label), point) for label, point in starts]
-    if not exact:
-        tried = [_polish(prob, stages, point) if stages else (stages, point) for stages, point in tried]
-    return prob.plan(*min(tried, key=lambda c: c[1].key))
+    prob.every_split = prob.eta > 0
+    searches, exact = _candidates(prob, exact_budget, prob.eta > 0)
+    ranked = []
+    for found in searches:
+        by_label: dict[int, tuple] = {}
+        for label, units, point in found:
+            old = by_label.get(id(label))
+            if old is None or point.key < old[2].key:
+                by_label[id(label)] = (label, units, point)
+        ranked.append(sorted(by_label.values(), key=lambda c: c[2].key))
+    _check(any(ranked), "no plan fits the boards' memory")
+    if exact:
+        label, units, point = min((r[0] for r in ranked if r), key=lambda c: c[2].key)
+        return prob.plan(_concrete(units, label), point)
+    return prob.plan(*_polish(prob, [_concrete(units, label) for r in ranked for label, units, _ in _diverse(r)]))
+
+
+def _diverse(ranked: list[tuple]) -> list[tuple]:
+    """The best POLISH_STARTS candidates and the best of each stage count."""
+    out = ranked[:POLISH_STARTS]
+    seen = {id(c[0]) for c in out}
+    depth = set()
+    for c in ranked:
+        d = c[0][4] if c[0] is not None else 0
+        if d not in depth:
+            depth.add(d)
+            if id(c[0]) not in seen:
+                out.append(c)
+                seen.add(id(c[0]))
+    return out
 
 
 def pareto(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, *,
@@ -805,8 +1145,8 @@ def pareto(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, *,
     """The (step time, energy) non-dominated plans among the candidates the search considers,
     fastest first (beyond the exact budget, plus the hill-climbed time and energy optima)."""
     prob = _Problem(fleet, model, global_batch, 0.0, microbatches, battery_floor, stage_state, sync_every)
-    units, found, exact = _candidates(prob, exact_budget, True)
-    pool = [(lambda lab=lab: _concrete(units, lab), p) for lab, p in found]
+    searches, exact = _candidates(prob, exact_budget, True)
+    pool = [(lambda lab=lab, units=units: _concrete(units, lab), p) for found in searches for lab, units, p in found]
     _check(bool(pool), "no plan fits the boards' memory")
     if not exact:
         for eta in (0.0, 1.0):
@@ -814,7 +1154,7 @@ def pareto(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, *,
             aim.eta = eta
             make, point = min(pool, key=lambda c: (aim.cost(c[1].step, c[1].energy), c[1].step))
             if make():
-                stages, point = _polish(aim, make(), aim.best(make()))
+                stages, point = _polish(aim, [make()])
                 pool.append((lambda stages=stages: stages, point))
     front, least = [], math.inf
     for make, point in sorted(pool, key=lambda c: (c[1].step, c[1].energy)):
