@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,7 +105,7 @@ class JobStore:
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
+        tmp = self.path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")  # one writer per name
         tmp.write_text(json.dumps({"counter": self.counter,
                                    "jobs": [dataclasses.asdict(j) for j in self.jobs.values()]}, indent=1))
         os.replace(tmp, self.path)

@@ -52,6 +52,8 @@ class InProcessServer:
         self.stub = pb_grpc.JobServerStub(self.channel)
 
     def close(self) -> None:
+        if self.stop.is_set():
+            return
         self.stop.set()
         self.loop.join(5)
         self.channel.close()
