@@ -38,7 +38,7 @@ import edgetrain
 from coordinator.job_scheduler import SCHEDULERS, Board, FleetState, Job, Running
 from coordinator.job_speed import PlannerSpeed, board_spec, warm
 from coordinator.job_store import ACTIVE, DONE, JobRecord, JobStore
-from edgetrain.config import ConfigError, JobConfig, job_from_dict
+from edgetrain.config import ConfigError, JobConfig, job_from_dict, job_to_dict
 from edgetrain.grpc_options import SERVER_OPTIONS
 from edgetrain.launch import edgetrain_command
 from protos import jobs_pb2 as pb
@@ -324,27 +324,22 @@ class JobServer:
             if board.job == job.id:
                 board.job, board.last_seen = "", now  # it has board_timeout_s to come back
 
-    def _steps_done(self, job: JobRecord) -> int:
-        """Steps its coordinator logged (metrics.jsonl), at least what it had before."""
-        path = self.runs_dir / job.run_name / "metrics.jsonl"
-        done = job.steps_done
+    def _train_steps(self, job: JobRecord) -> list[tuple[int, float]]:
+        """(step, time) of every step its coordinator logged in metrics.jsonl ([] when unreadable)."""
         try:
-            with path.open("rb") as f:
-                for line in f:
-                    if b'"kind": "train"' in line:
-                        done = max(done, int(json.loads(line)["step"]) + 1)
+            with (self.runs_dir / job.run_name / "metrics.jsonl").open("rb") as f:
+                return [(int(r["step"]), float(r["time"])) for r in
+                        (json.loads(line) for line in f if b'"kind": "train"' in line)]
         except (OSError, ValueError, KeyError):
-            pass
-        return done
+            return []
+
+    def _steps_done(self, job: JobRecord) -> int:
+        """Steps its coordinator logged, at least what it had before."""
+        return max([job.steps_done] + [step + 1 for step, _ in self._train_steps(job)])
 
     def _measured_overhead(self, job: JobRecord) -> float:
         """Launch to exit minus its training steps, from its coordinator's step log (0: unknown)."""
-        times = []
-        try:
-            with (self.runs_dir / job.run_name / "metrics.jsonl").open("rb") as f:
-                times = [json.loads(line)["time"] for line in f if b'"kind": "train"' in line]
-        except (OSError, ValueError, KeyError):
-            return 0.0
+        times = [t for _, t in self._train_steps(job)]
         if len(times) < 2 or not job.started or job.resume:
             return 0.0
         training = (times[-1] - times[0]) * len(times) / (len(times) - 1)
@@ -357,11 +352,7 @@ class JobServer:
 
     def _stepped_since(self, job: JobRecord, since: float) -> bool:
         """Whether its coordinator logged a step after `since`."""
-        try:
-            with (self.runs_dir / job.run_name / "metrics.jsonl").open("rb") as f:
-                return any(json.loads(line)["time"] >= since for line in f if b'"kind": "train"' in line)
-        except (OSError, ValueError, KeyError):
-            return False
+        return any(t >= since for _, t in self._train_steps(job))
 
     def _log(self, job: JobRecord) -> Path:
         return self.state_dir / "logs" / f"{job.run_name}.log"
@@ -442,8 +433,6 @@ class JobServer:
     def _launch(self, job: JobRecord, config: JobConfig, boards: list[str], now: float) -> None:
         run_config = replace(config, name=job.run_name,
                              training=replace(config.training, min_clients=len(boards)))
-        from edgetrain.config import job_to_dict
-
         job_dir = self.state_dir / "jobs"
         job_dir.mkdir(parents=True, exist_ok=True)
         config_file = job_dir / f"{job.run_name}.yaml"

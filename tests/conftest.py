@@ -137,3 +137,14 @@ def client_factory(tmp_path: Path) -> Iterator:
         if proc.poll() is None:
             proc.kill()
         proc.wait(10)
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    """Poll `predicate` every 0.5 s until it returns something truthy; fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")

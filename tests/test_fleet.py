@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import wait_for
 
 from edgetrain.fleet import fleet_down, fleet_up
 from edgetrain.netns import netns_available
@@ -47,16 +48,6 @@ def devices(address: str) -> dict[str, pb.DeviceView]:
     with grpc.insecure_channel(address) as channel:
         reply = pb_grpc.CoordinatorStub(channel).ListDevices(pb.ListDevicesRequest(), timeout=10)
     return {d.info.name: d for d in reply.devices if d.state != "gone"}
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def link_rate(address: str) -> float | None:

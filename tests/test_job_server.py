@@ -14,6 +14,7 @@ import grpc
 import psutil
 import pytest
 import yaml
+from conftest import wait_for
 
 import edgetrain
 from coordinator.job_scheduler import Board, Job
@@ -146,16 +147,6 @@ def _cli(*args: str, cwd: Path) -> str:
     return done.stdout
 
 
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-
-
 @pytest.fixture
 def job_server(tmp_path, client_factory):
     """`edgetrain coordinator --jobs` as a process, and three client processes at 0.3 of a core."""
@@ -165,12 +156,12 @@ def job_server(tmp_path, client_factory):
                              "--port-file", str(port_file), "--state-dir", str(tmp_path / "state"),
                              "--runs-dir", str(tmp_path / "runs"), "--data-dir", str(tmp_path / "data"),
                              "--no-advertise"], stdout=log, stderr=subprocess.STDOUT)
-    address = _wait(lambda: port_file.exists() and port_file.read_text().strip(), 120, "the job server")
+    address = wait_for(lambda: port_file.exists() and port_file.read_text().strip(), 120, "the job server")
     for i in range(3):
         client_factory(address, f"b{i}", speed=0.3)
     channel = grpc.insecure_channel(address)
     stub = pb_grpc.JobServerStub(channel)
-    _wait(lambda: len(stub.ListJobs(pb.ListJobsRequest()).boards) == 3, 120, "three boards in the lobby")
+    wait_for(lambda: len(stub.ListJobs(pb.ListJobsRequest()).boards) == 3, 120, "three boards in the lobby")
     yield address, stub, tmp_path
     channel.close()
     children = psutil.Process(proc.pid).children(recursive=True)
@@ -197,7 +188,7 @@ def test_jobs_share_the_fleet_in_the_order_and_placement_the_simulator_predicts(
         jobs = stub.ListJobs(pb.ListJobsRequest()).jobs
         return jobs if all(j.state in ("finished", "failed", "cancelled") for j in jobs) else None
 
-    jobs = {j.name: j for j in _wait(all_done, 400, "every job to finish")}
+    jobs = {j.name: j for j in wait_for(all_done, 400, "every job to finish")}
     assert {n: j.state for n, j in jobs.items()} == {"a": "finished", "b": "finished", "c": "finished"}, \
         {n: j.message for n, j in jobs.items()}
     assert all(j.steps_done == j.steps for j in jobs.values())
@@ -237,14 +228,14 @@ def test_cancelling_a_running_job_returns_its_boards_to_the_lobby(job_server):
     address, stub, tmp = job_server
     (tmp / "long.yaml").write_text(job_yaml("long", 2000, {"kind": "hard", "boards": ["b1"]}))
     _cli("submit", str(tmp / "long.yaml"), "--server", address, cwd=tmp)
-    _wait(lambda: stub.ListJobs(pb.ListJobsRequest()).jobs[0].steps_done >= 1, 180, "the job to train")
+    wait_for(lambda: stub.ListJobs(pb.ListJobsRequest()).jobs[0].steps_done >= 1, 180, "the job to train")
     assert "cancelled" in _cli("cancel", "j1", "--server", address, cwd=tmp)
     job = stub.ListJobs(pb.ListJobsRequest()).jobs[0]
     assert job.state == "cancelled" and 0 < job.steps_done < 2000
     # the board comes back and takes the next job
     (tmp / "next.yaml").write_text(job_yaml("next", 3, {"kind": "hard", "boards": ["b1"]}))
     _cli("submit", str(tmp / "next.yaml"), "--server", address, cwd=tmp)
-    _wait(lambda: stub.ListJobs(pb.ListJobsRequest()).jobs[1].state == "finished", 180, "the next job on b1")
+    wait_for(lambda: stub.ListJobs(pb.ListJobsRequest()).jobs[1].state == "finished", 180, "the next job on b1")
 
 
 def _free_port() -> int:
@@ -274,9 +265,9 @@ def test_a_killed_job_server_adopts_its_running_job_when_it_comes_back(tmp_path,
             client_factory(address, f"b{i}", speed=0.3)
         channel = grpc.insecure_channel(address)
         stub = pb_grpc.JobServerStub(channel)
-        _wait(lambda: len(getattr(_listing(stub), "boards", ())) == 2, 120, "two boards")
+        wait_for(lambda: len(getattr(_listing(stub), "boards", ())) == 2, 120, "two boards")
         stub.Submit(pb.SubmitRequest(job_yaml=job_yaml("long", 40, {"kind": "hard", "boards": ["b0"]})))
-        _wait(lambda: stub.ListJobs(pb.ListJobsRequest()).jobs[0].steps_done >= 3, 180, "the job to train")
+        wait_for(lambda: stub.ListJobs(pb.ListJobsRequest()).jobs[0].steps_done >= 3, 180, "the job to train")
         coordinators = psutil.Process(server.pid).children(recursive=True)
         assert len(coordinators) == 1
         server.kill()  # no clean shutdown: the job's coordinator and its board go on without it
@@ -284,17 +275,17 @@ def test_a_killed_job_server_adopts_its_running_job_when_it_comes_back(tmp_path,
         time.sleep(2)
         assert coordinators[0].is_running()
         server = start_server()
-        job = _wait(lambda: _listing(stub), 120, "the restarted job server").jobs[0]
+        job = wait_for(lambda: _listing(stub), 120, "the restarted job server").jobs[0]
         assert (job.id, job.state) == ("j1", "running")  # adopted, not restarted
         stub.Submit(pb.SubmitRequest(job_yaml=job_yaml("other", 3, {"kind": "hard", "boards": ["b1"]})))
-        jobs = _wait(lambda: [j for j in stub.ListJobs(pb.ListJobsRequest()).jobs if j.state == "finished"]
+        jobs = wait_for(lambda: [j for j in stub.ListJobs(pb.ListJobsRequest()).jobs if j.state == "finished"]
                      if all(j.state == "finished" for j in stub.ListJobs(pb.ListJobsRequest()).jobs) else None,
                      300, "both jobs to finish")
         assert [(j.id, j.steps_done) for j in jobs] == [("j1", 40), ("j2", 3)]
         run = [json.loads(line) for line in (tmp_path / "runs" / "j1-long" / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in run if r["kind"] == "train"] == list(range(40))  # one run, no step redone
         # b0 came back to the lobby after its job and joined again
-        _wait(lambda: {b.name: b.job for b in stub.ListJobs(pb.ListJobsRequest()).boards}.get("b0") == "", 60,
+        wait_for(lambda: {b.name: b.job for b in stub.ListJobs(pb.ListJobsRequest()).boards}.get("b0") == "", 60,
               "b0 back in the lobby")
         channel.close()
     finally:
@@ -327,10 +318,10 @@ def test_a_job_whose_board_never_joins_is_stopped_and_queued_again(in_process, m
     assert offer.job_id == "j1" and offer.port > 0  # offered, but this board never goes there
     first_pid = server.server.store.jobs["j1"].pid
 
-    job = _wait(lambda: (j := stub.ListJobs(pb.ListJobsRequest()).jobs[0]).state == "waiting" and j, 60,
+    job = wait_for(lambda: (j := stub.ListJobs(pb.ListJobsRequest()).jobs[0]).state == "waiting" and j, 60,
                 "the stalled job to be queued again")
     assert "silent" in job.message and job.boards == []  # the board must show up in the lobby first
     stub.NextJob(pb.NextJobRequest(name="silent", max_wait_s=0))
-    _wait(lambda: stub.ListJobs(pb.ListJobsRequest()).jobs[0].launches == 2, 60, "a second launch")
-    _wait(lambda: not psutil.pid_exists(first_pid) or psutil.Process(first_pid).status() == psutil.STATUS_ZOMBIE,
+    wait_for(lambda: stub.ListJobs(pb.ListJobsRequest()).jobs[0].launches == 2, 60, "a second launch")
+    wait_for(lambda: not psutil.pid_exists(first_pid) or psutil.Process(first_pid).status() == psutil.STATUS_ZOMBIE,
           30, "its coordinator to stop")
