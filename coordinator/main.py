@@ -21,7 +21,7 @@ from coordinator.trainer import Trainer
 from edgetrain.config import JobConfig, job_to_dict
 from edgetrain.data import dataset_is_synthetic, load_dataset
 from edgetrain.models import build_model
-from edgetrain.training import shard_tensor_names
+from edgetrain.training import freeze_heap, shard_tensor_names
 from edgetrain.updates import UpdateFormats
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
     trainer = Trainer(job, registry, board, model, train_size, test_set, run_dir, stop,
                                   store=store, formats=formats)
     server, port = create_server(bind, servicer)
+    freeze_heap()
     advertiser = None
     try:
         host = bind.rsplit(":", 1)[0]

@@ -28,7 +28,7 @@ from edgetrain.pipeline import (
     stage_blocks,
     stage_parameter_prefixes,
 )
-from edgetrain.split import SpeedEstimate, split_proportional
+from edgetrain.split import SpeedEstimate, split_sticky
 from edgetrain.training import GRAD_PREFIX
 
 
@@ -55,9 +55,11 @@ def owns_state(plan: PipelineConfig, stage_boards: Sequence[str]) -> bool:
 
 def assign(plan: PipelineConfig, *, step: int, attempt: int, indices: Sequence[int], block_names: Sequence[str],
            hosts: Mapping[str, Host], augment: bool, data_seed: int, lr: float = 0.0,
-           commit: tuple[int, int] = (-1, 0)) -> dict[str, Assignment]:
+           commit: tuple[int, int] = (-1, 0),
+           previous_shares: Mapping[str, int] | None = None) -> dict[str, Assignment]:
     """Every plan board's work for one attempt of `step` (pipeline 0, plus DP shards); `lr` and
-    `commit` (the last committed step and attempt) are for hosts that own their stage."""
+    `commit` (the last committed step and attempt) are for hosts that own their stage; the DP
+    shards keep `previous_shares` (device id -> samples) while they stay near the best split."""
     total = len(indices)
     dp_samples = min(round(plan.dp_share * total), total - 1) if plan.dp_boards else 0
     pipe = list(indices[: total - dp_samples])
@@ -84,7 +86,8 @@ def assign(plan: PipelineConfig, *, step: int, attempt: int, indices: Sequence[i
             mine = tuple(pipe[starts[m] + r] for m, (b, e) in enumerate(host.rows) for r in range(b, e))
             out[host.device_id] = Assignment(step, attempt, step, mine, augment, data_seed, stage=stage)
     if dp_samples:
-        shares = split_proportional(dp_samples, {hosts[b].device_id: hosts[b].speed for b in plan.dp_boards})
+        shares = split_sticky(dp_samples, {hosts[b].device_id: hosts[b].speed for b in plan.dp_boards},
+                              previous_shares)
         at = total - dp_samples
         for device_id, count in shares.items():
             if count:

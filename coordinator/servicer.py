@@ -101,6 +101,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             job_id=job.name, model=job.model, num_classes=10,
             dataset=serde.dataset_to_proto(job.dataset), profile_batch_sizes=profile_batch_sizes,
             heartbeat_interval_s=job.training.heartbeat_interval_s, chunk_bytes=job.training.chunk_bytes,
+            max_forward_batch=job.training.max_forward_batch,
             error_feedback=job.compression.error_feedback,
             board_momentum=job.optimizer.momentum if job.compression.boards_keep_momentum and not
             job.aggregation.federated else 0.0)

@@ -47,7 +47,7 @@ from edgetrain.config import JobConfig, OptimizerConfig, PipelineConfig, load_pi
 from edgetrain.data import make_batch
 from edgetrain.pipeline import stage_blocks
 from edgetrain.sampling import batch_indices, epoch_of
-from edgetrain.split import SpeedEstimate, predicted_step_seconds, split_equal, split_proportional
+from edgetrain.split import SpeedEstimate, predicted_step_seconds, split_equal, split_sticky
 from edgetrain.training import evaluate, lr_factor, make_optimizer, set_learning_rate, state_tensors
 from edgetrain.updates import UpdateFormats
 
@@ -134,6 +134,8 @@ class Trainer:
                                   count_bytes=registry.count_bytes)
         self._committed = (-1, 0)
         """The last committed step and the attempt that counted (hosts owning a stage apply it)."""
+        self._dp_shares: dict[str, int] | None = None
+        """The data-parallel shares last assigned (kept while near the best split: see split_sticky)."""
         self.live: LivePlanner | None = None
         """Hybrid mode: the planner that chooses (and changes) the plan from the live fleet."""
         self._auto_plan: PipelineConfig | None = None
@@ -413,10 +415,12 @@ class Trainer:
             if not missing:
                 self._plan_missing = []
                 lr = self.job.optimizer.lr * lr_factor(step, self.job.training.steps, self.job.optimizer)
-                return plan, assign(plan, step=step, attempt=attempt, indices=indices,
-                                    block_names=self.model.block_names, hosts=hosts,
-                                    augment=self.job.dataset.augment, data_seed=self.job.seed, lr=lr,
-                                    commit=self._committed)
+                assignments = assign(plan, step=step, attempt=attempt, indices=indices,
+                                     block_names=self.model.block_names, hosts=hosts,
+                                     augment=self.job.dataset.augment, data_seed=self.job.seed, lr=lr,
+                                     commit=self._committed, previous_shares=self._dp_shares)
+                self._dp_shares = {d: len(a.indices) for d, a in assignments.items() if a.stage is None}
+                return plan, assignments
             if missing != self._plan_missing:
                 logger.warning("[Coordinator.Trainer] the pipeline plan needs board(s) %s, which are not ready; "
                                "waiting for them%s", ", ".join(missing),
@@ -475,7 +479,8 @@ class Trainer:
             return dict.fromkeys(speeds, n)
         if self.job.training.split == "equal":
             return split_equal(total, list(speeds))
-        return split_proportional(total, speeds)
+        self._dp_shares = split_sticky(total, speeds, self._dp_shares)
+        return self._dp_shares
 
     def _choose_codecs(self, shares: dict[str, int], speeds: dict[str, SpeedEstimate]) -> dict[str, LinkChoice]:
         compute_s = max((speeds[d].overhead_s + n / speeds[d].samples_per_s for d, n in shares.items() if n),

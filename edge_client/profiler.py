@@ -28,7 +28,7 @@ class Profile:
 
 
 def time_training_step(model: nn.Module, dataset, batch_size: int, limiter: CpuLimiter, *,
-                       repeats: int = 3) -> float:
+                       repeats: int = 3, max_forward_batch: int = 0) -> float:
     """Fastest wall seconds of one forward + backward at `batch_size`, after one warm-up step.
 
     The minimum, not the median: interference from other work on the board only ever adds time.
@@ -39,24 +39,21 @@ def time_training_step(model: nn.Module, dataset, batch_size: int, limiter: CpuL
     for i in range(repeats + 1):
         started = time.perf_counter()
         with limiter.working():
-            compute_shard(model, x, y)
+            compute_shard(model, x, y, max_forward_batch)
         if i:
             samples.append(time.perf_counter() - started)
     return min(samples)
 
 
-def profile_device(model: nn.Module, dataset, batch_sizes: Sequence[int], limiter: CpuLimiter) -> Profile:
-    """Time training at each batch size (the model's weights are overwritten before real work)."""
-    timings = tuple((b, time_training_step(model, dataset, b, limiter)) for b in batch_sizes)
+def profile_device(model: nn.Module, dataset, batch_sizes: Sequence[int], limiter: CpuLimiter, *,
+                   max_forward_batch: int = 0) -> Profile:
+    """Time training at each batch size, the way shards are computed (in chunks of at most
+    `max_forward_batch`); the model's weights are overwritten before real work."""
+    timings = tuple((b, time_training_step(model, dataset, b, limiter, max_forward_batch=max_forward_batch))
+                    for b in batch_sizes)
     memory = psutil.virtual_memory()
     rss = psutil.Process(os.getpid()).memory_info().rss
     return Profile(timings, memory.total, memory.available, rss)
-
-
-def training_throughput(model: nn.Module, dataset, batch_size: int, limiter: CpuLimiter,
-                        *, repeats: int = 5) -> float:
-    """Samples per second of standalone training at `batch_size` (for benchmarks)."""
-    return batch_size / time_training_step(model, dataset, batch_size, limiter, repeats=repeats)
 
 
 def torch_threads_for(speed: float | None) -> int | None:

@@ -42,6 +42,7 @@ from edgetrain.throttle import CpuLimiter
 from edgetrain.training import (
     GRAD_PREFIX,
     compute_shard,
+    freeze_heap,
     load_state_tensors,
     local_train,
     shard_tensor_names,
@@ -204,11 +205,13 @@ class EdgeWorker:
         self._dataset = load_dataset(spec, train=True)
         self._model = build_model(job.model, num_classes=job.num_classes)
         self._formats = UpdateFormats(shard_tensor_names(self._model))
-        profile = profile_device(self._model, self._dataset, list(job.profile_batch_sizes), self.limiter)
+        profile = profile_device(self._model, self._dataset, list(job.profile_batch_sizes), self.limiter,
+                                 max_forward_batch=job.max_forward_batch)
         self._timings = profile.timings
         self._memory = (profile.memory_total_bytes, profile.memory_available_bytes, profile.peak_rss_bytes)
         if self.endpoint is not None:
             self.endpoint.state.attach(self._model, job.job_id)
+        freeze_heap()
 
     def _heartbeats(self, interval_s: float, stop: threading.Event, lost: threading.Event) -> None:
         """Heartbeats with telemetry for one registration; `lost` is set when it is forgotten."""
@@ -316,7 +319,7 @@ class EdgeWorker:
                                      momentum=local.momentum, weight_decay=local.weight_decay,
                                      prox_mu=local.prox_mu)
             else:
-                result = compute_shard(self._model, x, y)
+                result = compute_shard(self._model, x, y, self._job.max_forward_batch)
         compute_s = time.perf_counter() - started
         self._loaded = -1 if work.HasField("local") or self._has_running_stats() else self._loaded
         started = time.perf_counter()

@@ -99,6 +99,11 @@ class TrainingConfig:
     """Chunk size for parameter and gradient streams (256 KiB - 1 MiB is fastest)."""
     log_every: int = 10
     """Print a progress line every this many steps."""
+    max_forward_batch: int = 64
+    """Most samples a board puts through the model at once: a larger shard is computed in equal
+    chunks of at most this size, gradients accumulated. A CPU trains fastest at 32-64 samples per
+    pass (larger ones outgrow its caches, smaller ones pay the fixed cost of a pass more often;
+    see edgetrain.training.compute_shard). 0: a whole shard at once."""
 
     def __post_init__(self) -> None:
         _require(self.global_batch > 0, "global_batch", self.global_batch, "must be > 0")
@@ -120,6 +125,7 @@ class TrainingConfig:
         _require(4096 <= self.chunk_bytes <= 1024 * 1024, "chunk_bytes", self.chunk_bytes,
                  "must be in [4096, 1048576]")
         _require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
+        _require(self.max_forward_batch >= 0, "max_forward_batch", self.max_forward_batch, "must be >= 0")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -10,6 +10,7 @@ update with the sample-weighted mean of the shards' batch statistics.
 
 from __future__ import annotations
 
+import gc
 import math
 from dataclasses import dataclass
 
@@ -38,6 +39,18 @@ class ShardResult:
     """Gradients (``grad.<param>``) and updated float buffers (``buf.<buffer>``)."""
 
 
+def freeze_heap() -> None:
+    """Exempt everything alive now (imports, model, dataset) from later full garbage collections.
+
+    A full collection walks every tracked object: about 350,000 in a process that imported torch,
+    grpc and the models, 0.14 s of one core here, so 1.4 s on a board at a tenth of a core, all
+    boards about the same step into a job. Called once set-up is done, it leaves the collector
+    only what the job allocates since.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Everything a device needs to reproduce the model: parameters then buffers, by name."""
     out = {name: p.detach() for name, p in model.named_parameters()}
@@ -61,13 +74,44 @@ def shard_tensor_names(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def compute_shard(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> ShardResult:
-    """Forward + backward of the mean cross-entropy on one shard; returns grads and buffers."""
+def compute_shard(model: nn.Module, x: torch.Tensor, y: torch.Tensor, max_batch: int = 0) -> ShardResult:
+    """Forward + backward of the mean cross-entropy on one shard; returns grads and buffers.
+
+    With `max_batch` > 0 a larger shard goes through the model in the fewest equal chunks of at
+    most that many samples, gradients accumulated: the same gradient (up to float rounding) at a fraction of
+    the memory, and faster on a CPU, whose per-sample cost grows with the batch once the
+    activations outgrow its caches (measured here on one core: MobileNetV2 at 512 samples per
+    pass 80 samples/s, in chunks of 32 149; ResNet-18 at 256 23.5, in chunks of 32 29.4).
+    BatchNorm then normalises each chunk with its own statistics (as each board does its shard),
+    and the running statistics returned are the sample-weighted mean of the chunks' updates from
+    the same start: one update with the chunks' mean statistics, as across boards.
+    """
     model.train()
     model.zero_grad(set_to_none=True)
-    logits = model(x)
-    loss = nn.functional.cross_entropy(logits, y)
-    loss.backward()
+    n = int(y.numel())
+    chunks = -(-n // max_batch) if 0 < max_batch < n else 1
+    bounds = [n * i // chunks for i in range(chunks + 1)]  # equal sizes (within one sample)
+    stats = [b for b in model.buffers() if b.is_floating_point()] if chunks > 1 else []
+    start = [b.detach().clone() for b in stats]
+    mixed = [torch.zeros_like(b) for b in stats]
+    loss_sum, correct = 0.0, 0
+    for begin, end in zip(bounds, bounds[1:]):
+        xs, ys = x[begin:end], y[begin:end]
+        with torch.no_grad():
+            for b, b0 in zip(stats, start):
+                b.copy_(b0)
+        logits = model(xs)
+        loss = nn.functional.cross_entropy(logits, ys) if chunks == 1 else (
+            nn.functional.cross_entropy(logits, ys, reduction="sum") / n)
+        loss.backward()
+        loss_sum += float(loss.detach())
+        correct += int((logits.argmax(dim=1) == ys).sum())
+        with torch.no_grad():
+            for b, acc in zip(stats, mixed):
+                acc.add_(b, alpha=len(ys) / n)
+    with torch.no_grad():
+        for b, acc in zip(stats, mixed):
+            b.copy_(acc)
     tensors = {}
     for wire_name, ref in shard_tensor_names(model):
         if wire_name.startswith(GRAD_PREFIX):
@@ -75,8 +119,7 @@ def compute_shard(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> ShardRe
             tensors[wire_name] = grad.detach()
         else:
             tensors[wire_name] = ref.detach()
-    correct = int((logits.argmax(dim=1) == y).sum())
-    return ShardResult(loss=float(loss.detach()), correct=correct, samples=int(y.numel()), tensors=tensors)
+    return ShardResult(loss=loss_sum, correct=correct, samples=n, tensors=tensors)
 
 
 def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int, batch_size: int, lr: float,

@@ -15,6 +15,7 @@ from edgetrain.split import (
     refine_speed,
     split_equal,
     split_proportional,
+    split_sticky,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -185,3 +186,37 @@ def test_predicted_step_seconds_is_the_slowest_busy_device() -> None:
     assert predicted_step_seconds({"idle": 0}, speeds) == 0.0
     assert speeds["a"].seconds(0) == 0.0
 
+
+
+# --- split_sticky ------------------------------------------------------------------------------
+
+
+def test_split_sticky_keeps_shares_that_are_nearly_as_fast() -> None:
+    speeds = {"a": SpeedEstimate(0.0, 10.0), "b": SpeedEstimate(0.0, 10.4)}
+    fresh = split_proportional(100, speeds)
+    assert fresh == {"a": 49, "b": 51}
+    assert split_sticky(100, speeds, {"a": 50, "b": 50}) == {"a": 50, "b": 50}  # 2% slower: kept
+
+
+def test_split_sticky_moves_when_the_fresh_split_is_clearly_faster() -> None:
+    speeds = {"a": SpeedEstimate(0.0, 10.0), "b": SpeedEstimate(0.0, 30.0)}
+    assert split_sticky(100, speeds, {"a": 50, "b": 50}) == split_proportional(100, speeds) == {"a": 25, "b": 75}
+
+
+@pytest.mark.parametrize("previous", [None, {}, {"a": 50}, {"a": 50, "c": 50}, {"a": 40, "b": 40}])
+def test_split_sticky_splits_afresh_when_previous_does_not_fit(previous) -> None:
+    speeds = {"a": SpeedEstimate(0.0, 10.0), "b": SpeedEstimate(0.0, 10.4)}
+    assert split_sticky(100, speeds, previous) == split_proportional(100, speeds)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.lists(_speeds, min_size=2, max_size=3), st.data())
+def test_split_sticky_is_never_worse_than_its_tolerance(total: int, speeds: list[SpeedEstimate], data) -> None:
+    by_device = {f"d{i}": s for i, s in enumerate(speeds)}
+    cuts = sorted(data.draw(st.lists(st.integers(0, total), min_size=len(speeds) - 1, max_size=len(speeds) - 1)))
+    bounds = [0, *cuts, total]
+    previous = {d: bounds[i + 1] - bounds[i] for i, d in enumerate(by_device)}
+    shares = split_sticky(total, by_device, previous, min_gain=0.05)
+    assert sum(shares.values()) == total
+    best = predicted_step_seconds(split_proportional(total, by_device), by_device)
+    assert predicted_step_seconds(shares, by_device) <= 1.05 * best + 1e-9
