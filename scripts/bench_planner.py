@@ -12,14 +12,21 @@
       64 boards  planning time only: no exact reference is tractable (the only cheap bound,
                  every board computing with no communication, is far too loose on slow links).
 (b) End to end. Two emulated fleets of four boards (0.5, 0.3, 0.2, 0.1 of a core):
-    compute-bound (1000 Mbit/s links, global batch 256) and bandwidth-bound (100, 50, 20, 10
-    Mbit/s, global batch 32), training ResNet-18 and MobileNetV2 on SYNTHETIC CIFAR-shaped data
-    in five ways. The compute-bound fleet needs the larger batch to be compute-bound: at batch 32
-    a ResNet-18 step computes for about 1 s on the whole fleet while each board moves 90 MB
-    (0.7 s at 1000 Mbit/s, plus the CPU a fraction of a core spends on every byte), and every
-    forward/backward call carries a fixed cost that grows as 1/speed on the small boards:
-        ideal          sum of the boards' training throughput (their share of one measured core,
-                       computing all the time, no communication)
+    compute-bound (1000 Mbit/s links; global batch 512 for ResNet-18, 1024 for MobileNetV2) and
+    bandwidth-bound (100, 50, 20, 10 Mbit/s, global batch 32), training ResNet-18 and MobileNetV2
+    on SYNTHETIC CIFAR-shaped data in five ways. A fleet is compute-bound when a step computes
+    far longer than it communicates; these batches make a step compute for about 18 s
+    (ResNet-18) and 8 s (MobileNetV2) while each board moves its 45 MB or 9 MB of gradients and
+    parameters (0.1-0.5 s at 1000 Mbit/s, mostly the CPU a fraction of a core spends on every
+    byte). At batch 32 a ResNet-18 step would compute for 1 s and communicate for as long, and
+    every forward/backward pass carries a fixed cost that grows as 1/speed on the small boards:
+        ideal          the sum of the boards' own training throughput: all four emulated boards
+                       at once, as in the fleet, each training its proportional share of the
+                       global batch over and over (in chunks of training.max_forward_batch, as
+                       in the runs), one fixed batch shape, no communication
+                       (measured in the same run; `ideal_nominal` is the boards' fractions of
+                       one unthrottled core, which the boards do not reach: a quota'd process
+                       runs slower per CPU second, and four of them share two cores' caches)
         hybrid         planner.enabled: the coordinator plans from the live fleet
         equal          data parallelism, equal shares
         proportional   data parallelism, shares from measured speed and link time
@@ -41,6 +48,8 @@ import itertools
 import json
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -58,11 +67,13 @@ from coordinator.planner import BoardCost, Plan, StagePlan, plan_optimal, predic
 from edgetrain.fleet_config import BoardSpec
 from edgetrain.launch import DEMO_JOB, run_on_emulated_boards
 from edgetrain.shaping import LinkSpec
+from edgetrain.split import SpeedEstimate, split_proportional
 
 SPEEDS = (0.5, 0.3, 0.2, 0.1)
 FLEETS = {"compute": (1000, 1000, 1000, 1000), "bandwidth": (100, 50, 20, 10)}
-FLEET_BATCH = {"compute": 256, "bandwidth": 32}
-"""Global batch per fleet (see the module docstring)."""
+FLEET_BATCH = {("compute", "resnet18"): 512, ("compute", "mobilenet_v2"): 1024,
+               ("bandwidth", "resnet18"): 32, ("bandwidth", "mobilenet_v2"): 32}
+"""Global batch per fleet and model (see the module docstring)."""
 MODES = ("hybrid", "equal", "proportional", "pipeline")
 KINDS = (  # name, fraction of this machine's core, idle W, busy W, links (Mbit/s)
     ("pi3", 0.14, 1.9, 5.1, (100, 20)), ("pi4", 0.4, 2.7, 6.4, (1000, 40)), ("nano", 0.32, 1.3, 10.0, (1000, 100)),
@@ -122,6 +133,51 @@ def best_pure_pipeline(boards: list[BoardCost], model, batch: int) -> Plan:
     return best[0]
 
 
+def _board_standalone(fraction: float, model_name: str, batch: int, seconds: float) -> None:
+    """(Child process) train `batch` samples at a time as an emulated board at `fraction` of a
+    core, the way a client does, for `seconds` after warm-up; prints samples/s as JSON."""
+    import torch
+
+    from edge_client.profiler import set_threads, torch_threads_for
+    from edgetrain.config import TrainingConfig
+    from edgetrain.data import SyntheticCIFAR10, make_batch
+    from edgetrain.models import build_model
+    from edgetrain.throttle import limit_cpu
+    from edgetrain.training import compute_shard
+
+    set_threads(torch_threads_for(fraction))
+    torch.manual_seed(0)
+    dataset = SyntheticCIFAR10(train=True, size=2048, seed=0)
+    model = build_model(model_name, seed=0)
+    with limit_cpu(fraction, name=f"ideal-{fraction:g}") as limiter:
+        began, step = 0.0, 0
+        while step < 4 or time.perf_counter() - began < seconds:
+            if step == 2:  # after two warm-up steps
+                began = time.perf_counter()
+            with limiter.working():
+                x, y = make_batch(dataset, [(step * batch + i) % len(dataset) for i in range(batch)],
+                                  augment=False, seed=0, step=step)
+                compute_shard(model, x, y, TrainingConfig().max_forward_batch)
+            step += 1
+    print(json.dumps({"samples_per_s": (step - 2) * batch / (time.perf_counter() - began)}), flush=True)
+
+
+def measured_ideal(model_name: str, batch: int, seconds: float = 30.0) -> list[float]:
+    """Each board's standalone training throughput (samples/s), all boards running at once."""
+    nominal = {f"b{i}": SpeedEstimate(0.0, s) for i, s in enumerate(SPEEDS)}
+    shares = split_proportional(batch, nominal)
+    children = [subprocess.Popen([sys.executable, __file__, "--standalone-board", f"{s}", model_name,
+                                  str(max(1, shares[f"b{i}"])), str(seconds)], stdout=subprocess.PIPE, text=True)
+                for i, s in enumerate(SPEEDS)]
+    out = []
+    for child in children:
+        stdout, _ = child.communicate(timeout=1800)
+        if child.returncode != 0:
+            raise RuntimeError(f"standalone board measurement failed (exit {child.returncode})")
+        out.append(json.loads(stdout.strip().splitlines()[-1])["samples_per_s"])
+    return out
+
+
 def run_mode(mode: str, model_name: str, links, batch: int, args, workdir: Path, model, one_core) -> dict:
     name = f"bench-plan-{model_name}-{mode}"
     job = yaml.safe_load(DEMO_JOB.read_text())
@@ -158,29 +214,43 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--batch-compute", type=int, default=FLEET_BATCH["compute"])
-    parser.add_argument("--batch-bandwidth", type=int, default=FLEET_BATCH["bandwidth"])
+    parser.add_argument("--batch-compute", type=int, help="global batch on the compute-bound fleet "
+                        "(default: 512 for ResNet-18, 1024 for MobileNetV2)")
+    parser.add_argument("--batch-bandwidth", type=int, help="global batch on the bandwidth-bound fleet (default 32)")
     parser.add_argument("--fleets", default=",".join(FLEETS))
     parser.add_argument("--models", default="resnet18,mobilenet_v2")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--skip-e2e", action="store_true", help="only the planning part (a)")
+    parser.add_argument("--standalone-board", nargs=4, metavar=("FRACTION", "MODEL", "BATCH", "SECONDS"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.standalone_board:
+        fraction, model_name, batch, seconds = args.standalone_board
+        _board_standalone(float(fraction), model_name, int(batch), float(seconds))
+        return
     print("# (a) planning: ResNet-18 block costs measured here; random fleets", flush=True)
     resnet = measure_model_cost("resnet18")
     result = planning(resnet, one_core_speed("resnet18"))
     result["fleets"], result["prediction_error"] = {}, {}
-    errors = []
+    errors, batches = [], {}
     if not args.skip_e2e:
         print(f"# (b) end to end: boards {SPEEDS} of a core; data: SYNTHETIC", flush=True)
         with tempfile.TemporaryDirectory(prefix="bench_planner_") as tmp:
             for fleet in args.fleets.split(","):
                 links = FLEETS[fleet]
-                batch = getattr(args, f"batch_{fleet}")
                 for model_name in args.models.split(","):
+                    batch = getattr(args, f"batch_{fleet}") or FLEET_BATCH[fleet, model_name]
+                    batches[f"{fleet}/{model_name}"] = batch
                     model, one_core = measure_model_cost(model_name), one_core_speed(model_name, (4, 32))
-                    ideal = sum(SPEEDS) * one_core.samples_per_s * (
+                    nominal = sum(SPEEDS) * one_core.samples_per_s * (
                         batch / (batch + one_core.overhead_s * one_core.samples_per_s))
-                    row = {"ideal": round(ideal, 3)}
+                    boards = measured_ideal(model_name, batch)
+                    ideal = sum(boards)
+                    print(f"  {fleet}/{model_name}: ideal {ideal:.1f} samples/s = boards on their own "
+                          f"{' + '.join(f'{b:.1f}' for b in boards)} (nominal {nominal:.1f}: "
+                          f"{sum(SPEEDS):g} of one core)", flush=True)
+                    row = {"ideal": round(ideal, 3), "ideal_boards": [round(b, 3) for b in boards],
+                           "ideal_nominal": round(nominal, 3)}
                     key = f"{fleet}/{model_name}"
                     for mode in args.modes.split(","):
                         r = run_mode(mode, model_name, links, batch, args, Path(tmp), model, one_core)
@@ -204,7 +274,7 @@ def main() -> None:
     if errors:
         result["prediction_error"]["mean_abs"] = round(sum(errors) / len(errors), 3)
     result.update(synthetic_data=True, boards=list(SPEEDS), links=FLEETS,
-                  global_batch={"compute": args.batch_compute, "bandwidth": args.batch_bandwidth},
+                  global_batch=batches,
                   steps=args.steps, warmup=args.warmup, train_flops_per_sample_resnet18=train_flops_per_sample(resnet))
     print(json.dumps(result))
 
