@@ -284,14 +284,18 @@ def _rows(host: pb.StageHost, m: int) -> tuple[int, int]:
 
 
 def run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndpoint, device_id: str,
-              job_id: str, limiter=None) -> StageResult:
+              job_id: str, limiter=None, max_forward_batch: int = 0) -> StageResult:
     """Run this board's stage of one pipeline step (see the module docstring).
+
+    A stage that is the whole pipeline (first and last: a board hosting the whole model) runs each
+    micro-batch's forward and backward at once, in chunks of at most `max_forward_batch` samples
+    (as a DP shard is computed; 0: whole micro-batches).
 
     Any error (a neighbour failing, a malformed tensor from a peer) becomes StageFailure, so the
     board reports it and stays available.
     """
     try:
-        return _run_stage(model, work, dataset, endpoint, device_id, job_id, limiter)
+        return _run_stage(model, work, dataset, endpoint, device_id, job_id, limiter, max_forward_batch)
     except StageFailure:
         raise
     except Exception as e:  # a peer's tensor that does not fit, or a bug: the board must survive it
@@ -300,7 +304,7 @@ def run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndpo
 
 
 def _run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndpoint, device_id: str,
-               job_id: str, limiter) -> StageResult:
+               job_id: str, limiter, max_forward_batch: int) -> StageResult:
     st = work.stage
     s, stages, m_count = st.stage, st.stages, len(st.microbatch_sizes)
     first, last = s == 0, s == stages - 1
@@ -372,7 +376,22 @@ def _run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndp
             b, e = _rows(mine, m)
             if e == b:
                 continue  # this host has no rows of this micro-batch
-            if op.kind == "F":
+            if op.kind == "F" and first and last:  # the whole model here: forward and backward now, in chunks
+                lo, hi = offsets[m]
+                chunks = -(-(hi - lo) // max_forward_batch) if 0 < max_forward_batch < hi - lo else 1
+                bounds = [lo + (hi - lo) * i // chunks for i in range(chunks + 1)]
+                with working():
+                    for c_lo, c_hi in zip(bounds, bounds[1:]):
+                        out = _forward(blocks, local_x[c_lo:c_hi])
+                        y = local_y[c_lo:c_hi]
+                        loss = nn.functional.cross_entropy(out, y, reduction="sum") / st.pipeline_samples
+                        loss.backward()
+                        loss_sum += float(loss.detach()) * st.pipeline_samples
+                        correct += int((out.detach().argmax(dim=1) == y).sum())
+                        peak = max(peak, out.numel() * out.element_size())
+                rows_done += e - b
+                saved[m] = None
+            elif op.kind == "F":
                 if first:
                     lo, hi = offsets[m]
                     inp = local_x[lo:hi]
@@ -396,6 +415,8 @@ def _run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndp
                     ship(m, False, out.detach(), st.next_hosts)
                 held += sum(t.numel() * t.element_size() for t in saved[m] if t is not None and t.dim())
                 peak = max(peak, held)
+            elif saved[m] is None:  # done with its forward
+                del saved[m]
             else:
                 inp, out = saved.pop(m)
                 grad = None

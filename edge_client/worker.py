@@ -353,7 +353,7 @@ class EdgeWorker:
                 self._version, self._loaded, self._view, self._stage_loaded = -1, -1, {}, None  # the view is gone
                 try:
                     result = run_stage(self._model, work, self._dataset, self.endpoint, self.device_id,
-                                       self._job.job_id, self.limiter)
+                                       self._job.job_id, self.limiter, self._job.max_forward_batch)
                 except BaseException:
                     state.abandon()
                     raise
@@ -376,7 +376,7 @@ class EdgeWorker:
             download_s = time.perf_counter() - started
             started = time.perf_counter()
             result = run_stage(self._model, work, self._dataset, self.endpoint, self.device_id, self._job.job_id,
-                               self.limiter)
+                               self.limiter, self._job.max_forward_batch)
             compute_s = time.perf_counter() - started - result.wait_s
             self._stage_loaded = None if self._has_running_stats() else self._stage_loaded
         started = time.perf_counter()

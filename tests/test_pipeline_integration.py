@@ -73,6 +73,29 @@ def test_three_stage_pipeline_with_a_shared_stage_equals_single_process_sgd(
 
 
 @pytest.mark.timeout(300)
+def test_whole_model_host_computing_in_chunks_equals_single_process_sgd(coordinator_factory, client_factory):
+    # Prepare: one board hosts all 4 blocks (a one-stage pipeline owning its state) beside a DP
+    # shard; its micro-batches of 12 go through the model in chunks of at most 5 samples
+    pipeline = {"stages": [{"blocks": 4, "boards": ["w"]}], "microbatches": 2, "schedule": "1f1b",
+                "stage_timeout_s": 60, "dp_boards": ["dp"], "dp_share": 0.25}
+    job = small_job(training={"steps": 4, "min_clients": 2, "global_batch": 32, "max_forward_batch": 5},
+                    pipeline=pipeline)
+    coordinator = coordinator_factory(job)
+    client_factory(coordinator.address, "w", 0.4)
+    client_factory(coordinator.address, "dp", 0.4)
+
+    # Execute
+    coordinator.wait(timeout=240)
+
+    # Assert
+    steps = records(coordinator.run_dir)
+    assert [s["samples"] for s in steps] == [32] * 4
+    assert sorted(steps[-1]["shares"].values()) == [8, 24]
+    diff = max_abs_difference(checkpoint_state(coordinator.run_dir), reference_state(job))
+    assert diff < TOLERANCE, f"chunked whole-model host and single-process parameters differ by {diff}"
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(("model", "stages", "lr"), [
     ("resnet18", [{"blocks": 5, "boards": ["a"]}, {"blocks": 5, "boards": ["b"]}], 0.01),
     ("mobilenet_v2", [{"blocks": 8, "boards": ["a"]}, {"blocks": 12, "boards": ["b"]}], 0.05),
