@@ -37,6 +37,19 @@ def _objective(text: str) -> str | float:
     return weight
 
 
+PARETO_SHOWN = 8
+"""Plans of a Pareto front `edgetrain plan` explains in text (a front can hold hundreds)."""
+
+
+def spread(n: int, k: int) -> list[int]:
+    """At most `k` indices of `range(n)`, evenly spaced, always the first and the last."""
+    if n <= k:
+        return list(range(n))
+    if k <= 1:
+        return [0][:k]
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
 def plan_report(fleet_file: str | Path, *, model: str | None = None, objective: str = "time",
                 batch: int | None = None, stage_state: str = "hosts", as_json: bool = False) -> str:
     """The report `edgetrain plan` prints (text, or one JSON object)."""
@@ -68,10 +81,20 @@ def plan_report(fleet_file: str | Path, *, model: str | None = None, objective: 
     lines = [f"fleet {fleet.name}: {len(boards)} boards; {model_name}, global batch {batch}, objective {objective}; "
              f"one core of this machine: {one_core.samples_per_s:.1f} samples/s + "
              f"{one_core.overhead_s * 1000:.0f} ms per call, {per_byte * 1e9:.2f} ns of CPU per byte moved (measured)"]
-    for i, p in enumerate(plans):
+    shown = spread(len(plans), PARETO_SHOWN)
+    if len(plans) > 1:
+        lines.append(f"\nPareto front: {len(plans)} plans, fastest first"
+                     + (f"; {len(shown)} spread along it are explained (--json lists all)" if len(shown) < len(plans)
+                        else ""))
+        lines.append(f"{'plan':>5} {'kind':<9} {'s/step':>8} {'samples/s':>10} {'J/sample':>9}")
+        for i in shown:
+            pred = plans[i].prediction
+            lines.append(f"{i + 1:>5} {plans[i].kind:<9} {pred.step_s:>8.3f} {pred.samples_per_s:>10.2f} "
+                         f"{pred.energy_per_sample_j:>9.3f}")
+    for i in shown:
         if len(plans) > 1:
             lines.append(f"\n-- Pareto plan {i + 1} of {len(plans)}")
-        lines.append(p.explain())
+        lines.append(plans[i].explain())
     best = plans[0].prediction
     lines.append(f"\nfleet ideal {ideal:.1f} samples/s; proportional DP on every board {dp_pred.samples_per_s:.2f} "
                  f"samples/s ({dp_pred.energy_per_sample_j:.3f} J/sample); this plan {best.samples_per_s:.2f} "

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from coordinator.live_planner import LivePlanner
+from coordinator.plan_command import spread
 from coordinator.planner import BlockCost, BoardCost, ModelCost
 from edgetrain.config import PlannerConfig
 
@@ -118,6 +119,12 @@ def test_edgetrain_plan_explains_the_plan_of_a_fleet_file(fleet_file):
     energies = [p["predicted_energy_per_sample_j"] for p in out["plans"]]
     assert steps == sorted(steps) and energies == sorted(energies, reverse=True)  # a Pareto front
     assert all(p["predicted_samples_per_s"] <= out["ideal_samples_per_s"] for p in out["plans"])
+
+
+def test_pareto_text_explains_a_spread_of_the_front() -> None:
+    assert spread(3, 8) == [0, 1, 2]
+    assert spread(100, 8) == [0, 14, 28, 42, 57, 71, 85, 99]
+    assert spread(9, 2) == [0, 8]
 
 
 def test_edgetrain_plan_refuses_bad_input_clearly(fleet_file, tmp_path):
