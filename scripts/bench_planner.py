@@ -178,8 +178,9 @@ def measured_ideal(model_name: str, batch: int, seconds: float = 30.0) -> list[f
     return out
 
 
-def run_mode(mode: str, model_name: str, links, batch: int, args, workdir: Path, model, one_core) -> dict:
-    name = f"bench-plan-{model_name}-{mode}"
+def run_mode(mode: str, fleet: str, model_name: str, links, batch: int, args, workdir: Path, model,
+             one_core) -> dict:
+    name = f"bench-plan-{fleet}-{model_name}-{mode}"  # one run directory each: metrics.jsonl is appended to
     job = yaml.safe_load(DEMO_JOB.read_text())
     job.update(name=name, model=model_name)
     job["dataset"].update(train_size=2048, test_size=256, augment=False)
@@ -253,7 +254,7 @@ def main() -> None:
                            "ideal_nominal": round(nominal, 3)}
                     key = f"{fleet}/{model_name}"
                     for mode in args.modes.split(","):
-                        r = run_mode(mode, model_name, links, batch, args, Path(tmp), model, one_core)
+                        r = run_mode(mode, fleet, model_name, links, batch, args, Path(tmp), model, one_core)
                         row[mode] = round(r["samples_per_s"], 3)
                         extra = ""
                         if mode == "hybrid" and r.get("measured_step_s"):
