@@ -17,8 +17,8 @@
     on SYNTHETIC CIFAR-shaped data in five ways. A fleet is compute-bound when a step computes
     far longer than it communicates; these batches make a step compute for about 18 s
     (ResNet-18) and 8 s (MobileNetV2) while each board moves its 45 MB or 9 MB of gradients and
-    parameters (0.1-0.5 s at 1000 Mbit/s, mostly the CPU a fraction of a core spends on every
-    byte). At batch 32 a ResNet-18 step would compute for 1 s and communicate for as long, and
+    parameters each way (0.9-1.9 s and 0.2-0.5 s measured at 1000 Mbit/s, much of it the CPU a
+    fraction of a core spends on every byte). At batch 32 a ResNet-18 step would compute for 1 s and communicate for as long, and
     every forward/backward pass carries a fixed cost that grows as 1/speed on the small boards:
         ideal          the sum of the boards' own training throughput: all four emulated boards
                        at once, as in the fleet, each training its proportional share of the
