@@ -40,7 +40,7 @@ from edgetrain.grpc_options import CHANNEL_OPTIONS, SERVER_OPTIONS
 from edgetrain.pipeline import overlaps, schedule, stage_parameter_prefixes
 from edgetrain.shaping import LinkShaper
 from edgetrain.tensors import TransferError, iter_chunks, pack
-from edgetrain.training import BUFFER_PREFIX, GRAD_PREFIX, ShardResult
+from edgetrain.training import BUFFER_PREFIX, GRAD_PREFIX, ShardResult, chunk_bounds
 from protos import coordinator_pb2 as pb
 from protos import stage_pb2 as spb
 from protos import stage_pb2_grpc as spb_grpc
@@ -377,9 +377,7 @@ def _run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndp
             if e == b:
                 continue  # this host has no rows of this micro-batch
             if op.kind == "F" and first and last:  # the whole model here: forward and backward now, in chunks
-                lo, hi = offsets[m]
-                chunks = -(-(hi - lo) // max_forward_batch) if 0 < max_forward_batch < hi - lo else 1
-                bounds = [lo + (hi - lo) * i // chunks for i in range(chunks + 1)]
+                bounds = chunk_bounds(*offsets[m], max_forward_batch)
                 with working():
                     for c_lo, c_hi in zip(bounds, bounds[1:]):
                         out = _forward(blocks, local_x[c_lo:c_hi])

@@ -74,6 +74,14 @@ def shard_tensor_names(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def chunk_bounds(begin: int, end: int, max_batch: int) -> list[int]:
+    """Boundaries of the fewest equal chunks (within one sample) of rows begin..end holding at
+    most `max_batch` rows each (0: one chunk)."""
+    n = end - begin
+    chunks = -(-n // max_batch) if 0 < max_batch < n else 1
+    return [begin + n * i // chunks for i in range(chunks + 1)]
+
+
 def compute_shard(model: nn.Module, x: torch.Tensor, y: torch.Tensor, max_batch: int = 0) -> ShardResult:
     """Forward + backward of the mean cross-entropy on one shard; returns grads and buffers.
 
@@ -89,8 +97,8 @@ def compute_shard(model: nn.Module, x: torch.Tensor, y: torch.Tensor, max_batch:
     model.train()
     model.zero_grad(set_to_none=True)
     n = int(y.numel())
-    chunks = -(-n // max_batch) if 0 < max_batch < n else 1
-    bounds = [n * i // chunks for i in range(chunks + 1)]  # equal sizes (within one sample)
+    bounds = chunk_bounds(0, n, max_batch)
+    chunks = len(bounds) - 1
     stats = [b for b in model.buffers() if b.is_floating_point()] if chunks > 1 else []
     start = [b.detach().clone() for b in stats]
     mixed = [torch.zeros_like(b) for b in stats]
