@@ -10,14 +10,13 @@ from pathlib import Path
 
 import torch
 
-import edgetrain
-from coordinator.discovery import Advertisement, DiscoveryAdvertiser
-from coordinator.parameters import ParameterStore
+from coordinator.advertiser import advertise_on
 from coordinator.registry import DeviceRegistry
-from coordinator.report import summarize, summary_table
 from coordinator.servicer import CoordinatorServicer, create_server
-from coordinator.steps import StepBoard
-from coordinator.trainer import Trainer
+from coordinator.training.parameters import ParameterStore
+from coordinator.training.report import summarize, summary_table
+from coordinator.training.steps import StepBoard
+from coordinator.training.trainer import Trainer
 from edgetrain.config import JobConfig, job_to_dict
 from edgetrain.data import dataset_is_synthetic, load_dataset
 from edgetrain.models import build_model
@@ -89,7 +88,7 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
     try:
         host = bind.rsplit(":", 1)[0]
         logger.info("[Coordinator] serving job %r on %s:%d", job.name, host, port)
-        advertiser = _advertise(cluster, host, port, advertise) if advertise else None
+        advertiser = advertise_on(cluster, host, port, advertise) if advertise else None
         if port_file:
             Path(port_file).write_text(f"{host}:{port}\n")
         threading.Thread(target=_watch_heartbeats, daemon=True,
@@ -108,12 +107,3 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
             advertiser.close()
         server.stop(grace=2.0).wait()
 
-
-def _advertise(cluster: str, host: str, port: int, interfaces: list[str]) -> DiscoveryAdvertiser:
-    """Announce the coordinator over mDNS; a wildcard bind advertises the first interface's address."""
-    address = interfaces[0] if host in ("0.0.0.0", "", "[::]") else host
-    advertiser = DiscoveryAdvertiser(Advertisement(cluster=cluster, host=address, port=port,
-                                                   protocol_version=edgetrain.PROTOCOL_VERSION),
-                                     interfaces=interfaces)
-    advertiser.start()
-    return advertiser

@@ -12,13 +12,13 @@ from concurrent import futures
 import grpc
 
 import edgetrain
-from coordinator.parameters import ParameterStore
 from coordinator.registry import DeviceProfile, DeviceRecord, DeviceRegistry, UnknownDevice
-from coordinator.steps import Assignment, Finished, StepBoard, StepError
+from coordinator.training.parameters import ParameterStore
+from coordinator.training.steps import Assignment, Finished, StepBoard, StepError
 from edgetrain import serde
 from edgetrain.config import JobConfig
-from edgetrain.grpc_options import SERVER_OPTIONS
 from edgetrain.tensors import TransferError, iter_chunks
+from edgetrain.transport import SERVER_OPTIONS
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 

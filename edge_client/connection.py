@@ -20,9 +20,9 @@ import grpc
 
 from edge_client.telemetry import LinkMeter
 from edgetrain import serde
-from edgetrain.grpc_options import CHANNEL_OPTIONS
-from edgetrain.shaping import LinkShaper
+from edgetrain.emulator.shaping import LinkShaper
 from edgetrain.tensors import ChunkAssembler, TensorMeta, TransferError, iter_chunks
+from edgetrain.transport import CHANNEL_OPTIONS
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 

@@ -15,9 +15,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from edgetrain.battery import BatteryReading, EmulatedBattery, energy_j, real_battery
-from edgetrain.fleet_config import BoardSpec, load_board
-from edgetrain.shaping import LinkShaper
+from edgetrain.emulator.battery import BatteryReading, EmulatedBattery, energy_j, real_battery
+from edgetrain.emulator.fleet_config import BoardSpec, load_board
+from edgetrain.emulator.shaping import LinkShaper
 
 logger = logging.getLogger(__name__)
 

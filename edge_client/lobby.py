@@ -18,9 +18,9 @@ from edge_client.connection import CoordinatorConnection, CoordinatorUnreachable
 from edge_client.emulation import BoardEmulation
 from edge_client.telemetry import LinkMeter, probe_link
 from edge_client.worker import BATTERY_EMPTY, ClientOptions, EdgeWorker
-from edgetrain.grpc_options import CHANNEL_OPTIONS
+from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.speed_reference import reference_seconds
-from edgetrain.throttle import CpuLimiter
+from edgetrain.transport import CHANNEL_OPTIONS
 from protos import jobs_pb2 as pb
 from protos import jobs_pb2_grpc as pb_grpc
 

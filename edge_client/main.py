@@ -7,13 +7,13 @@ from dataclasses import replace
 
 import edgetrain
 from edge_client.connection import CoordinatorConnection, CoordinatorUnreachable
-from edge_client.discovery import default_interfaces, find_coordinator
 from edge_client.emulation import BoardEmulation
 from edge_client.lobby import Lobby, is_job_server
 from edge_client.profiler import set_threads, torch_threads_for
 from edge_client.telemetry import LinkMeter
 from edge_client.worker import BATTERY_EMPTY, ClientOptions, EdgeWorker
-from edgetrain.throttle import limit_cpu
+from edgetrain.discovery import default_interfaces, find_coordinator
+from edgetrain.emulator.throttle import limit_cpu
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from edgetrain.data import make_batch
-from edgetrain.throttle import CpuLimiter
+from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.training import compute_shard
 
 

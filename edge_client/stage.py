@@ -36,11 +36,11 @@ from torch import nn
 from edge_client.stage_state import StageState, StageStateError
 from edgetrain import serde
 from edgetrain.data import make_batch
-from edgetrain.grpc_options import CHANNEL_OPTIONS, SERVER_OPTIONS
+from edgetrain.emulator.shaping import LinkShaper
 from edgetrain.pipeline import overlaps, schedule, stage_parameter_prefixes
-from edgetrain.shaping import LinkShaper
 from edgetrain.tensors import TransferError, iter_chunks, pack
 from edgetrain.training import BUFFER_PREFIX, GRAD_PREFIX, ShardResult, chunk_bounds
+from edgetrain.transport import CHANNEL_OPTIONS, SERVER_OPTIONS
 from protos import coordinator_pb2 as pb
 from protos import stage_pb2 as spb
 from protos import stage_pb2_grpc as spb_grpc

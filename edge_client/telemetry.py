@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import psutil
 
-from edgetrain.battery import BatteryReading, real_battery
+from edgetrain.emulator.battery import BatteryReading, real_battery
 from edgetrain.telemetry import TelemetrySample
 
 logger = logging.getLogger(__name__)

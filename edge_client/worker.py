@@ -35,10 +35,10 @@ from edge_client.telemetry import TelemetryCollector, probe_link
 from edgetrain import serde
 from edgetrain.compression import ErrorFeedback
 from edgetrain.data import load_dataset, make_batch
+from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.models import build_model
 from edgetrain.pipeline import stage_parameter_prefixes
 from edgetrain.tensors import TransferError, check_metas, pack, unpack
-from edgetrain.throttle import CpuLimiter
 from edgetrain.training import (
     GRAD_PREFIX,
     compute_shard,

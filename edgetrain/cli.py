@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from edgetrain.config import ConfigError, load_job, parse_override
-from edgetrain.launch import DEMO_JOB, DEMO_SPEEDS, LocalRun, run_local
+from edgetrain.emulator.launch import DEMO_JOB, DEMO_SPEEDS, LocalRun, run_local
 
 
 def _speeds(text: str) -> tuple[float, ...]:
@@ -129,8 +129,8 @@ def _coordinator(args: argparse.Namespace) -> int:
     import threading
 
     from coordinator.main import run_coordinator
-    from coordinator.trainer import JobAborted
-    from edge_client.discovery import default_interfaces
+    from coordinator.training.trainer import JobAborted
+    from edgetrain.discovery import default_interfaces
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # end the job cleanly: boards are told it ended
@@ -138,7 +138,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     advertise = None if args.no_advertise else (
         args.advertise or (default_interfaces() if host in ("0.0.0.0", "") else [host]))
     if args.jobs:
-        from coordinator.job_server import serve_jobs
+        from coordinator.jobs.server import serve_jobs
 
         serve_jobs(bind=args.bind, state_dir=args.state_dir, runs_dir=args.runs_dir, data_dir=args.data_dir,
                    scheduler=args.scheduler, port_file=args.port_file, stop=stop, cluster=args.cluster,
@@ -155,7 +155,7 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 
 def _jobs(args: argparse.Namespace) -> int:
-    from coordinator.jobs_command import JobsCommandError, cancel_job, jobs_report, submit_job
+    from coordinator.jobs.command import JobsCommandError, cancel_job, jobs_report, submit_job
 
     try:
         if args.command == "submit":
@@ -199,14 +199,14 @@ def _local(args: argparse.Namespace) -> int:
 
 
 def _devices(args: argparse.Namespace) -> int:
-    from edge_client.devices import devices_report
+    from coordinator.devices import devices_report
 
     print(devices_report(coordinator=args.coordinator, interfaces=args.interface, as_json=args.json))
     return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from coordinator.plan_command import plan_report
+    from coordinator.planning.command import plan_report
 
     try:
         print(plan_report(args.fleet, model=args.model, objective=args.objective, batch=args.batch,
@@ -218,8 +218,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _fleet(args: argparse.Namespace) -> int:
-    from edgetrain.fleet import fleet_down, fleet_up, supervise
-    from edgetrain.fleet_config import load_fleet
+    from edgetrain.emulator.fleet import fleet_down, fleet_up, supervise
+    from edgetrain.emulator.fleet_config import load_fleet
 
     if args.fleet_command == "supervise":
         return supervise(Path(args.fleet), args.state_dir / f"{load_fleet(args.fleet).name}.json",

@@ -360,7 +360,7 @@ class PlannerConfig:
     """Hybrid mode: the coordinator plans stages and DP shards from the live fleet, and re-plans."""
 
     enabled: bool = False
-    """Plan with coordinator.planner (the pipeline section then gives only schedule, timeouts
+    """Plan with coordinator.planning.planner (the pipeline section then gives only schedule, timeouts
     and stage_state; its stages and plan_file must be empty)."""
     objective: str | float = "time"
     """time, energy, or a weight of energy in [0, 1] (0.5: half each)."""
@@ -385,7 +385,7 @@ class PlannerConfig:
 
     @property
     def weight(self) -> str | float:
-        """The objective as coordinator.planner takes it."""
+        """The objective as coordinator.planning.planner takes it."""
         return self.objective
 
 

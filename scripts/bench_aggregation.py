@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from edgetrain.launch import DEMO_JOB, run_on_emulated_boards
+from edgetrain.emulator.launch import DEMO_JOB, run_on_emulated_boards
 
 BOARDS = ((0.5, 100), (0.3, 50), (0.2, 20), (0.1, 10))
 """(fraction of a core, link Mbit/s) of each emulated board."""

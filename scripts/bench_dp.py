@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from edgetrain.launch import DEMO_JOB, LocalRun, run_local
+from edgetrain.emulator.launch import DEMO_JOB, LocalRun, run_local
 
 SPEEDS = (0.5, 0.3, 0.2, 0.1)
 PROFILE_BATCHES = (2, 4, 8, 16, 32)
@@ -36,8 +36,8 @@ def standalone(speed: float, model: str, batch: int) -> None:
 
     from edge_client.profiler import time_training_step
     from edgetrain.data import DatasetSpec, load_dataset
+    from edgetrain.emulator.throttle import limit_cpu
     from edgetrain.models import build_model
-    from edgetrain.throttle import limit_cpu
 
     torch.set_num_threads(1)
     dataset = load_dataset(DatasetSpec(name="synthetic", train_size=512), train=True)

@@ -45,8 +45,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from coordinator.job_scheduler import SCHEDULERS, Board, Job
-from coordinator.job_sim import SimResult, TraceSpec, poisson_trace, scaled_sum_oracle, simulate
+from coordinator.jobs.scheduler import SCHEDULERS, Board, Job
+from coordinator.jobs.simulator import (
+    SimResult,
+    TraceSpec,
+    poisson_trace,
+    scaled_sum_oracle,
+    simulate,
+)
 
 ONE_CORE = {"resnet18": 25.0, "mobilenet_v2": 105.0}
 """Samples/s of one host core, per model."""
@@ -121,7 +127,7 @@ LIVE_BATCH = 32
 
 def live_trace(seed: int, load: float) -> tuple[list, tuple[Job, ...]]:
     """The live trace on the lab-jobs boards (relative speeds from the preset)."""
-    from edgetrain.fleet_config import load_fleet
+    from edgetrain.emulator.fleet_config import load_fleet
 
     specs = load_fleet(LIVE_FLEET).boards
     boards = [Board(b.name, b.name) for b in specs]
@@ -154,10 +160,10 @@ def run_live(scheduler: str, specs: list, trace: tuple[Job, ...], workdir: Path)
     import grpc
     import yaml
 
-    from coordinator.job_speed import PlannerSpeed, board_spec
+    from coordinator.jobs.speed import PlannerSpeed, board_spec
     from edgetrain.config import job_from_dict
-    from edgetrain.fleet_config import board_to_dict
-    from edgetrain.launch import edgetrain_command
+    from edgetrain.emulator.fleet_config import board_to_dict
+    from edgetrain.emulator.launch import edgetrain_command
     from protos import jobs_pb2 as pb
     from protos import jobs_pb2_grpc as pb_grpc
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from edgetrain.config import job_from_dict
-from edgetrain.netns import VirtualLan, netns_available
+from edgetrain.emulator.netns import VirtualLan, netns_available
 
 MODEL = "mobilenet_v2"
 

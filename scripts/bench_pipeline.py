@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from edgetrain.launch import DEMO_JOB, run_on_emulated_boards
+from edgetrain.emulator.launch import DEMO_JOB, run_on_emulated_boards
 from edgetrain.pipeline import bubble_fraction
 
 BOARDS = ((0.5, 100), (0.3, 50), (0.2, 50), (0.1, 20))

@@ -56,17 +56,17 @@ from pathlib import Path
 
 import yaml
 
-from coordinator.plan_inputs import (
+from coordinator.planning.inputs import (
     boards_from_fleet,
     measure_model_cost,
     one_core_speed,
     train_flops_per_sample,
     transfer_cpu_s_per_byte,
 )
-from coordinator.planner import BoardCost, Plan, StagePlan, plan_optimal, predict
-from edgetrain.fleet_config import BoardSpec
-from edgetrain.launch import DEMO_JOB, run_on_emulated_boards
-from edgetrain.shaping import LinkSpec
+from coordinator.planning.planner import BoardCost, Plan, StagePlan, plan_optimal, predict
+from edgetrain.emulator.fleet_config import BoardSpec
+from edgetrain.emulator.launch import DEMO_JOB, run_on_emulated_boards
+from edgetrain.emulator.shaping import LinkSpec
 from edgetrain.split import SpeedEstimate, split_proportional
 
 SPEEDS = (0.5, 0.3, 0.2, 0.1)
@@ -141,8 +141,8 @@ def _board_standalone(fraction: float, model_name: str, batch: int, seconds: flo
     from edge_client.profiler import set_threads, torch_threads_for
     from edgetrain.config import TrainingConfig
     from edgetrain.data import SyntheticCIFAR10, make_batch
+    from edgetrain.emulator.throttle import limit_cpu
     from edgetrain.models import build_model
-    from edgetrain.throttle import limit_cpu
     from edgetrain.training import compute_shard
 
     set_threads(torch_threads_for(fraction))

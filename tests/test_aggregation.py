@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.aggregate import Weighted, combine, screen, staleness_weight, update_norm
-from coordinator.codec_policy import CodecPolicy
-from coordinator.parameters import ParameterStore
-from coordinator.steps import Assignment, Contribution, StepBoard, StepError
+from coordinator.training.aggregate import Weighted, combine, screen, staleness_weight, update_norm
+from coordinator.training.codec_policy import CodecPolicy
+from coordinator.training.parameters import ParameterStore
+from coordinator.training.steps import Assignment, Contribution, StepBoard, StepError
 from edgetrain.config import CompressionConfig
 from edgetrain.models import build_model
 from edgetrain.tensors import pack, unpack

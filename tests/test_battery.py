@@ -6,7 +6,13 @@ import threading
 
 import pytest
 
-from edgetrain.battery import BatteryReading, BatterySpec, EmulatedBattery, energy_j, real_battery
+from edgetrain.emulator.battery import (
+    BatteryReading,
+    BatterySpec,
+    EmulatedBattery,
+    energy_j,
+    real_battery,
+)
 
 
 class FakeClock:

@@ -240,7 +240,7 @@ def test_every_preset_loads(preset: Path) -> None:
     """The shipped presets are valid: fleet files (with boards) and job files alike."""
     import yaml
 
-    from edgetrain.fleet_config import load_fleet
+    from edgetrain.emulator.fleet_config import load_fleet
 
     data = yaml.safe_load(preset.read_text())
     if "boards" in data:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from coordinator.discovery import Advertisement, DiscoveryAdvertiser
-from edge_client.discovery import (
+from coordinator.advertiser import Advertisement, DiscoveryAdvertiser
+from edgetrain.discovery import (
     QUIET_S,
     CoordinatorNotFound,
     CoordinatorRecord,
@@ -223,7 +223,7 @@ def bridged_netns() -> Iterator[BridgedNamespace]:
 BROWSE_IN_NETNS = textwrap.dedent("""
     import json, sys, time
     from dataclasses import asdict
-    from edge_client.discovery import browse
+    from edgetrain.discovery import browse
     started = time.monotonic()
     records = browse(interfaces=[sys.argv[1]], timeout_s=float(sys.argv[2]))
     elapsed = time.monotonic() - started

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from edge_client.emulation import BoardEmulation, EnergyMeter
-from edgetrain.battery import BatterySpec, EmulatedBattery
+from edgetrain.emulator.battery import BatterySpec, EmulatedBattery
 
 
 def test_energy_from_power_figures_counts_busy_time_at_busy_power() -> None:

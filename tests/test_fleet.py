@@ -12,8 +12,8 @@ import grpc
 import pytest
 from conftest import wait_for
 
-from edgetrain.fleet import fleet_down, fleet_up
-from edgetrain.netns import netns_available
+from edgetrain.emulator.fleet import fleet_down, fleet_up
+from edgetrain.emulator.netns import netns_available
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 

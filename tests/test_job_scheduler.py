@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.job_scheduler import (
+from coordinator.jobs.scheduler import (
     SCHEDULERS,
     Assignment,
     Board,
@@ -22,7 +22,7 @@ from coordinator.job_scheduler import (
     rolling,
     utility,
 )
-from coordinator.job_sim import (
+from coordinator.jobs.simulator import (
     BoardEvent,
     SimResult,
     SimulationError,

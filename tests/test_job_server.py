@@ -17,10 +17,10 @@ import yaml
 from conftest import wait_for
 
 import edgetrain
-from coordinator.job_scheduler import Board, Job
-from coordinator.job_server import JobServer, JobServerServicer
-from coordinator.job_sim import simulate
-from coordinator.job_speed import PlannerSpeed, board_spec
+from coordinator.jobs.scheduler import Board, Job
+from coordinator.jobs.server import JobServer, JobServerServicer
+from coordinator.jobs.simulator import simulate
+from coordinator.jobs.speed import PlannerSpeed, board_spec
 from edgetrain.config import job_from_dict
 from protos import jobs_pb2 as pb
 from protos import jobs_pb2_grpc as pb_grpc
@@ -130,7 +130,7 @@ def test_jobs_survive_a_restart_of_the_job_server(in_process):
 
 
 def test_a_corrupt_jobs_file_is_a_clear_error(tmp_path):
-    from coordinator.job_store import StoreError
+    from coordinator.jobs.store import StoreError
 
     (tmp_path / "jobs.json").write_text("{not json")
     with pytest.raises(StoreError, match="jobs.json"):
@@ -306,7 +306,7 @@ def _listing(stub):
 
 
 def test_a_job_whose_board_never_joins_is_stopped_and_queued_again(in_process, monkeypatch):
-    import coordinator.job_server as job_server_module
+    import coordinator.jobs.server as job_server_module
 
     monkeypatch.setattr(job_server_module, "FIRST_STEP_TIMEOUT_S", 3.0)
     server = in_process()

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from coordinator.live_planner import LivePlanner
-from coordinator.plan_command import spread
-from coordinator.planner import BlockCost, BoardCost, ModelCost
+from coordinator.planning.command import spread
+from coordinator.planning.live import LivePlanner
+from coordinator.planning.planner import BlockCost, BoardCost, ModelCost
 from edgetrain.config import PlannerConfig
 
 MODEL = ModelCost(tuple(BlockCost(name=f"b{i}", param_bytes=p, activation_bytes=a, forward_flops=f)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from edgetrain.netns import (
+from edgetrain.emulator.netns import (
     NetnsError,
     VirtualLan,
     destroy_resources,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from coordinator.main import check_plan
-from coordinator.pipeline_plan import Host, assign, merge_pipelines, missing_boards
-from coordinator.steps import Contribution
+from coordinator.training.pipeline_plan import Host, assign, merge_pipelines, missing_boards
+from coordinator.training.steps import Contribution
 from edgetrain.config import ConfigError, PipelineConfig, job_from_dict, load_pipeline_plan
 from edgetrain.models import build_model
 from edgetrain.split import SpeedEstimate

@@ -1,4 +1,4 @@
-"""Tests for coordinator.planner: the cost model, the exact DP against brute force, memory and
+"""Tests for coordinator.planning.planner: the cost model, the exact DP against brute force, memory and
 battery rules, the Pareto front, the plan's YAML form and the planning time."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.planner import (
+from coordinator.planning.planner import (
     BlockCost,
     BoardCost,
     ModelCost,

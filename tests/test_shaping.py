@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from edgetrain.shaping import LinkShaper, LinkSpec, TokenBucket
+from edgetrain.emulator.shaping import LinkShaper, LinkSpec, TokenBucket
 
 MB = 1_000_000
 

@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-from coordinator.stage_owners import Owner, StageOwners
+from coordinator.training.stage_owners import Owner, StageOwners
 from edge_client.stage import StageEndpoint
 from edgetrain import serde
 from edgetrain.models import build_model

@@ -1,4 +1,4 @@
-"""Tests for edgetrain.throttle: duty-cycle pacing, validation, and the cgroup v1 quota.
+"""Tests for edgetrain.emulator.throttle: duty-cycle pacing, validation, and the cgroup v1 quota.
 
 The machine is shared, so speeds are checked as CPU/wall ratios with wide tolerances.
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from edgetrain import throttle
-from edgetrain.throttle import limit_cpu, remove_stale_cgroups
+from edgetrain.emulator import throttle
+from edgetrain.emulator.throttle import limit_cpu, remove_stale_cgroups
 
 REPO = Path(__file__).resolve().parents[1]
 CGROUP_ROOT = Path(throttle.DEFAULT_CGROUP_ROOT)
@@ -114,7 +114,7 @@ def _start_limited_child(spawn: list[subprocess.Popen[str]], body: str) -> subpr
     code = textwrap.dedent(
         """
         import json, time
-        from edgetrain.throttle import limit_cpu
+        from edgetrain.emulator.throttle import limit_cpu
         with limit_cpu(0.2, name="test-cg/child") as limiter:
             print(json.dumps({"mode": limiter.mode, "path": limiter.cgroup_path}), flush=True)
         """

@@ -1,6 +1,6 @@
 """How fast a job would train on a set of boards: the job scheduler's oracle in the job server.
 
-The answer is the hybrid planner's prediction (``coordinator.planner``) for that job on those
+The answer is the hybrid planner's prediction (``coordinator.planning.planner``) for that job on those
 boards, exactly as the job would run: with ``planner.enabled`` the plan the planner would choose,
 with a hand-written pipeline that plan, else data parallelism over all of them. Boards are
 described as in fleet files: their speed as a fraction of one core of this machine (measured by
@@ -13,17 +13,17 @@ import functools
 import threading
 from collections.abc import Mapping
 
-from coordinator.job_scheduler import Board, Job
-from coordinator.plan_inputs import (
+from coordinator.jobs.scheduler import Board, Job
+from coordinator.planning.inputs import (
     boards_from_fleet,
     measure_model_cost,
     one_core_speed,
     transfer_cpu_s_per_byte,
 )
-from coordinator.planner import Plan, StagePlan, plan_optimal, predict
+from coordinator.planning.planner import Plan, StagePlan, plan_optimal, predict
 from edgetrain.config import JobConfig
-from edgetrain.fleet_config import BoardSpec
-from edgetrain.shaping import LinkSpec
+from edgetrain.emulator.fleet_config import BoardSpec
+from edgetrain.emulator.shaping import LinkSpec
 
 UNKNOWN_LINK_MBIT = 100.0
 """Link rate assumed for a board whose probe gave no estimate."""

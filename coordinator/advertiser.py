@@ -15,7 +15,7 @@ from types import TracebackType
 
 from zeroconf import IPVersion, ServiceInfo, Zeroconf
 
-from edgetrain import SERVICE_TYPE
+from edgetrain import PROTOCOL_VERSION, SERVICE_TYPE
 
 logger = logging.getLogger(__name__)
 
@@ -145,3 +145,13 @@ class DiscoveryAdvertiser:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def advertise_on(cluster: str, host: str, port: int, interfaces: list[str]) -> DiscoveryAdvertiser:
+    """Announce the coordinator over mDNS; a wildcard bind advertises the first interface's address."""
+    address = interfaces[0] if host in ("0.0.0.0", "", "[::]") else host
+    advertiser = DiscoveryAdvertiser(Advertisement(cluster=cluster, host=address, port=port,
+                                                   protocol_version=PROTOCOL_VERSION),
+                                     interfaces=interfaces)
+    advertiser.start()
+    return advertiser

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from coordinator.steps import StepError
+from coordinator.training.steps import StepError
 from edgetrain.compression import CodecSpec, parse_codec
 from edgetrain.tensors import TensorMeta, pack, unpack
 from edgetrain.updates import DeltaFormat

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from coordinator.planner import BlockCost, BoardCost, ModelCost
+from coordinator.planning.planner import BlockCost, BoardCost, ModelCost
 from coordinator.registry import DeviceRecord
 from edgetrain.models import block_costs, build_model
 from edgetrain.split import SpeedEstimate, fit_speed
@@ -159,7 +159,7 @@ def transfer_cpu_s_per_byte(nbytes: int = 16 * 1024**2) -> float:
 def boards_from_fleet(boards: list, model: ModelCost, one_core: SpeedEstimate,
                       memory_bytes: Mapping[str, float] | None = None,
                       cpu_s_per_byte: float = 0.0) -> list[BoardCost]:
-    """BoardCosts of a fleet file's boards (edgetrain.fleet_config.BoardSpec); a board with
+    """BoardCosts of a fleet file's boards (edgetrain.emulator.fleet_config.BoardSpec); a board with
     `speed` s of a core computes s x as fast as one core here, its per-call overhead 1/s as long,
     and its link rate is what remains after its CPU's cost per byte (`cpu_s_per_byte` at one core)."""
     flops = train_flops_per_sample(model) * one_core.samples_per_s

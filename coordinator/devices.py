@@ -7,8 +7,8 @@ import json
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from edge_client.discovery import browse, default_interfaces
-from edgetrain.grpc_options import CHANNEL_OPTIONS
+from edgetrain.discovery import browse, default_interfaces
+from edgetrain.transport import CHANNEL_OPTIONS
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 

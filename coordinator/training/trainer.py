@@ -25,7 +25,10 @@ from pathlib import Path
 
 import torch
 
-from coordinator.aggregate import (
+from coordinator.planning.inputs import UNKNOWN_LINK_MBIT, board_from_record, measure_model_cost
+from coordinator.planning.live import LivePlanner
+from coordinator.registry import DeviceRegistry
+from coordinator.training.aggregate import (
     Screening,
     Weighted,
     apply_update,
@@ -33,16 +36,19 @@ from coordinator.aggregate import (
     screen,
     staleness_weight,
 )
-from coordinator.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
-from coordinator.codec_policy import CodecPolicy, LinkChoice
-from coordinator.live_planner import LivePlanner
-from coordinator.metrics import MetricsLog
-from coordinator.parameters import ParameterStore
-from coordinator.pipeline_plan import Host, assign, merge_pipelines, missing_boards
-from coordinator.plan_inputs import UNKNOWN_LINK_MBIT, board_from_record, measure_model_cost
-from coordinator.registry import DeviceRegistry
-from coordinator.stage_owners import Owner, StageOwners
-from coordinator.steps import Assignment, AttemptOutcome, Contribution, LocalWork, StepBoard
+from coordinator.training.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+from coordinator.training.codec_policy import CodecPolicy, LinkChoice
+from coordinator.training.metrics import MetricsLog
+from coordinator.training.parameters import ParameterStore
+from coordinator.training.pipeline_plan import Host, assign, merge_pipelines, missing_boards
+from coordinator.training.stage_owners import Owner, StageOwners
+from coordinator.training.steps import (
+    Assignment,
+    AttemptOutcome,
+    Contribution,
+    LocalWork,
+    StepBoard,
+)
 from edgetrain.config import JobConfig, OptimizerConfig, PipelineConfig, load_pipeline_plan
 from edgetrain.data import make_batch
 from edgetrain.pipeline import stage_blocks

@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from edgetrain import serde
-from edgetrain.grpc_options import CHANNEL_OPTIONS
 from edgetrain.pipeline import stage_parameter_prefixes
 from edgetrain.tensors import (
     TransferError,
@@ -39,6 +38,7 @@ from edgetrain.tensors import (
     pack,
 )
 from edgetrain.training import MOMENTUM_PREFIX
+from edgetrain.transport import CHANNEL_OPTIONS
 from protos import stage_pb2 as spb
 from protos import stage_pb2_grpc as spb_grpc
 

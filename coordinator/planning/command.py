@@ -1,6 +1,6 @@
 """`edgetrain plan FLEET.yaml`: the plan the coordinator would choose for a fleet file, explained.
 
-The fleet file's boards become `BoardCost`s (coordinator.plan_inputs: speed x this machine's
+The fleet file's boards become `BoardCost`s (coordinator.planning.inputs: speed x this machine's
 measured samples/s on one core, link rate and delay less the CPU cost of moving bytes at that
 speed, battery and power figures); the model's
 per-block costs are measured here. Printed: the plan table (board -> role, blocks, share,
@@ -14,15 +14,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from coordinator.plan_inputs import (
+from coordinator.planning.inputs import (
     boards_from_fleet,
     measure_model_cost,
     one_core_speed,
     train_flops_per_sample,
     transfer_cpu_s_per_byte,
 )
-from coordinator.planner import Plan, pareto, plan_optimal, predict
-from edgetrain.fleet_config import load_fleet
+from coordinator.planning.planner import Plan, pareto, plan_optimal, predict
+from edgetrain.emulator.fleet_config import load_fleet
 
 
 def _objective(text: str) -> str | float:

@@ -3,7 +3,7 @@
 One Linux bridge ``{name}-br`` in the root namespace carries ``{prefix}.1/24``: the gateway,
 where the coordinator listens. Each board gets a namespace joined to the bridge by a veth pair,
 and ``tc tbf`` on both ends of the pair limits its rate in each direction. Delay and loss are
-not done here (netem is absent from the target kernel): see :mod:`edgetrain.shaping`.
+not done here (netem is absent from the target kernel): see :mod:`edgetrain.emulator.shaping`.
 
 :meth:`VirtualLan.resources` records every name created, so :func:`destroy_resources` can tear
 a LAN down from that record alone after the process that built it is gone.

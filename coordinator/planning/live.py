@@ -1,7 +1,7 @@
 """Live re-planning: when the fleet changes enough, plan again, and switch if it pays.
 
 Pure logic over `BoardCost`s (the trainer builds them from the registry each step; see
-coordinator.plan_inputs). A re-plan is considered when
+coordinator.planning.inputs). A re-plan is considered when
 - a board joined or left (or was quarantined),
 - a board's measured link rate moved by more than `bandwidth_change` (a fraction) from the
   rate the current plan was made with,
@@ -19,7 +19,14 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from coordinator.planner import BoardCost, ModelCost, Plan, objective_cost, plan_optimal, predict
+from coordinator.planning.planner import (
+    BoardCost,
+    ModelCost,
+    Plan,
+    objective_cost,
+    plan_optimal,
+    predict,
+)
 from edgetrain.config import PlannerConfig
 
 logger = logging.getLogger(__name__)

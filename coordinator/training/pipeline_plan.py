@@ -5,7 +5,7 @@ blocks it holds and which boards host it. Every step the pipeline takes its samp
 batch, less the DP shards' share), cuts them into micro-batches, and splits every micro-batch
 among a stage's hosts by rows in proportion to the hosts' measured speed. A stage with a single
 host and no DP shards beside the pipeline is *owned* by its host (`owns_state`): it keeps the
-stage's parameters and optimizer state and uploads nothing (coordinator.stage_owners). Every
+stage's parameters and optimizer state and uploads nothing (coordinator.training.stage_owners). Every
 other host uploads the gradients of its stage's parameters — partial sums whose total over hosts
 and micro-batches is the gradient of the mean loss over the pipeline's samples — so
 `merge_pipelines` adds them up and the pipeline enters the step's aggregation as one
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from coordinator.steps import Assignment, Contribution, StageAssignment, StageHostPlan
+from coordinator.training.steps import Assignment, Contribution, StageAssignment, StageHostPlan
 from edgetrain.config import PipelineConfig
 from edgetrain.pipeline import (
     split_microbatches,

@@ -25,9 +25,9 @@ from typing import Any
 
 import yaml
 
-from edgetrain.battery import BatterySpec
 from edgetrain.config import ConfigError, JobConfig, job_from_dict, load_job
-from edgetrain.shaping import LinkSpec
+from edgetrain.emulator.battery import BatterySpec
+from edgetrain.emulator.shaping import LinkSpec
 
 NETWORK_MODES = ("auto", "namespaces", "loopback")
 EVENT_ACTIONS = ("link", "leave", "join")

@@ -2,15 +2,15 @@
 
 Boards wait in its lobby (``JobServer.Join`` / ``NextJob``). Users submit jobs (``Submit``),
 list them (``ListJobs``) and cancel them (``Cancel``). At every event — a job submitted,
-finished or cancelled, a board joining or leaving — the scheduler (``coordinator.job_scheduler``,
+finished or cancelled, a board joining or leaving — the scheduler (``coordinator.jobs.scheduler``,
 ``rolling`` by default) plans every waiting job's boards and start over a rolling horizon, with
-each job's speed on a set of boards predicted by the hybrid planner (``coordinator.job_speed``).
+each job's speed on a set of boards predicted by the hybrid planner (``coordinator.jobs.speed``).
 Jobs planned to start now are launched: each gets its own coordinator process (the ordinary
 ``edgetrain coordinator``, on a free port of this host, not advertised), and its boards are
 told that port on their next ``NextJob``. They work for it until it finishes, then come back.
 Running jobs are never preempted, migrated or reconfigured.
 
-Jobs live in ``<state-dir>/jobs.json`` (``coordinator.job_store``): a restarted job server adopts
+Jobs live in ``<state-dir>/jobs.json`` (``coordinator.jobs.store``): a restarted job server adopts
 job coordinators that are still running and re-queues the others to resume from their
 checkpoints. Every scheduling decision is appended to ``<state-dir>/decisions.jsonl``.
 """
@@ -35,12 +35,13 @@ import psutil
 import yaml
 
 import edgetrain
-from coordinator.job_scheduler import SCHEDULERS, Board, FleetState, Job, Running
-from coordinator.job_speed import PlannerSpeed, board_spec, warm
-from coordinator.job_store import ACTIVE, DONE, JobRecord, JobStore
+from coordinator.advertiser import advertise_on
+from coordinator.jobs.scheduler import SCHEDULERS, Board, FleetState, Job, Running
+from coordinator.jobs.speed import PlannerSpeed, board_spec, warm
+from coordinator.jobs.store import ACTIVE, DONE, JobRecord, JobStore
 from edgetrain.config import ConfigError, JobConfig, job_from_dict, job_to_dict
-from edgetrain.grpc_options import SERVER_OPTIONS
-from edgetrain.launch import edgetrain_command
+from edgetrain.emulator.launch import edgetrain_command
+from edgetrain.transport import SERVER_OPTIONS
 from protos import jobs_pb2 as pb
 from protos import jobs_pb2_grpc as pb_grpc
 
@@ -52,8 +53,8 @@ DEFAULT_OVERHEAD_S = 25.0
 START_TIMEOUT_S = 180.0
 """A job coordinator that does not serve within this long has failed."""
 FIRST_STEP_TIMEOUT_S = 300.0
-"""A running job that has not finished a step this long after launch lost a board before it
-started (its coordinator waits for all of them): it is stopped and queued again."""
+"""A running job that has not finished a step this long after its coordinator started serving lost a
+board before it started (its coordinator waits for all of them): it is stopped and queued again."""
 
 
 @dataclass
@@ -107,6 +108,8 @@ class JobServer:
         self.store = JobStore(self.state_dir / "jobs.json")
         self.boards: dict[str, LobbyBoard] = {}
         self.procs: dict[str, subprocess.Popen | psutil.Process] = {}
+        self.serving_since: dict[str, float] = {}
+        """When each launched job's coordinator started serving (its boards may join from then on)."""
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.dirty = True
@@ -121,7 +124,7 @@ class JobServer:
     def reference_s(self) -> float:
         """This machine's time for the reference workload on one core (measured once)."""
         if self._reference_s is None:
-            from coordinator.plan_inputs import _one_thread
+            from coordinator.planning.inputs import _one_thread
             from edgetrain.speed_reference import reference_seconds
 
             with _one_thread():
@@ -294,13 +297,14 @@ class JobServer:
     def _restart_stalled(self) -> None:
         now = self.clock()
         for job in self.store.in_state("running"):
-            if job.id not in self.procs or now - job.started < FIRST_STEP_TIMEOUT_S or job.stepped:
+            since = self.serving_since.get(job.id, job.started)
+            if job.id not in self.procs or now - since < FIRST_STEP_TIMEOUT_S or job.stepped:
                 continue
             job.stepped = self._stepped_since(job, job.started)
             if job.stepped:
                 continue
-            logger.warning("[JobServer] job %s: no step %.0f s after launch; a board did not join. Queued again",
-                           job.id, now - job.started)
+            logger.warning("[JobServer] job %s: no step %.0f s after its coordinator started serving; a board "
+                           "did not join. Queued again", job.id, now - since)
             proc = self.procs.pop(job.id)
             self._free_boards(job)
             for name in job.boards:  # each must poll the lobby again before it gets another job
@@ -464,6 +468,7 @@ class JobServer:
                 with self.lock:
                     if job.state == "starting":
                         job.port, job.state = int(text.rsplit(":", 1)[1]), "running"
+                        self.serving_since[job.id] = self.clock()
                         self.store.save()
                         self.changed.notify_all()
                 return
@@ -588,8 +593,6 @@ def serve_jobs(*, bind: str, state_dir: Path, runs_dir: Path, data_dir: Path, sc
                port_file: str | None = None, stop: threading.Event | None = None, cluster: str = "edgetrain",
                advertise: list[str] | None = None) -> None:
     """Run a job server until `stop` (or SIGTERM in the CLI)."""
-    from coordinator.main import _advertise
-
     stop = stop or threading.Event()
     host = bind.rsplit(":", 1)[0]
     server = JobServer(state_dir=state_dir, runs_dir=runs_dir, data_dir=data_dir,
@@ -601,7 +604,7 @@ def serve_jobs(*, bind: str, state_dir: Path, runs_dir: Path, data_dir: Path, sc
         raise OSError(f"cannot bind the job server to {bind}")
     grpc_server.start()
     server.reference_s  # noqa: B018 - measure before boards join, on a quiet machine
-    advertiser = _advertise(cluster, host, port, advertise) if advertise else None
+    advertiser = advertise_on(cluster, host, port, advertise) if advertise else None
     logger.info("[JobServer] serving on %s:%d (scheduler %s, state in %s)", host, port, scheduler, state_dir)
     if port_file:
         Path(port_file).write_text(f"{host}:{port}\n")

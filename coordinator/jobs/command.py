@@ -12,7 +12,7 @@ import grpc
 import yaml
 
 from edgetrain.config import ConfigError, apply_overrides
-from edgetrain.grpc_options import CHANNEL_OPTIONS
+from edgetrain.transport import CHANNEL_OPTIONS
 from protos import jobs_pb2 as pb
 from protos import jobs_pb2_grpc as pb_grpc
 
@@ -27,8 +27,8 @@ def find_server(server: str | None, cluster: str | None, interfaces: list[str] |
     """`server`, else $EDGETRAIN_SERVER, else the job server advertised over mDNS."""
     if server or os.environ.get(SERVER_ENV):
         return server or os.environ[SERVER_ENV]
-    from edge_client.discovery import browse, default_interfaces
     from edge_client.lobby import is_job_server
+    from edgetrain.discovery import browse, default_interfaces
 
     records = [r for r in browse(interfaces=interfaces or default_interfaces(), timeout_s=5.0)
                if cluster is None or r.cluster == cluster]

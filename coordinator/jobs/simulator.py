@@ -20,7 +20,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from coordinator.job_scheduler import (
+from coordinator.jobs.scheduler import (
     EPS,
     SCHEDULERS,
     Board,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-DEMO_JOB = Path(__file__).parent / "presets" / "demo.yaml"
+DEMO_JOB = Path(__file__).parent.parent / "presets" / "demo.yaml"
 DEMO_SPEEDS = (0.5, 0.3, 0.2, 0.1)
 
 

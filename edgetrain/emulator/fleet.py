@@ -25,10 +25,16 @@ import psutil
 import yaml
 
 from edgetrain.config import job_to_dict
-from edgetrain.fleet_config import BoardSpec, FleetEvent, FleetSpec, board_to_dict, load_fleet
-from edgetrain.launch import edgetrain_command
-from edgetrain.netns import HostNetwork, VirtualLan, destroy_resources, netns_available
-from edgetrain.throttle import remove_stale_cgroups
+from edgetrain.emulator.fleet_config import (
+    BoardSpec,
+    FleetEvent,
+    FleetSpec,
+    board_to_dict,
+    load_fleet,
+)
+from edgetrain.emulator.launch import edgetrain_command
+from edgetrain.emulator.netns import HostNetwork, VirtualLan, destroy_resources, netns_available
+from edgetrain.emulator.throttle import remove_stale_cgroups
 
 logger = logging.getLogger(__name__)
 

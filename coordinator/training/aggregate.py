@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from coordinator.steps import Contribution
+from coordinator.training.steps import Contribution
 from edgetrain.training import BUFFER_PREFIX, GRAD_PREFIX
 
 
