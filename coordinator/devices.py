@@ -7,8 +7,8 @@ import json
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from edgetrain import transport
 from edgetrain.discovery import browse, default_interfaces
-from edgetrain.transport import CHANNEL_OPTIONS
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 
@@ -16,7 +16,7 @@ UNKNOWN = "?"
 
 
 def _fetch(address: str) -> pb.ListDevicesReply:
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    with transport.open_channel(address) as channel:
         return pb_grpc.CoordinatorStub(channel).ListDevices(pb.ListDevicesRequest(), timeout=10)
 
 

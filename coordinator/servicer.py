@@ -7,7 +7,6 @@ import math
 import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 
 import grpc
 
@@ -15,10 +14,10 @@ import edgetrain
 from coordinator.registry import DeviceProfile, DeviceRecord, DeviceRegistry, UnknownDevice
 from coordinator.training.parameters import ParameterStore
 from coordinator.training.steps import Assignment, Finished, StepBoard, StepError
-from edgetrain import serde
+from edgetrain import serde, transport
 from edgetrain.config import JobConfig
-from edgetrain.tensors import TransferError, iter_chunks
-from edgetrain.transport import SERVER_OPTIONS
+from edgetrain.errors import Refusal
+from edgetrain.streaming import TransferError, iter_chunks
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 
@@ -35,20 +34,23 @@ _CODES = {
 MAX_POLL_S = 30.0
 
 
-def _abort(context: grpc.ServicerContext, rpc: str, code: grpc.StatusCode, message: str) -> None:
+def _abort(context: grpc.ServicerContext, rpc: str, code: grpc.StatusCode, message: str,
+           reason: Refusal = Refusal.UNSPECIFIED) -> None:
     logger.warning("[Coordinator.%s] %s: %s", rpc, code.name, message)
-    context.abort(code, message)
+    transport.abort(context, code, message, reason)
 
 
 def _guarded(rpc: str):
-    """Turn the domain's exceptions into status codes (the handler itself stays linear)."""
+    """Turn the domain's exceptions into status codes and typed reasons (the handler stays linear)."""
     def wrap(handler):
         def run(self, request, context):
             try:
                 return handler(self, request, context)
             except UnknownDevice as e:
-                _abort(context, rpc, grpc.StatusCode.NOT_FOUND, str(e))
-            except (StepError, TransferError) as e:
+                _abort(context, rpc, grpc.StatusCode.NOT_FOUND, str(e), Refusal.UNKNOWN_DEVICE)
+            except StepError as e:
+                _abort(context, rpc, _CODES[e.kind], str(e), e.refusal)
+            except TransferError as e:
                 _abort(context, rpc, _CODES[e.kind], str(e))
             except ValueError as e:
                 _abort(context, rpc, grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -111,7 +113,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if request.protocol_version != edgetrain.PROTOCOL_VERSION:
             _abort(context, "Register", grpc.StatusCode.FAILED_PRECONDITION,
                    f"protocol version {request.protocol_version} not supported; "
-                   f"this coordinator speaks {edgetrain.PROTOCOL_VERSION}")
+                   f"this coordinator speaks {edgetrain.PROTOCOL_VERSION}", Refusal.PROTOCOL_MISMATCH)
         if not request.device.name:
             raise ValueError("device.name is required")
         info = {f.name: v for f, v in request.device.ListFields()}
@@ -177,7 +179,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._registry.get(request.device_id)
         if not request.reason:
             raise ValueError("a failure report needs a reason")
-        self._board.fail(request.device_id, request.step, request.attempt, request.reason[:2000])
+        kind = serde.failure_kind_from_proto(request.kind)
+        self._board.fail(request.device_id, request.step, request.attempt, kind, request.reason[:2000])
         return pb.FailureAck()
 
     @_guarded("DownloadParameters")
@@ -266,13 +269,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.UploadStatus(received_bytes=held, total_bytes=total)
 
 
-def create_server(address: str, servicer: CoordinatorServicer, *, max_workers: int = 128) -> tuple[grpc.Server, int]:
+def create_server(address: str, servicer: CoordinatorServicer, *, max_workers: int = 128,
+                  security: transport.Security = transport.INSECURE) -> tuple[grpc.Server, int]:
     """A started gRPC server for `servicer` bound to `address` ("host:0" picks a port)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
-    pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind {address}")
-    server.start()
-    return server, port
-
+    return transport.create_server(address, [(pb_grpc.add_CoordinatorServicer_to_server, servicer)],
+                                   max_workers=max_workers, security=security)

@@ -1,9 +1,9 @@
 """The board's connection to the coordinator: every RPC, retries, and resumable transfers.
 
-Retries happen only here, only on UNAVAILABLE (the coordinator unreachable or restarting), with
-exponential backoff. Tensor transfers resume from the last byte that arrived intact instead of
-starting over: downloads ask for chunks from that offset, uploads ask the coordinator how many
-bytes it holds and continue from there.
+Calls are retried only on UNAVAILABLE (the coordinator unreachable or restarting), with the
+backoff and time budget of edgetrain.transport's RetryPolicy. Tensor transfers resume from the
+last byte that arrived intact instead of starting over (edgetrain.transport): downloads ask for
+chunks from that offset, uploads ask the coordinator how many bytes it holds and continue there.
 """
 
 from __future__ import annotations
@@ -16,22 +16,15 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
-import grpc
-
 from edge_client.telemetry import LinkMeter
-from edgetrain import serde
+from edgetrain import serde, transport
 from edgetrain.emulator.shaping import LinkShaper
-from edgetrain.tensors import ChunkAssembler, TensorMeta, TransferError, iter_chunks
-from edgetrain.transport import CHANNEL_OPTIONS
+from edgetrain.streaming import TensorMeta, TransferError, iter_chunks
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-TRANSFER_RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.CANCELLED,
-                        grpc.StatusCode.DEADLINE_EXCEEDED)
-"""A transfer failing with these is resumed from the last good byte."""
 
 
 class CoordinatorUnreachable(ConnectionError):
@@ -39,13 +32,16 @@ class CoordinatorUnreachable(ConnectionError):
 
 
 class CoordinatorConnection:
-    """A channel to one coordinator with typed, retrying calls."""
+    """A channel to one coordinator with typed, retrying calls (edgetrain.transport)."""
 
-    def __init__(self, address: str, *, retry_budget_s: float = 60.0, transfer_attempts: int = 5,
-                 shaper: LinkShaper | None = None, link: LinkMeter | None = None) -> None:
+    def __init__(self, address: str, *, retry: transport.RetryPolicy = transport.CALLS,
+                 transfers: transport.RetryPolicy = transport.TRANSFERS, shaper: LinkShaper | None = None,
+                 link: LinkMeter | None = None, security: transport.Security = transport.INSECURE) -> None:
         self.address = address
-        self.retry_budget_s = retry_budget_s
-        self.transfer_attempts = transfer_attempts
+        self.retry = retry
+        """Calls are retried on UNAVAILABLE within this policy's budget."""
+        self.transfers = transfers
+        """Downloads and uploads resume from the last good byte within this policy's budget."""
         self.shaper = shaper
         """Application-level link emulation (rate, delay, loss), or None for the real link."""
         self.link = link or LinkMeter()
@@ -53,7 +49,7 @@ class CoordinatorConnection:
         self._rng = random.Random()
         self._active = 0
         self._active_lock = threading.Lock()
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = transport.open_channel(address, security)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
     def close(self) -> None:
@@ -77,28 +73,19 @@ class CoordinatorConnection:
             with self._active_lock:
                 self._active -= 1
 
-    def _retrying(self, call: Callable[[], T]) -> T:
-        delay, deadline = 0.2, time.monotonic() + self.retry_budget_s
-        while True:
-            try:
-                return call()
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay > deadline:
-                    if e.code() == grpc.StatusCode.UNAVAILABLE:
-                        raise CoordinatorUnreachable(f"{self.address}: {e.details()}") from e
-                    raise
-                logger.debug("[Client.Connection] %s unavailable; retrying in %.1f s", self.address, delay,
-                             exc_info=True)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+    def _retrying(self, call: Callable[[], T], what: str) -> T:
+        try:
+            return self.retry.call(call, f"{what} at {self.address}")
+        except transport.Unreachable as e:
+            raise CoordinatorUnreachable(str(e)) from e
 
     def register(self, request: pb.RegisterRequest) -> pb.RegisterReply:
         """Join the coordinator's job."""
-        return self._retrying(lambda: self._stub.Register(request, timeout=30))
+        return self._retrying(lambda: self._stub.Register(request, timeout=30), "Register")
 
     def report_profile(self, report: pb.ProfileReport) -> None:
         """Send the join-time profile."""
-        self._retrying(lambda: self._stub.ReportProfile(report, timeout=30))
+        self._retrying(lambda: self._stub.ReportProfile(report, timeout=30), "ReportProfile")
 
     def heartbeat(self, device_id: str, telemetry: pb.Telemetry | None = None) -> pb.HeartbeatReply:
         """One liveness ping with a telemetry sample (no retry: the next one follows soon)."""
@@ -117,7 +104,7 @@ class CoordinatorConnection:
 
     def list_devices(self) -> pb.ListDevicesReply:
         """The coordinator's view of its boards."""
-        return self._retrying(lambda: self._stub.ListDevices(pb.ListDevicesRequest(), timeout=10))
+        return self._retrying(lambda: self._stub.ListDevices(pb.ListDevicesRequest(), timeout=10), "ListDevices")
 
     def _delay(self) -> None:
         if self.shaper:
@@ -126,92 +113,61 @@ class CoordinatorConnection:
     def get_work(self, device_id: str, max_wait_s: float) -> pb.WorkAssignment:
         """Long-poll for work."""
         request = pb.WorkRequest(device_id=device_id, max_wait_s=max_wait_s)
-        return self._retrying(lambda: self._stub.GetWork(request, timeout=max_wait_s + 30))
+        return self._retrying(lambda: self._stub.GetWork(request, timeout=max_wait_s + 30), "GetWork")
+
+    def report_failure(self, device_id: str, step: int, attempt: int, kind: int, reason: str) -> None:
+        """Tell the coordinator this board cannot complete (step, attempt), and why."""
+        self._retrying(lambda: self._stub.ReportFailure(pb.FailureReport(
+            device_id=device_id, step=step, attempt=attempt, kind=int(kind), reason=reason), timeout=30),
+            "ReportFailure")
 
     def download_parameters(self, device_id: str, version: int, base_version: int | None = None,
                             prefixes: Sequence[str] = ()) -> tuple[list[TensorMeta], bytearray]:
         """Parameters of `version` (or the deltas since `base_version`, or only the tensors named
         with `prefixes`), resuming an interrupted stream from the last good byte."""
+
+        def open_stream(offset: int) -> Iterator[pb.ParameterMessage]:
+            self._delay()
+            return self._stub.DownloadParameters(pb.ParameterRequest(
+                device_id=device_id, version=version, offset=offset, base_version=base_version,
+                prefixes=list(prefixes)), timeout=600)
+
         with self._transfer():
-            return self._download(device_id, version, base_version, list(prefixes))
-
-    def report_failure(self, device_id: str, step: int, attempt: int, reason: str) -> None:
-        """Tell the coordinator this board cannot complete (step, attempt)."""
-        self._retrying(lambda: self._stub.ReportFailure(pb.FailureReport(
-            device_id=device_id, step=step, attempt=attempt, reason=reason), timeout=30))
-
-    def _download(self, device_id: str, version: int, base_version: int | None,
-                  prefixes: list[str]) -> tuple[list[TensorMeta], bytearray]:
-        assembler: ChunkAssembler | None = None
-        metas: list[TensorMeta] = []
-        started, failures, progress = time.perf_counter(), 0, -1
-        while failures < self.transfer_attempts:
-            offset = assembler.received if assembler else 0
-            failures = 0 if offset > progress else failures  # an interruption after progress is not a failure
-            progress = offset
-            request = pb.ParameterRequest(device_id=device_id, version=version, offset=offset,
-                                          base_version=base_version, prefixes=prefixes)
+            started = time.perf_counter()
             try:
-                self._delay()
-                for message in self._stub.DownloadParameters(request, timeout=600):
-                    if message.WhichOneof("kind") == "header":
-                        metas, total = serde.header_from_proto(message.header)
-                        assembler = assembler or ChunkAssembler(total)
-                    else:
-                        self._receive_chunk(assembler, message.chunk)
-                payload = assembler.payload()
-                self.link.observe_transfer(len(payload), time.perf_counter() - started)
-                return metas, payload
-            except (grpc.RpcError, TransferError) as e:
-                if isinstance(e, grpc.RpcError) and e.code() not in TRANSFER_RETRY_CODES:
-                    raise
-                logger.info("[Client.Download] version %d interrupted at byte %d (%s); resuming", version,
-                            assembler.received if assembler else 0, e)
-                failures += 1
-                time.sleep(min(0.2 * 2**failures, 5.0))
-        raise CoordinatorUnreachable(f"download of version {version} failed {self.transfer_attempts} times")
+                metas, payload = transport.receive_bundle(open_stream, f"download of version {version}",
+                                                          retry=self.transfers, on_chunk=self._receive_chunk)
+            except transport.Unreachable as e:
+                raise CoordinatorUnreachable(str(e)) from e
+            self.link.observe_transfer(len(payload), time.perf_counter() - started)
+            return metas, payload
 
     def upload_gradient(self, header: pb.UploadHeader, payload: memoryview, chunk_bytes: int) -> None:
         """Upload one step's tensors, resuming from what the coordinator already holds."""
+        status = pb.UploadStatusRequest(device_id=header.device_id, step=header.step, attempt=header.attempt)
+        started, sent_from = time.perf_counter(), [0]
+
+        def send_from(start: int) -> None:
+            self._delay()
+            header.resume_offset, sent_from[0] = start, start
+            self._stub.UploadGradient(self._upload_messages(header, payload, start, chunk_bytes), timeout=600)
+
+        def held() -> int:
+            return self._retrying(lambda: self._stub.GetUploadStatus(status, timeout=30), "GetUploadStatus"
+                                  ).received_bytes
+
         with self._transfer():
-            self._upload(header, payload, chunk_bytes)
-
-    def _upload(self, header: pb.UploadHeader, payload: memoryview, chunk_bytes: int) -> None:
-        status_request = pb.UploadStatusRequest(device_id=header.device_id, step=header.step,
-                                                attempt=header.attempt)
-        start, started, failures, progress = 0, time.perf_counter(), 0, 0
-        while failures < self.transfer_attempts:
-            failures = 0 if start > progress else failures  # an interruption after progress is not a failure
-            progress = start
-            header.resume_offset = start
             try:
-                self._delay()
-                self._stub.UploadGradient(self._upload_messages(header, payload, start, chunk_bytes), timeout=600)
-                self.link.observe_transfer(len(payload) - start, time.perf_counter() - started)
-                return
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.ALREADY_EXISTS and failures:
-                    return  # an earlier try was accepted and only its reply was lost
-                if e.code() not in TRANSFER_RETRY_CODES:
-                    raise
-                logger.info("[Client.Upload] step %d interrupted (%s); resuming", header.step, e.details())
-                failures += 1
-                time.sleep(min(0.2 * 2**failures, 5.0))
-                try:
-                    start = self._retrying(lambda: self._stub.GetUploadStatus(status_request, timeout=30)).received_bytes
-                except grpc.RpcError as status_error:
-                    if status_error.code() == grpc.StatusCode.ALREADY_EXISTS:
-                        return  # the interrupted try was accepted; only its reply was lost
-                    raise
-                started = time.perf_counter()
-        raise CoordinatorUnreachable(f"upload for step {header.step} failed {self.transfer_attempts} times")
+                transport.send_bundle(send_from, held, f"upload for step {header.step}", retry=self.transfers)
+            except transport.Unreachable as e:
+                raise CoordinatorUnreachable(str(e)) from e
+            self.link.observe_transfer(len(payload) - sent_from[0], time.perf_counter() - started)
 
-    def _receive_chunk(self, assembler: ChunkAssembler, chunk) -> None:
+    def _receive_chunk(self, chunk) -> None:
         if self.shaper:
             self.shaper.after_receive(len(chunk.data))
             if self.shaper.lost(self._rng):
                 raise TransferError("data_loss", f"emulated loss of the chunk at byte {chunk.offset}")
-        assembler.add(chunk.offset, chunk.data, chunk.crc32)
 
     def _upload_messages(self, header: pb.UploadHeader, payload: memoryview, start: int,
                          chunk_bytes: int) -> Iterator[pb.UploadMessage]:

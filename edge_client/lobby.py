@@ -9,7 +9,6 @@ coordinator on the job server's host; the board works for it exactly as for a lo
 from __future__ import annotations
 
 import logging
-import time
 
 import grpc
 
@@ -18,35 +17,20 @@ from edge_client.connection import CoordinatorConnection, CoordinatorUnreachable
 from edge_client.emulation import BoardEmulation
 from edge_client.telemetry import LinkMeter, probe_link
 from edge_client.worker import BATTERY_EMPTY, ClientOptions, EdgeWorker
+from edgetrain import transport
 from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.speed_reference import reference_seconds
-from edgetrain.transport import CHANNEL_OPTIONS
 from protos import jobs_pb2 as pb
 from protos import jobs_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 5.0
-JOB_RETRY_BUDGET_S = 15.0
-"""How long a board keeps retrying a job coordinator that went away (cancelled) before it returns."""
-LOBBY_RETRY_BUDGET_S = 120.0
-"""How long a board keeps retrying an unreachable job server (it may be restarting)."""
-
-
-def is_job_server(address: str, budget_s: float = 60.0) -> bool:
-    """Whether `address` serves the JobServer service (else it is a lone job's coordinator);
-    CoordinatorUnreachable when nothing answers there within `budget_s`."""
-    deadline = time.monotonic() + budget_s
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        while True:
-            try:
-                pb_grpc.JobServerStub(channel).Probe(pb.LobbyProbe(), timeout=5, wait_for_ready=True)
-                return True
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    return False
-                if time.monotonic() > deadline:
-                    raise CoordinatorUnreachable(f"nothing answers at {address}: {e.details()}") from e
+JOB_RETRY = transport.RetryPolicy(budget_s=15.0)
+"""A job coordinator that went away (cancelled) is retried this long before the board returns."""
+LOBBY_RETRY = transport.RetryPolicy(budget_s=120.0, max_s=2.0,
+                                    retry_on=frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}))
+"""An unreachable job server (it may be restarting) is retried this long."""
 
 
 class Lobby:
@@ -55,7 +39,7 @@ class Lobby:
     def __init__(self, address: str, options: ClientOptions, limiter: CpuLimiter, emulation: BoardEmulation,
                  link: LinkMeter) -> None:
         self.address, self.options, self.limiter, self.emulation, self.link = address, options, limiter, emulation, link
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = transport.open_channel(address)
         self._stub = pb_grpc.JobServerStub(self._channel)
 
     def close(self) -> None:
@@ -71,32 +55,31 @@ class Lobby:
     def join(self) -> None:
         reference = reference_seconds(self.limiter.working)
         mbit = probe_link(self._send_probe, self.link)
-        self._stub.Join(pb.JoinRequest(name=self.options.name, reference_s=reference,
-                                       link_mbit_per_s=mbit if mbit == mbit else 0.0,
-                                       protocol_version=edgetrain.PROTOCOL_VERSION), timeout=30)
+        request = pb.JoinRequest(name=self.options.name, reference_s=reference,
+                                 link_mbit_per_s=mbit if mbit == mbit else 0.0,
+                                 protocol_version=edgetrain.PROTOCOL_VERSION)
+        try:
+            LOBBY_RETRY.call(lambda: self._stub.Join(request, timeout=30), f"Join at {self.address}")
+        except transport.Unreachable as e:
+            raise CoordinatorUnreachable(str(e)) from e
         logger.info("[Client] %s joined the job server at %s (reference %.3f s, link %.0f Mbit/s)",
                     self.options.name, self.address, reference, mbit if mbit == mbit else 0)
 
     def next_offer(self) -> pb.JobOffer:
         """Long-poll until the server offers a job; re-join if it forgot us, retry while it restarts."""
-        unreachable_since = None
+        request = pb.NextJobRequest(name=self.options.name, max_wait_s=POLL_S)
         while True:
             try:
-                offer = self._stub.NextJob(pb.NextJobRequest(name=self.options.name, max_wait_s=POLL_S),
-                                           timeout=POLL_S + 60)
-                unreachable_since = None
+                offer = LOBBY_RETRY.call(lambda: self._stub.NextJob(request, timeout=POLL_S + 60),
+                                         f"NextJob at {self.address}")
                 if offer.job_id:
                     return offer
+            except transport.Unreachable as e:
+                raise CoordinatorUnreachable(str(e)) from e
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.NOT_FOUND:
-                    self.join()
-                elif e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    unreachable_since = unreachable_since or time.monotonic()
-                    if time.monotonic() - unreachable_since > LOBBY_RETRY_BUDGET_S:
-                        raise CoordinatorUnreachable(f"job server {self.address} unreachable") from e
-                    time.sleep(1.0)
-                else:
+                if e.code() != grpc.StatusCode.NOT_FOUND:
                     raise
+                self.join()
 
     def serve(self) -> str:
         """Serve jobs until the battery runs flat (returns BATTERY_EMPTY) or the server is gone."""
@@ -107,7 +90,7 @@ class Lobby:
             logger.info("[Client] %s works for job %s (coordinator port %d)", self.options.name, offer.job_name,
                         offer.port)
             conn = CoordinatorConnection(f"{host}:{offer.port}", shaper=self.emulation.shaper, link=self.link,
-                                         retry_budget_s=JOB_RETRY_BUDGET_S)
+                                         retry=JOB_RETRY)
             worker = EdgeWorker(conn, self.options, self.limiter, self.emulation)
             try:
                 reason = worker.run()

@@ -8,11 +8,12 @@ from dataclasses import replace
 import edgetrain
 from edge_client.connection import CoordinatorConnection, CoordinatorUnreachable
 from edge_client.emulation import BoardEmulation
-from edge_client.lobby import Lobby, is_job_server
+from edge_client.lobby import Lobby
 from edge_client.profiler import set_threads, torch_threads_for
 from edge_client.telemetry import LinkMeter
 from edge_client.worker import BATTERY_EMPTY, ClientOptions, EdgeWorker
-from edgetrain.discovery import default_interfaces, find_coordinator
+from edgetrain import transport
+from edgetrain.discovery import default_interfaces, find_coordinator, serves_jobs
 from edgetrain.emulator.throttle import limit_cpu
 
 logger = logging.getLogger(__name__)
@@ -51,10 +52,10 @@ def run_client(address: str | None, options: ClientOptions, *, threads: int | No
             while True:
                 found = address or _discover(cluster, interfaces)
                 try:
-                    jobs = is_job_server(found)
-                except CoordinatorUnreachable:
+                    jobs = serves_jobs(found)
+                except transport.Unreachable as e:
                     if address:
-                        raise
+                        raise CoordinatorUnreachable(str(e)) from e
                     continue
                 if jobs:
                     lobby = Lobby(found, options, limiter, emulation, link)

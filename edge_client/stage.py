@@ -1,6 +1,6 @@
-"""A board's part of a pipeline: its peer endpoint, and running its stage for one step.
+"""A board's part of a pipeline: running its stage for one step.
 
-Every board serves `StagePeer` next to its client. When it hosts a stage, activations of each
+When a board hosts a stage, activations of each
 micro-batch arrive from the previous stage's hosts and leave for the next stage's hosts, and the
 gradients of those activations travel back the same way — directly board to board, chunked and
 checksummed like every other tensor stream; the coordinator only hands out the plan (which
@@ -23,247 +23,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 
-import grpc
 import torch
 from torch import nn
 
-from edge_client.stage_state import StageState, StageStateError
-from edgetrain import serde
+from edge_client.endpoint import MailKey, StageEndpoint, StageFailure
 from edgetrain.data import make_batch
-from edgetrain.emulator.shaping import LinkShaper
+from edgetrain.errors import FailureKind
 from edgetrain.pipeline import overlaps, schedule, stage_parameter_prefixes
-from edgetrain.tensors import TransferError, iter_chunks, pack
 from edgetrain.training import BUFFER_PREFIX, GRAD_PREFIX, ShardResult, chunk_bounds
-from edgetrain.transport import CHANNEL_OPTIONS, SERVER_OPTIONS
 from protos import coordinator_pb2 as pb
 from protos import stage_pb2 as spb
-from protos import stage_pb2_grpc as spb_grpc
 
 logger = logging.getLogger(__name__)
-
-SEND_ATTEMPTS = 3
-
-
-class StageFailure(Exception):
-    """The step cannot complete on this board (a neighbour failed or stalled)."""
-
-
-@dataclass(frozen=True)
-class _Key:
-    step: int
-    attempt: int
-    pipeline: int
-    microbatch: int
-    backward: bool
-    from_stage: int
-    row_begin: int
-    row_end: int
-    from_device: str
-    """The sender's registration: a message from an earlier run of the coordinator never matches."""
-
-
-class Mailbox:
-    """Tensors from peers, kept until the stage runner takes them (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._items: dict[_Key, torch.Tensor] = {}
-        self._floor = (-1, -1)
-        self._newest = (-1, -1)
-
-    def put(self, key: _Key, tensor: torch.Tensor) -> None:
-        with self._cond:
-            if (key.step, key.attempt) < self._floor:
-                return  # for an attempt this board has moved past
-            self._items[key] = tensor
-            self._cond.notify_all()
-
-    def take(self, key: _Key, timeout_s: float, what: str, check: Callable[[], None] = lambda: None) -> torch.Tensor:
-        """The tensor for `key`; StageFailure after `timeout_s` without it, or as soon as the
-        coordinator opened a newer attempt (this one is dead), or when `check` raises."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while key not in self._items:
-                if (key.step, key.attempt) < self._newest:
-                    raise StageFailure(f"step {key.step} attempt {key.attempt} was closed by the coordinator "
-                                       f"while waiting for {what}")
-                check()
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise StageFailure(f"no {what} within the stage timeout ({timeout_s:g} s)")
-                self._cond.wait(min(remaining, 0.5))
-            return self._items.pop(key)
-
-    def superseded(self, step: int, attempt: int) -> bool:
-        """Whether the coordinator has opened an attempt newer than (step, attempt)."""
-        with self._cond:
-            return (step, attempt) < self._newest
-
-    def supersede(self, step: int, attempt: int) -> None:
-        """The coordinator's newest attempt: waits for older ones end at once."""
-        with self._cond:
-            if (step, attempt) > self._newest:
-                self._newest = (step, attempt)
-                self._cond.notify_all()
-
-    def reset(self) -> None:
-        """Forget everything (a new registration: the coordinator may have restarted)."""
-        with self._cond:
-            self._items.clear()
-            self._floor = self._newest = (-1, -1)
-
-    def advance(self, step: int, attempt: int) -> None:
-        """Forget everything for attempts before (step, attempt) (a future step's tensors stay)."""
-        with self._cond:
-            self._floor = max(self._floor, (step, attempt))
-            for key in [k for k in self._items if (k.step, k.attempt) < self._floor]:
-                del self._items[key]
-
-
-class StagePeerServicer(spb_grpc.StagePeerServicer):
-    """Receives stage tensors into the mailbox; bad streams get precise status codes."""
-
-    def __init__(self, mailbox: Mailbox, shaper: LinkShaper | None = None, state: StageState | None = None) -> None:
-        self.mailbox = mailbox
-        self.shaper = shaper
-        self.state = state or StageState()
-
-    def LoadState(self, request_iterator: Iterator[spb.StateMessage], context) -> spb.StageAck:
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("kind") != "request":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a LoadState stream must start with a StateRequest")
-        request = first.request
-        self.mailbox.supersede(request.version, request.supersede_attempt)
-        try:
-            bundle = next(request_iterator, None)
-            if bundle is None or bundle.WhichOneof("kind") != "bundle":
-                raise TransferError("invalid_argument", "the StateRequest must be followed by a BundleHeader")
-            metas, total = serde.header_from_proto(bundle.bundle)
-            tensors = serde.read_bundle(request_iterator, metas, total, after="bundle header",
-                                        on_chunk=self.shaper.after_receive if self.shaper else None)
-            self.state.load(request, tensors)
-        except TransferError as e:
-            context.abort(_status(e), str(e))
-        except StageStateError as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        logger.info("[Client.Stage] now owns blocks [%d, %d) at version %d", request.first_block, request.end_block,
-                    request.version)
-        return spb.StageAck(received_bytes=total)
-
-    def PullState(self, request: spb.StateRequest, context) -> Iterator[spb.StateMessage]:
-        self.mailbox.supersede(request.version, request.supersede_attempt)
-        try:
-            tensors = self.state.export(request)
-        except StageStateError as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        metas, payload = pack(tensors)
-        yield spb.StateMessage(bundle=serde.header_to_proto(metas))
-        for chunk in iter_chunks(payload, chunk_bytes=512 * 1024):
-            if self.shaper:
-                self.shaper.before_send(len(chunk.data))
-            yield spb.StateMessage(chunk=serde.chunk_to_proto(chunk))
-
-    def Send(self, request_iterator: Iterator[spb.StageMessage], context) -> spb.StageAck:
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("kind") != "header":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a stage stream must start with a StageHeader")
-        h = first.header
-        try:
-            metas, total = serde.header_from_proto(h.bundle)
-            rows = h.row_end - h.row_begin
-            if len(metas) != 1 or metas[0].name != "x" or metas[0].dtype != "float32" or (
-                    not metas[0].shape or metas[0].shape[0] != rows):
-                raise TransferError("invalid_argument", f"stage tensor must be one float32 'x' with {rows} rows, "
-                                    f"got {[(m.name, m.dtype, list(m.shape)) for m in metas]}")
-            tensor = serde.read_bundle(request_iterator, metas, total, after="stage header",
-                                       on_chunk=self.shaper.after_receive if self.shaper else None)["x"]
-        except TransferError as e:
-            context.abort(_status(e), str(e))
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        self.mailbox.put(_Key(h.step, h.attempt, h.pipeline, h.microbatch, h.backward, h.from_stage, h.row_begin,
-                              h.row_end, h.from_device), tensor)
-        return spb.StageAck(received_bytes=total)
-
-
-def _status(e: TransferError) -> grpc.StatusCode:
-    return {"data_loss": grpc.StatusCode.DATA_LOSS, "out_of_range": grpc.StatusCode.OUT_OF_RANGE}.get(
-        e.kind, grpc.StatusCode.INVALID_ARGUMENT)
-
-
-class StageEndpoint:
-    """This board's StagePeer server and its channels to peers."""
-
-    def __init__(self, bind: str = "0.0.0.0:0", *, shaper: LinkShaper | None = None,
-                 chunk_bytes: int = 512 * 1024) -> None:
-        self.mailbox = Mailbox()
-        self.state = StageState()
-        """The stage this board owns, if any (edge_client.stage_state)."""
-        self.shaper = shaper
-        self.chunk_bytes = chunk_bytes
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=SERVER_OPTIONS)
-        spb_grpc.add_StagePeerServicer_to_server(StagePeerServicer(self.mailbox, shaper, self.state), self._server)
-        self.port = self._server.add_insecure_port(bind)
-        if self.port == 0:
-            raise OSError(f"cannot bind the stage endpoint to {bind}")
-        self._server.start()
-        self._channels: dict[str, grpc.Channel] = {}
-        self._lock = threading.Lock()
-        self._senders = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="stage-send")
-
-    def close(self) -> None:
-        """Stop serving and close the channels."""
-        self._senders.shutdown(wait=False, cancel_futures=True)
-        self._server.stop(grace=0.5)
-        with self._lock:
-            for channel in self._channels.values():
-                channel.close()
-
-    def send(self, address: str, header: spb.StageHeader, tensor: torch.Tensor, timeout_s: float) -> futures.Future:
-        """Ship `tensor` to the peer at `address` in the background; the future fails with StageFailure."""
-        return self._senders.submit(self._send, address, header, tensor.detach().contiguous(), timeout_s)
-
-    def _send(self, address: str, header: spb.StageHeader, tensor: torch.Tensor, timeout_s: float) -> None:
-        metas, payload = pack({"x": tensor})
-        header.bundle.CopyFrom(serde.header_to_proto(metas))
-        stub = spb_grpc.StagePeerStub(self._channel(address))
-        for attempt in range(SEND_ATTEMPTS):
-            try:
-                if self.shaper:
-                    self.shaper.rpc_delay()
-                stub.Send(self._messages(header, payload), timeout=timeout_s)
-                return
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == SEND_ATTEMPTS - 1:
-                    raise StageFailure(f"sending to {header_target(header)} at {address} failed: "
-                                       f"{e.code().name} {e.details()}") from e
-                time.sleep(0.2 * 2**attempt)
-
-    def _messages(self, header: spb.StageHeader, payload) -> Iterator[spb.StageMessage]:
-        yield spb.StageMessage(header=header)
-        for chunk in iter_chunks(payload, chunk_bytes=self.chunk_bytes):
-            if self.shaper:
-                self.shaper.before_send(len(chunk.data))
-            yield spb.StageMessage(chunk=serde.chunk_to_proto(chunk))
-
-    def _channel(self, address: str) -> grpc.Channel:
-        with self._lock:
-            if address not in self._channels:
-                self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-            return self._channels[address]
-
-
-def header_target(header: spb.StageHeader) -> str:
-    direction = "gradients" if header.backward else "activations"
-    return f"{direction} of micro-batch {header.microbatch}"
 
 
 @dataclass
@@ -300,7 +75,7 @@ def run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndpo
         raise
     except Exception as e:  # a peer's tensor that does not fit, or a bug: the board must survive it
         logger.exception("[Client.Stage] step %d failed", work.step)
-        raise StageFailure(f"{type(e).__name__}: {e}") from e
+        raise StageFailure(FailureKind.INTERNAL, f"{type(e).__name__}: {e}") from e
 
 
 def _run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndpoint, device_id: str,
@@ -348,7 +123,7 @@ def _run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndp
             if receiver != me:
                 continue
             peer = peers[sender]
-            key = _Key(work.step, work.attempt, st.pipeline, m, backward, s + (1 if backward else -1), begin, end,
+            key = MailKey(work.step, work.attempt, st.pipeline, m, backward, s + (1 if backward else -1), begin, end,
                        peer.device_id)
             what = (f"{'gradients' if backward else 'activations'} of micro-batch {m} rows {begin}-{end} from "
                     f"stage {key.from_stage} host {peer.device_id}")
@@ -436,10 +211,10 @@ def _run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndp
                     break
                 except futures.TimeoutError:
                     if endpoint.mailbox.superseded(work.step, work.attempt):
-                        raise StageFailure(f"step {work.step} attempt {work.attempt} was closed by the "
+                        raise StageFailure(FailureKind.SUPERSEDED, f"step {work.step} attempt {work.attempt} was closed by the "
                                            "coordinator while sending to a neighbouring stage") from None
                     if time.perf_counter() > deadline:
-                        raise StageFailure(f"sending to a neighbouring stage did not finish within "
+                        raise StageFailure(FailureKind.NEIGHBOUR_TIMEOUT, f"sending to a neighbouring stage did not finish within "
                                            f"{st.timeout_s:g} s") from None
         wait_s += time.perf_counter() - started
     except BaseException:

@@ -28,17 +28,20 @@ import torch
 import edgetrain
 from edge_client.connection import CoordinatorConnection, upload_header
 from edge_client.emulation import BoardEmulation
+from edge_client.endpoint import StageEndpoint, StageFailure
 from edge_client.profiler import profile_device
-from edge_client.stage import StageEndpoint, StageFailure, run_stage
+from edge_client.stage import run_stage
 from edge_client.stage_state import StageStateError
 from edge_client.telemetry import TelemetryCollector, probe_link
-from edgetrain import serde
+from edgetrain import serde, transport
 from edgetrain.compression import ErrorFeedback
 from edgetrain.data import load_dataset, make_batch
 from edgetrain.emulator.throttle import CpuLimiter
+from edgetrain.errors import FailureKind, Refusal
 from edgetrain.models import build_model
 from edgetrain.pipeline import stage_parameter_prefixes
-from edgetrain.tensors import TransferError, check_metas, pack, unpack
+from edgetrain.streaming import TransferError, check_metas
+from edgetrain.tensors import pack, unpack
 from edgetrain.training import (
     GRAD_PREFIX,
     compute_shard,
@@ -116,11 +119,11 @@ def device_info(options: ClientOptions, stage: str = "") -> pb.RegisterRequest:
 
 
 def _rejoin_if_forgotten(call: Callable[[], T]) -> T:
-    """Run an RPC; NOT_FOUND (the coordinator dropped this device) becomes Rejoin."""
+    """Run an RPC; a refusal as an unknown device (the coordinator dropped it) becomes Rejoin."""
     try:
         return call()
     except grpc.RpcError as e:
-        if e.code() == grpc.StatusCode.NOT_FOUND:
+        if transport.error_reason(e) == Refusal.UNKNOWN_DEVICE:
             raise Rejoin() from e
         raise
 
@@ -225,7 +228,7 @@ class EdgeWorker:
                 if reply.HasField("newest_step") and self.endpoint is not None:
                     self.endpoint.mailbox.supersede(reply.newest_step, reply.newest_attempt)
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.NOT_FOUND:
+                if transport.error_reason(e) == Refusal.UNKNOWN_DEVICE:
                     lost.set()
                     return
                 logger.debug("[Client.Heartbeat] failed", exc_info=True)
@@ -285,11 +288,11 @@ class EdgeWorker:
         except StageFailure as e:
             logger.warning("[Client.Stage] step %d attempt %d given up: %s", work.step, work.attempt, e)
             try:
-                self.conn.report_failure(self.device_id, work.step, work.attempt, str(e))
+                self.conn.report_failure(self.device_id, work.step, work.attempt, e.kind, str(e))
             except grpc.RpcError as report_error:
                 logger.info("[Client.Stage] failure report refused: %s", report_error.details())
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND and "unknown device" in (e.details() or ""):
+            if transport.error_reason(e) == Refusal.UNKNOWN_DEVICE:
                 raise Rejoin() from e
             logger.warning("[Client.Step] step %d abandoned: %s %s", work.step, e.code().name, e.details())
             if self._abandoned == (work.step, work.attempt):  # the same work again: do not spin
@@ -349,7 +352,7 @@ class EdgeWorker:
                 try:
                     state.begin(work.step, st.first_block, st.end_block, st.commit_step, st.commit_attempt)
                 except StageStateError as e:
-                    raise StageFailure(str(e)) from None
+                    raise StageFailure(FailureKind.STAGE_STATE, str(e)) from None
                 self._version, self._loaded, self._view, self._stage_loaded = -1, -1, {}, None  # the view is gone
                 try:
                     result = run_stage(self._model, work, self._dataset, self.endpoint, self.device_id,
@@ -360,7 +363,7 @@ class EdgeWorker:
                 try:
                     state.finish(work.step, work.attempt, st.lr)
                 except StageStateError as e:
-                    raise StageFailure(str(e)) from None
+                    raise StageFailure(FailureKind.STAGE_STATE, str(e)) from None
             compute_s = time.perf_counter() - started - result.wait_s
             prefixes: tuple[str, ...] = ()  # nothing of the stage goes up
             download_s = 0.0
@@ -428,7 +431,7 @@ class EdgeWorker:
                 self._version = version
                 return
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                if transport.error_reason(e) not in (Refusal.DELTAS_NOT_KEPT, Refusal.VERSION_NOT_SERVED):
                     raise
                 logger.info("[Client.Download] no deltas from version %d (%s); downloading in full",
                             self._version, e.details())

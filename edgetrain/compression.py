@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from edgetrain.tensors import TensorMeta, bundle_metas
+from edgetrain.streaming import TensorMeta
+from edgetrain.tensors import bundle_metas
 
 CODEC_NAMES: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "topk")
 """Names accepted by ``CodecSpec.name``."""

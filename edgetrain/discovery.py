@@ -1,4 +1,4 @@
-"""Find coordinators on the LAN over mDNS/DNS-SD instead of being told an address.
+"""Find coordinators and job servers on the LAN over mDNS/DNS-SD instead of being told an address.
 
 Every call opens a fresh Zeroconf on the given interfaces and closes it before returning, so
 nothing is cached between calls: after a coordinator restarts, the next ``find_coordinator``
@@ -20,8 +20,9 @@ import queue
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import grpc
 import psutil
 from zeroconf import (
     DNSQuestionType,
@@ -32,7 +33,9 @@ from zeroconf import (
     Zeroconf,
 )
 
-from edgetrain import SERVICE_TYPE
+from edgetrain import SERVICE_TYPE, transport
+from protos import jobs_pb2 as jobs_pb
+from protos import jobs_pb2_grpc as jobs_pb_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -227,3 +230,21 @@ def _record_from_info(info: ServiceInfo) -> CoordinatorRecord | None:
         protocol_version=protocol_version,
         token_required=token_required,
     )
+
+
+def serves_jobs(address: str, *, retry: transport.RetryPolicy = transport.CALLS,
+                security: transport.Security = transport.INSECURE) -> bool:
+    """Whether `address` serves the JobServer service (else a lone job's coordinator answers there);
+    transport.Unreachable when nothing answers within `retry`'s budget."""
+    channel = transport.open_channel(address, security)
+    try:
+        stub = jobs_pb_grpc.JobServerStub(channel)
+        retry = replace(retry, retry_on=retry.retry_on | {grpc.StatusCode.DEADLINE_EXCEEDED})
+        retry.call(lambda: stub.Probe(jobs_pb.LobbyProbe(), timeout=5, wait_for_ready=True), f"probe of {address}")
+        return True
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return False
+        raise
+    finally:
+        channel.close()

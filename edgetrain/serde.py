@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from edgetrain.data import DatasetSpec
+from edgetrain.errors import FailureKind
+from edgetrain.streaming import WIRE_DTYPES, RawChunk, TensorMeta, TransferError
 from edgetrain.telemetry import TelemetrySample
-from edgetrain.tensors import DTYPES, ChunkAssembler, RawChunk, TensorMeta, TransferError, unpack
 from protos import coordinator_pb2 as pb
 from protos import tensor_pb2 as tpb
 
@@ -15,7 +16,7 @@ _DTYPE_TO_PROTO = {
     "int32": tpb.INT32, "int8": tpb.INT8, "uint8": tpb.UINT8,
 }
 _DTYPE_FROM_PROTO = {v: k for k, v in _DTYPE_TO_PROTO.items()}
-assert set(_DTYPE_TO_PROTO) == set(DTYPES)
+assert set(_DTYPE_TO_PROTO) == set(WIRE_DTYPES)
 
 
 def header_to_proto(metas: Sequence[TensorMeta]) -> tpb.BundleHeader:
@@ -57,21 +58,6 @@ def parameter_stream(metas: Sequence[TensorMeta], chunks: Iterator[RawChunk]) ->
         yield pb.ParameterMessage(chunk=chunk_to_proto(chunk))
 
 
-def read_bundle(messages: Iterator, metas: Sequence[TensorMeta], total: int, *, after: str,
-                on_chunk: Callable[[int], None] | None = None) -> dict:
-    """The tensors of a bundle whose chunks follow in `messages` (any stream message with a
-    ``chunk`` field in its ``kind`` oneof); TransferError on anything else, a bad checksum or a
-    gap. `on_chunk` is told each chunk's size (a link shaper's receive side)."""
-    assembler = ChunkAssembler(total)
-    for message in messages:
-        if message.WhichOneof("kind") != "chunk":
-            raise TransferError("invalid_argument", f"only chunks may follow the {after}")
-        if on_chunk is not None:
-            on_chunk(len(message.chunk.data))
-        assembler.add(message.chunk.offset, message.chunk.data, message.chunk.crc32)
-    return unpack(metas, assembler.payload())
-
-
 def dataset_to_proto(spec: DatasetSpec) -> pb.DatasetSpec:
     """Dataset description sent to clients (the data directory stays each board's own)."""
     return pb.DatasetSpec(name=spec.name, seed=spec.seed, train_size=spec.train_size or 0,
@@ -95,3 +81,11 @@ def telemetry_from_proto(msg: pb.Telemetry) -> TelemetrySample:
     known = {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields
              if f.name != "timestamp" and msg.HasField(f.name)}
     return TelemetrySample(timestamp=msg.timestamp, **known)
+
+
+def failure_kind_from_proto(value: int) -> FailureKind:
+    """The kind of a board's failure report; ValueError for a value this side does not know."""
+    try:
+        return FailureKind(value)
+    except ValueError:
+        raise ValueError(f"unknown failure kind {value}") from None

@@ -1,6 +1,37 @@
-"""Every gRPC channel and server option EdgeTrain uses, each with the reason it is set."""
+"""The one transport: every gRPC server, channel, credential, retry and bundle transfer goes here.
+
+- Options: every channel and server option, each with the reason it is set.
+- ``Security``: how servers and channels authenticate; the single place credentials plug in.
+- ``create_server`` (returns the bound port), ``open_channel`` and ``ChannelCache``.
+- ``abort`` / ``error_reason``: a refusal carries a typed reason (protos/errors.proto) in its
+  trailing metadata, so peers act on the reason instead of matching status text.
+- ``RetryPolicy``: exponential backoff with a time budget, retrying only the status codes it is
+  given (calls: UNAVAILABLE; resumable transfers also a broken or truncated stream).
+- ``receive_bundle`` / ``send_bundle``: the resumable chunked transfer loops shared by parameter
+  downloads, update uploads and stage-state pulls — a broken transfer resumes from the last good
+  byte, and a transfer that made progress starts its retry budget afresh.
+- ``read_bundle``: the receiving side of a client stream (no resume: the sender resumes).
+"""
 
 from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+from edgetrain import serde
+from edgetrain.streaming import ChunkAssembler, TensorMeta, TransferError
+from protos import errors_pb2 as epb
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 """Receive/send limit. Tensors travel in <= 1 MiB chunks; 8 MiB leaves headroom for headers."""
@@ -37,3 +68,279 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
+
+ERROR_METADATA_KEY = "edgetrain-error-bin"
+"""Trailing-metadata key of a refusal's serialized ErrorDetail (binary: the -bin suffix)."""
+
+
+# --- servers and channels -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Security:
+    """How servers and channels authenticate: the one place credentials plug in.
+
+    Every server and channel of EdgeTrain is made from a Security. This one is plaintext and
+    unauthenticated; callers that build it on purpose say so (see ``INSECURE``)."""
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """Credentials a server listens with (None: plaintext)."""
+        return None
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """Credentials a channel dials with (None: plaintext)."""
+        return None
+
+
+INSECURE = Security()
+"""Plaintext, unauthenticated transport."""
+
+
+def create_server(address: str, services: Sequence[tuple[Callable[[Any, grpc.Server], None], Any]], *,
+                  max_workers: int = 64, security: Security = INSECURE) -> tuple[grpc.Server, int]:
+    """A started gRPC server for `services` ((add_XServicer_to_server, servicer) pairs) bound to
+    `address` ("host:0" picks a free port); returns it with the bound port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
+    for add, servicer in services:
+        add(servicer, server)
+    credentials = security.server_credentials()
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as e:  # grpcio raises when the address cannot be bound
+        raise OSError(f"cannot bind {address}: {e}") from None
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    server.start()
+    return server, port
+
+
+def open_channel(address: str, security: Security = INSECURE) -> grpc.Channel:
+    """A channel to `address` with EdgeTrain's options."""
+    credentials = security.channel_credentials()
+    if credentials is not None:
+        return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+class ChannelCache:
+    """One channel per peer address, shared by every call to it (thread-safe)."""
+
+    def __init__(self, security: Security = INSECURE) -> None:
+        self.security = security
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def get(self, address: str) -> grpc.Channel:
+        """The channel to `address`, opened on first use."""
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = open_channel(address, self.security)
+            return self._channels[address]
+
+    def close(self) -> None:
+        """Close every channel."""
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+
+# --- typed refusals -------------------------------------------------------------------------------
+
+def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str,
+          reason: int = epb.ERROR_REASON_UNSPECIFIED) -> NoReturn:
+    """End the call with `code` and `message`, and `reason` (an ErrorReason) for the peer to act on."""
+    if reason:
+        context.set_trailing_metadata(((ERROR_METADATA_KEY, epb.ErrorDetail(reason=reason).SerializeToString()),))
+    context.abort(code, message)
+    raise AssertionError("unreachable: context.abort raises")  # for type checkers
+
+
+def error_reason(error: grpc.RpcError) -> int:
+    """The ErrorReason a refused call carried (ERROR_REASON_UNSPECIFIED when it carried none)."""
+    metadata = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in metadata or ():
+        if key == ERROR_METADATA_KEY:
+            try:
+                return epb.ErrorDetail.FromString(value).reason
+            except Exception:  # a malformed detail is no reason at all  # noqa: BLE001
+                return epb.ERROR_REASON_UNSPECIFIED
+    return epb.ERROR_REASON_UNSPECIFIED
+
+
+def describe(error: BaseException) -> str:
+    """One line for a failed call or transfer: the status name and its message."""
+    if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+        return f"{error.code().name}: {error.details()}"
+    return str(error)
+
+
+# --- retries --------------------------------------------------------------------------------------
+
+class Unreachable(ConnectionError):
+    """The peer stayed unavailable (or the transfer kept breaking) for the whole retry budget."""
+
+
+CALL_RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+"""A call is retried only when the peer could not be reached: any other status is an answer."""
+TRANSFER_RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS,
+                                  grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED})
+"""A resumable transfer also resumes after a broken, truncated or timed-out stream."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff (with jitter) on the retryable status codes, within a time budget."""
+
+    budget_s: float | None = 60.0
+    """How long to keep retrying; None: indefinitely."""
+    initial_s: float = 0.2
+    """First delay."""
+    max_s: float = 5.0
+    """Longest delay between two tries."""
+    retry_on: frozenset[grpc.StatusCode] = CALL_RETRY_CODES
+    """Status codes worth another try."""
+    sleep: Callable[[float], None] = field(default=time.sleep, compare=False, repr=False)
+
+    def retryable(self, error: BaseException) -> bool:
+        """Whether `error` is worth another try under this policy."""
+        if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+            return error.code() in self.retry_on
+        if isinstance(error, TransferError):  # a broken stream seen on this side: resume it
+            return grpc.StatusCode.DATA_LOSS in self.retry_on and error.kind in ("data_loss", "out_of_range")
+        return False
+
+    def start(self, what: str) -> Backoff:
+        """A fresh backoff for one operation named `what` (for logs and the Unreachable message)."""
+        return Backoff(self, what)
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        """`fn()`, retried on retryable errors until the budget is spent (then Unreachable)."""
+        backoff = self.start(what)
+        while True:
+            try:
+                return fn()
+            except (grpc.RpcError, TransferError) as e:
+                if not self.retryable(e):
+                    raise
+                backoff.wait(e)
+
+
+class Backoff:
+    """The waits of one operation under a RetryPolicy."""
+
+    def __init__(self, policy: RetryPolicy, what: str) -> None:
+        self.policy = policy
+        self.what = what
+        self.tries = 0
+        self._rng = random.Random()
+        self.reset()
+
+    def reset(self) -> None:
+        """The operation made progress: its budget and delays start afresh."""
+        self._delay = self.policy.initial_s
+        self._deadline = None if self.policy.budget_s is None else time.monotonic() + self.policy.budget_s
+
+    def wait(self, error: BaseException) -> None:
+        """Sleep before the next try, or raise Unreachable (from `error`) when the budget is spent."""
+        self.tries += 1
+        delay = self._delay * (0.5 + self._rng.random())  # jitter: boards that lost one server spread out
+        if self._deadline is not None and time.monotonic() + delay > self._deadline:
+            raise Unreachable(f"{self.what}: gave up after {self.tries} tries in {self.policy.budget_s:g} s "
+                              f"({describe(error)})") from error
+        logger.debug("[Transport] %s failed (%s); retrying in %.1f s", self.what, describe(error), delay)
+        self.policy.sleep(delay)
+        self._delay = min(self._delay * 2, self.policy.max_s)
+
+
+CALLS = RetryPolicy()
+"""The default for calls: retry UNAVAILABLE for up to a minute."""
+TRANSFERS = RetryPolicy(budget_s=30.0, retry_on=TRANSFER_RETRY_CODES)
+"""The default for transfers: resume a broken stream; 30 s without progress ends it."""
+
+
+# --- resumable bundle transfers -------------------------------------------------------------------
+
+def receive_bundle(open_stream: Callable[[int], Iterable[Any]], what: str, *, retry: RetryPolicy = TRANSFERS,
+                   on_chunk: Callable[[Any], None] | None = None) -> tuple[list[TensorMeta], bytearray]:
+    """A bundle streamed as a ``header`` message then ``chunk`` messages (any message with those
+    fields in its ``kind`` oneof), resuming from the last good byte after a retryable failure.
+
+    `open_stream(offset)` opens the stream at byte `offset` (the header always comes first);
+    `on_chunk(chunk)` sees each chunk before it is added (a link emulator may raise
+    TransferError(data_loss) there to drop it)."""
+    assembler: ChunkAssembler | None = None
+    metas: list[TensorMeta] = []
+    backoff, progress = retry.start(what), 0
+    while True:
+        offset = assembler.received if assembler else 0
+        if offset > progress:
+            backoff.reset()
+            progress = offset
+        try:
+            for message in open_stream(offset):
+                kind = message.WhichOneof("kind")
+                if kind == "header":
+                    metas, total = serde.header_from_proto(message.header)
+                    if assembler is not None and assembler.total_bytes != total:
+                        raise TransferError("invalid_argument", f"{what}: the resumed stream declares {total} "
+                                            f"bytes, the first one {assembler.total_bytes}")
+                    assembler = assembler or ChunkAssembler(total)
+                elif kind == "chunk" and assembler is not None:
+                    if on_chunk is not None:
+                        on_chunk(message.chunk)
+                    assembler.add(message.chunk.offset, message.chunk.data, message.chunk.crc32)
+                else:
+                    raise TransferError("invalid_argument", f"{what}: a {kind} message where the stream's "
+                                        f"{'chunks' if assembler else 'header'} should be")
+            if assembler is None:
+                raise TransferError("data_loss", f"{what}: the stream ended before its header")
+            return metas, assembler.payload()
+        except (grpc.RpcError, TransferError) as e:
+            if not retry.retryable(e):
+                raise
+            logger.info("[Transport] %s interrupted at byte %d (%s); resuming", what,
+                        assembler.received if assembler else 0, describe(e))
+            backoff.wait(e)
+
+
+def send_bundle(send_from: Callable[[int], None], held: Callable[[], int], what: str, *,
+                retry: RetryPolicy = TRANSFERS) -> None:
+    """Send a bundle with `send_from(start)` (one call streaming bytes `start..`), resuming after a
+    retryable failure from what the receiver holds (`held()`). ALREADY_EXISTS after a failed try
+    means an earlier try was accepted and only its reply was lost: done."""
+    start, backoff = 0, retry.start(what)
+    while True:
+        try:
+            send_from(start)
+            return
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.ALREADY_EXISTS and backoff.tries:
+                return
+            if not retry.retryable(e):
+                raise
+            logger.info("[Transport] %s interrupted (%s); resuming", what, describe(e))
+            backoff.wait(e)
+        try:
+            resumed = held()
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.ALREADY_EXISTS:
+                return  # the interrupted try was accepted; only its reply was lost
+            raise
+        if resumed > start:
+            backoff.reset()
+        start = resumed
+
+
+def read_bundle(messages: Iterator[Any], total: int, *, after: str,
+                on_chunk: Callable[[int], None] | None = None) -> bytearray:
+    """The payload of a bundle whose ``chunk`` messages follow in `messages` (the receiving side
+    of a client stream); TransferError on anything else, a bad checksum, a gap or a short stream.
+    `on_chunk` is told each chunk's size (a link emulator's receive side)."""
+    assembler = ChunkAssembler(total)
+    for message in messages:
+        if message.WhichOneof("kind") != "chunk":
+            raise TransferError("invalid_argument", f"only chunks may follow the {after}")
+        if on_chunk is not None:
+            on_chunk(len(message.chunk.data))
+        assembler.add(message.chunk.offset, message.chunk.data, message.chunk.crc32)
+    return assembler.payload()

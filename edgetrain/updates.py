@@ -20,7 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from edgetrain.compression import Codec, CodecSpec, ErrorFeedback, encode_with_feedback, parse_codec
-from edgetrain.tensors import TensorMeta, bundle_metas
+from edgetrain.streaming import TensorMeta
+from edgetrain.tensors import bundle_metas
 from edgetrain.training import GRAD_PREFIX
 
 

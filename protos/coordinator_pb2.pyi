@@ -1,11 +1,29 @@
 from protos import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_KIND_UNSPECIFIED: _ClassVar[FailureKind]
+    NEIGHBOUR_TIMEOUT: _ClassVar[FailureKind]
+    NEIGHBOUR_UNREACHABLE: _ClassVar[FailureKind]
+    SUPERSEDED: _ClassVar[FailureKind]
+    STAGE_STATE: _ClassVar[FailureKind]
+    BAD_PEER_TENSOR: _ClassVar[FailureKind]
+    INTERNAL: _ClassVar[FailureKind]
+FAILURE_KIND_UNSPECIFIED: FailureKind
+NEIGHBOUR_TIMEOUT: FailureKind
+NEIGHBOUR_UNREACHABLE: FailureKind
+SUPERSEDED: FailureKind
+STAGE_STATE: FailureKind
+BAD_PEER_TENSOR: FailureKind
+INTERNAL: FailureKind
 
 class DeviceInfo(_message.Message):
     __slots__ = ("name", "hostname", "arch", "os", "cpu_count", "memory_total_bytes", "emulated_speed")
@@ -400,16 +418,18 @@ class ProbeReply(_message.Message):
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
 class FailureReport(_message.Message):
-    __slots__ = ("device_id", "step", "attempt", "reason")
+    __slots__ = ("device_id", "step", "attempt", "reason", "kind")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     step: int
     attempt: int
     reason: str
-    def __init__(self, device_id: _Optional[str] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    kind: FailureKind
+    def __init__(self, device_id: _Optional[str] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., reason: _Optional[str] = ..., kind: _Optional[_Union[FailureKind, str]] = ...) -> None: ...
 
 class FailureAck(_message.Message):
     __slots__ = ()

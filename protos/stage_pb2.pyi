@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StateRequest(_message.Message):
-    __slots__ = ("job_id", "first_block", "end_block", "version", "commit_step", "commit_attempt", "supersede_attempt", "momentum", "weight_decay", "nesterov", "from_device", "release")
+    __slots__ = ("job_id", "first_block", "end_block", "version", "commit_step", "commit_attempt", "supersede_attempt", "momentum", "weight_decay", "nesterov", "from_device", "release", "offset")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     END_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class StateRequest(_message.Message):
     NESTEROV_FIELD_NUMBER: _ClassVar[int]
     FROM_DEVICE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     first_block: int
     end_block: int
@@ -32,17 +33,18 @@ class StateRequest(_message.Message):
     nesterov: bool
     from_device: str
     release: bool
-    def __init__(self, job_id: _Optional[str] = ..., first_block: _Optional[int] = ..., end_block: _Optional[int] = ..., version: _Optional[int] = ..., commit_step: _Optional[int] = ..., commit_attempt: _Optional[int] = ..., supersede_attempt: _Optional[int] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., nesterov: _Optional[bool] = ..., from_device: _Optional[str] = ..., release: _Optional[bool] = ...) -> None: ...
+    offset: int
+    def __init__(self, job_id: _Optional[str] = ..., first_block: _Optional[int] = ..., end_block: _Optional[int] = ..., version: _Optional[int] = ..., commit_step: _Optional[int] = ..., commit_attempt: _Optional[int] = ..., supersede_attempt: _Optional[int] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., nesterov: _Optional[bool] = ..., from_device: _Optional[str] = ..., release: _Optional[bool] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class StateMessage(_message.Message):
-    __slots__ = ("request", "bundle", "chunk")
+    __slots__ = ("request", "header", "chunk")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
-    BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     request: StateRequest
-    bundle: _tensor_pb2.BundleHeader
+    header: _tensor_pb2.BundleHeader
     chunk: _tensor_pb2.Chunk
-    def __init__(self, request: _Optional[_Union[StateRequest, _Mapping]] = ..., bundle: _Optional[_Union[_tensor_pb2.BundleHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
+    def __init__(self, request: _Optional[_Union[StateRequest, _Mapping]] = ..., header: _Optional[_Union[_tensor_pb2.BundleHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class StageHeader(_message.Message):
     __slots__ = ("job_id", "step", "attempt", "pipeline", "microbatch", "backward", "from_stage", "row_begin", "row_end", "from_device", "bundle")

@@ -157,10 +157,10 @@ def job_yaml(job: Job) -> str:
 
 def run_live(scheduler: str, specs: list, trace: tuple[Job, ...], workdir: Path) -> dict:
     """One scheduler on the live trace; returns measured and simulated JCTs."""
-    import grpc
     import yaml
 
     from coordinator.jobs.speed import PlannerSpeed, board_spec
+    from edgetrain import transport
     from edgetrain.config import job_from_dict
     from edgetrain.emulator.fleet_config import board_to_dict
     from edgetrain.emulator.launch import edgetrain_command
@@ -185,7 +185,7 @@ def run_live(scheduler: str, specs: list, trace: tuple[Job, ...], workdir: Path)
                 "client", "--coordinator", address, "--name", b.name, "--emulate", str(board_file), "--threads", "1",
                 "--probe-interval", "15", "--data-dir", str(work / "data")),
                 stdout=(work / f"{b.name}.log").open("w"), stderr=subprocess.STDOUT))
-        stub = pb_grpc.JobServerStub(grpc.insecure_channel(address))
+        stub = pb_grpc.JobServerStub(transport.open_channel(address))
         while len(stub.ListJobs(pb.ListJobsRequest()).boards) < len(specs):
             time.sleep(0.5)
         t0 = time.time()

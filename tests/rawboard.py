@@ -18,7 +18,8 @@ import edgetrain
 from edgetrain import serde
 from edgetrain.data import load_dataset, make_batch
 from edgetrain.models import build_model
-from edgetrain.tensors import ChunkAssembler, RawChunk, iter_chunks, pack, unpack
+from edgetrain.streaming import ChunkAssembler, RawChunk, iter_chunks
+from edgetrain.tensors import pack, unpack
 from edgetrain.training import compute_shard, load_state_tensors
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc

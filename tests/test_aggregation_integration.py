@@ -29,7 +29,7 @@ from reference import checkpoint_state, max_abs_difference
 from coordinator.training.trainer import partition_indices
 from edgetrain.data import load_dataset, make_batch
 from edgetrain.models import build_model
-from edgetrain.tensors import iter_chunks
+from edgetrain.streaming import iter_chunks
 from edgetrain.training import shard_tensor_names
 from edgetrain.updates import UpdateFormats
 from protos import coordinator_pb2 as pb

@@ -37,7 +37,7 @@ from rawboard import (
 )
 
 import edgetrain
-from edgetrain.tensors import RawChunk
+from edgetrain.streaming import RawChunk
 from edgetrain.transport import MAX_MESSAGE_BYTES
 from protos import coordinator_pb2 as pb
 from protos import tensor_pb2 as tpb

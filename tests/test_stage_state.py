@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from coordinator.training.stage_owners import Owner, StageOwners
-from edge_client.stage import StageEndpoint
+from edge_client.endpoint import StageEndpoint
 from edgetrain import serde
 from edgetrain.models import build_model
-from edgetrain.tensors import iter_chunks, pack
+from edgetrain.streaming import iter_chunks
+from edgetrain.tensors import pack
 from protos import stage_pb2 as spb
 from protos import stage_pb2_grpc as spb_grpc
 
@@ -145,7 +146,7 @@ def test_a_pull_at_a_version_the_host_does_not_hold_is_a_loss_not_a_wrong_copy(e
 def _load_messages(request, tensors, *, truncate=False):
     metas, payload = pack(tensors)
     yield spb.StateMessage(request=request)
-    yield spb.StateMessage(bundle=serde.header_to_proto(metas))
+    yield spb.StateMessage(header=serde.header_to_proto(metas))
     chunks = list(iter_chunks(payload, chunk_bytes=64 * 1024))
     for chunk in chunks[:-1] if truncate else chunks:
         yield spb.StateMessage(chunk=serde.chunk_to_proto(chunk))
@@ -163,7 +164,7 @@ def test_bad_state_calls_get_precise_codes_and_the_endpoint_keeps_serving(endpoi
     wrong_shape[name] = torch.zeros(3, 3)
 
     cases = [
-        (iter([spb.StateMessage(bundle=serde.header_to_proto(pack(good)[0]))]), grpc.StatusCode.INVALID_ARGUMENT,
+        (iter([spb.StateMessage(header=serde.header_to_proto(pack(good)[0]))]), grpc.StatusCode.INVALID_ARGUMENT,
          "must start with a StateRequest"),
         (_load_messages(request, wrong_shape), grpc.StatusCode.FAILED_PRECONDITION, name),
         (_load_messages(spb.StateRequest(job_id="other", first_block=0, end_block=2), good),
@@ -186,7 +187,7 @@ def test_bad_state_calls_get_precise_codes_and_the_endpoint_keeps_serving(endpoi
             list(stub.PullState(pull, timeout=10))
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and words in info.value.details()
     pulled = list(stub.PullState(spb.StateRequest(job_id="job", first_block=0, end_block=2, version=3), timeout=10))
-    assert pulled[0].WhichOneof("kind") == "bundle" and len(pulled) > 1
+    assert pulled[0].WhichOneof("kind") == "header" and len(pulled) > 1
 
 
 def test_nan_gradients_void_the_step_and_a_releasing_pull_gives_the_stage_up(endpoint):

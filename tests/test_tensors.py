@@ -9,20 +9,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgetrain.tensors import (
-    DTYPES,
+from edgetrain.streaming import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
     ChunkAssembler,
     TensorMeta,
     TransferError,
-    bundle_metas,
-    check_finite,
     check_metas,
     iter_chunks,
-    pack,
-    unpack,
 )
+from edgetrain.tensors import DTYPES, bundle_metas, check_finite, pack, unpack
 
 pytestmark = pytest.mark.timeout(60)
 

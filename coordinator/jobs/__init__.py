@@ -1,0 +1,11 @@
+"""Several jobs share one fleet: the job server, its scheduler and the user's commands.
+
+- ``server.py``      the job server: lobby of boards, one coordinator process per running job,
+                     stalls, restarts; its gRPC face (``JobServer``) and ``serve_jobs``.
+- ``store.py``       jobs persisted in ``<state-dir>/jobs.json``.
+- ``scheduler.py``   rolling-horizon scheduling (branch and bound, greedy) and the FIFO,
+                     first-fit and static baselines, all pure.
+- ``simulator.py``   a discrete-event simulator of a scheduler on a job trace.
+- ``speed.py``       the scheduler's oracle: the hybrid planner's predicted speed of a job.
+- ``command.py``     ``edgetrain submit | jobs | cancel``.
+"""

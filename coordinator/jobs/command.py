@@ -11,8 +11,9 @@ from typing import Any
 import grpc
 import yaml
 
+from edgetrain import transport
 from edgetrain.config import ConfigError, apply_overrides
-from edgetrain.transport import CHANNEL_OPTIONS
+from edgetrain.discovery import browse, default_interfaces, serves_jobs
 from protos import jobs_pb2 as pb
 from protos import jobs_pb2_grpc as pb_grpc
 
@@ -28,7 +29,6 @@ def find_server(server: str | None, cluster: str | None, interfaces: list[str] |
     if server or os.environ.get(SERVER_ENV):
         return server or os.environ[SERVER_ENV]
     from edge_client.lobby import is_job_server
-    from edgetrain.discovery import browse, default_interfaces
 
     records = [r for r in browse(interfaces=interfaces or default_interfaces(), timeout_s=5.0)
                if cluster is None or r.cluster == cluster]
@@ -39,15 +39,15 @@ def find_server(server: str | None, cluster: str | None, interfaces: list[str] |
     return servers[0]
 
 
-def _answers(address: str, is_job_server) -> bool:
+def _answers(address: str) -> bool:
     try:
-        return is_job_server(address, budget_s=3.0)
-    except ConnectionError:
+        return serves_jobs(address, retry=transport.RetryPolicy(budget_s=3.0))
+    except (transport.Unreachable, grpc.RpcError):
         return False
 
 
 def _call(address: str, method: str, request) -> Any:
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    with transport.open_channel(address) as channel:
         try:
             return getattr(pb_grpc.JobServerStub(channel), method)(request, timeout=60)
         except grpc.RpcError as e:

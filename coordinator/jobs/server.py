@@ -26,7 +26,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -39,9 +38,9 @@ from coordinator.advertiser import advertise_on
 from coordinator.jobs.scheduler import SCHEDULERS, Board, FleetState, Job, Running
 from coordinator.jobs.speed import PlannerSpeed, board_spec, warm
 from coordinator.jobs.store import ACTIVE, DONE, JobRecord, JobStore
+from edgetrain import transport
 from edgetrain.config import ConfigError, JobConfig, job_from_dict, job_to_dict
 from edgetrain.emulator.launch import edgetrain_command
-from edgetrain.transport import SERVER_OPTIONS
 from protos import jobs_pb2 as pb
 from protos import jobs_pb2_grpc as pb_grpc
 
@@ -597,12 +596,8 @@ def serve_jobs(*, bind: str, state_dir: Path, runs_dir: Path, data_dir: Path, sc
     host = bind.rsplit(":", 1)[0]
     server = JobServer(state_dir=state_dir, runs_dir=runs_dir, data_dir=data_dir,
                        host="0.0.0.0" if host in ("", "[::]") else host, scheduler=scheduler)
-    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=SERVER_OPTIONS)
-    pb_grpc.add_JobServerServicer_to_server(JobServerServicer(server), grpc_server)
-    port = grpc_server.add_insecure_port(bind)
-    if port == 0:
-        raise OSError(f"cannot bind the job server to {bind}")
-    grpc_server.start()
+    grpc_server, port = transport.create_server(bind, [(pb_grpc.add_JobServerServicer_to_server,
+                                                        JobServerServicer(server))])
     server.reference_s  # noqa: B018 - measure before boards join, on a quiet machine
     advertiser = advertise_on(cluster, host, port, advertise) if advertise else None
     logger.info("[JobServer] serving on %s:%d (scheduler %s, state in %s)", host, port, scheduler, state_dir)

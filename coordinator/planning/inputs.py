@@ -140,7 +140,8 @@ def one_core_speed(model_name: str, batches: tuple[int, int] = (4, 32)) -> Speed
 def transfer_cpu_s_per_byte(nbytes: int = 16 * 1024**2) -> float:
     """CPU seconds one core of this machine spends per byte a board moves: packing, chunking
     with checksums, and unpacking (what a transfer costs besides the link)."""
-    from edgetrain.tensors import ChunkAssembler, iter_chunks, pack, unpack
+    from edgetrain.streaming import ChunkAssembler, iter_chunks
+    from edgetrain.tensors import pack, unpack
 
     with _one_thread():
         tensors = {"x": torch.randn(nbytes // 4)}

@@ -17,7 +17,9 @@ import torch
 
 from coordinator.training.steps import StepError
 from edgetrain.compression import CodecSpec, parse_codec
-from edgetrain.tensors import TensorMeta, pack, unpack
+from edgetrain.errors import Refusal
+from edgetrain.streaming import TensorMeta
+from edgetrain.tensors import pack, unpack
 from edgetrain.updates import DeltaFormat
 
 
@@ -99,13 +101,14 @@ class ParameterStore:
             if version not in self._old:
                 self._check(version)
             if self.delta_spec is None:
-                raise StepError("failed_precondition", "this job's downlink sends full parameters, not deltas")
+                raise StepError("failed_precondition", "this job's downlink sends full parameters, not deltas",
+                                Refusal.DELTAS_NOT_KEPT)
             if base >= version:
                 raise StepError("invalid_argument", f"base_version {base} must be older than version {version}")
             if not all(u in self._deltas for u in range(base + 1, version + 1)):
                 kept = f"{min(self._deltas)}..{max(self._deltas)}" if self._deltas else "none"
                 raise StepError("failed_precondition", f"deltas from version {base} to {version} are not kept "
-                                f"(kept: deltas to versions {kept}); download full parameters")
+                                f"(kept: deltas to versions {kept}); download full parameters", Refusal.DELTAS_NOT_KEPT)
             key = (base, version)
             if key not in self._chains:
                 chain = {}
@@ -119,4 +122,5 @@ class ParameterStore:
     def _check(self, version: int) -> None:
         if version != self._version:
             raise StepError("failed_precondition",
-                            f"parameter version {version} is not served; current version is {self._version}")
+                            f"parameter version {version} is not served; current version is {self._version}",
+                            Refusal.VERSION_NOT_SERVED)

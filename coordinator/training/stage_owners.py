@@ -21,24 +21,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import torch
 from torch import nn
 
-from edgetrain import serde
+from edgetrain import serde, transport
 from edgetrain.pipeline import stage_parameter_prefixes
-from edgetrain.tensors import (
-    TransferError,
-    bundle_metas,
-    check_finite,
-    check_metas,
-    iter_chunks,
-    pack,
-)
+from edgetrain.streaming import TransferError, check_metas, iter_chunks
+from edgetrain.tensors import bundle_metas, check_finite, pack, unpack
 from edgetrain.training import MOMENTUM_PREFIX
-from edgetrain.transport import CHANNEL_OPTIONS
 from protos import stage_pb2 as spb
 from protos import stage_pb2_grpc as spb_grpc
 
@@ -73,7 +66,8 @@ class StageOwners:
 
     def __init__(self, job_id: str, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  chunk_bytes: int = 512 * 1024, timeout_s: float = 120.0,
-                 count_bytes: Callable[..., None] | None = None) -> None:
+                 count_bytes: Callable[..., None] | None = None,
+                 security: transport.Security = transport.INSECURE) -> None:
         self.job_id = job_id
         self.model = model
         self.optimizer = optimizer
@@ -82,7 +76,7 @@ class StageOwners:
         self.owners: dict[tuple[int, int], Owner] = {}
         self.synced: dict[tuple[int, int], int] = {}
         """Version of the master's copy of each owned range (its last pull or load)."""
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels = transport.ChannelCache(security)
         self._count_bytes = count_bytes or (lambda device_id, *, down=0, up=0: None)
         """Called with the bytes each load (down) and pull (up) moved over a board's link."""
         self.bytes_moved = 0
@@ -91,9 +85,8 @@ class StageOwners:
         """Set when a pull updated the master (the trainer then serves the new parameters)."""
 
     def close(self) -> None:
-        for channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
+        """Close the channels to the hosts."""
+        self._channels.close()
 
     def place(self, wanted: Mapping[tuple[int, int], Owner], version: int, commit: tuple[int, int], attempt: int,
               is_alive: Callable[[str], bool]) -> tuple[list[Loss], dict[str, str]]:
@@ -119,8 +112,8 @@ class StageOwners:
                 self._load(owner, version, commit, attempt)
                 self.owners[blocks] = owner
                 self.synced[blocks] = version
-            except (grpc.RpcError, TransferError) as e:
-                failed[owner.device_id] = f"could not take over blocks [{blocks[0]}, {blocks[1]}): {_describe(e)}"
+            except (grpc.RpcError, TransferError, transport.Unreachable) as e:
+                failed[owner.device_id] = f"could not take over blocks [{blocks[0]}, {blocks[1]}): {transport.describe(e)}"
         return losses, failed
 
     def sync(self, version: int, commit: tuple[int, int], is_alive: Callable[[str], bool]) -> list[Loss]:
@@ -144,8 +137,8 @@ class StageOwners:
             self._pull(owner, version, commit, attempt, release, self.timeout_s if alive else GONE_PULL_TIMEOUT_S)
             self.synced[owner.blocks] = version
             return None
-        except (grpc.RpcError, TransferError) as e:
-            return self._lost(owner, _describe(e) if alive else f"the board is gone ({_describe(e)})")
+        except (grpc.RpcError, TransferError, transport.Unreachable) as e:
+            return self._lost(owner, transport.describe(e) if alive else f"the board is gone ({transport.describe(e)})")
 
     def _lost(self, owner: Owner, reason: str) -> Loss:
         synced = self.synced.get(owner.blocks, -1)
@@ -179,7 +172,7 @@ class StageOwners:
 
         def messages() -> Iterator[spb.StateMessage]:
             yield spb.StateMessage(request=request)
-            yield spb.StateMessage(bundle=serde.header_to_proto(metas))
+            yield spb.StateMessage(header=serde.header_to_proto(metas))
             for chunk in iter_chunks(payload, chunk_bytes=self.chunk_bytes):
                 yield spb.StateMessage(chunk=serde.chunk_to_proto(chunk))
 
@@ -193,12 +186,17 @@ class StageOwners:
     def _pull(self, owner: Owner, version: int, commit: tuple[int, int], attempt: int, release: bool,
               timeout_s: float) -> None:
         params, buffers = self._stage(owner.blocks)
-        stream = self._stub(owner.address).PullState(self._request(owner, version, commit, attempt, release),
-                                                     timeout=timeout_s)
-        first = next(stream, None)
-        if first is None or first.WhichOneof("kind") != "bundle":
-            raise TransferError("invalid_argument", "a PullState stream must start with a bundle header")
-        metas, total = serde.header_from_proto(first.bundle)
+        request = self._request(owner, version, commit, attempt, release)
+        stub = self._stub(owner.address)
+
+        def open_stream(offset: int):
+            request.offset = offset
+            return stub.PullState(request, timeout=timeout_s)
+
+        retry = replace(transport.TRANSFERS, budget_s=min(transport.TRANSFERS.budget_s, timeout_s))
+        metas, payload = transport.receive_bundle(open_stream, f"state of blocks {list(owner.blocks)} from "
+                                                  f"{owner.device_id}", retry=retry)
+        total = len(payload)
         templates = {}
         for m in metas:  # every tensor must be one of the stage's, with its dtype and shape
             base = m.name[len(MOMENTUM_PREFIX):] if m.name.startswith(MOMENTUM_PREFIX) else None
@@ -208,7 +206,7 @@ class StageOwners:
                                     f"tensor {m.name!r}")
             templates[m.name] = target.detach()
         check_metas(metas, bundle_metas(templates), f"state of blocks {list(owner.blocks)}")
-        tensors = serde.read_bundle(stream, metas, total, after="bundle header")
+        tensors = unpack(metas, payload)
         missing = sorted((set(params) | set(buffers)) - set(tensors))
         if missing:
             raise TransferError("invalid_argument", f"state of blocks {list(owner.blocks)} lacks {missing[:4]}")
@@ -225,12 +223,4 @@ class StageOwners:
         self.master_changed = True
 
     def _stub(self, address: str) -> spb_grpc.StagePeerStub:
-        if address not in self._channels:
-            self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        return spb_grpc.StagePeerStub(self._channels[address])
-
-
-def _describe(e: Exception) -> str:
-    if isinstance(e, grpc.RpcError):
-        return f"{e.code().name}: {e.details()}"
-    return str(e)
+        return spb_grpc.StagePeerStub(self._channels.get(address))

@@ -19,19 +19,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from edgetrain.tensors import ChunkAssembler, TransferError, check_finite, check_metas, unpack
+from edgetrain.errors import FailureKind, Refusal
+from edgetrain.streaming import ChunkAssembler, TransferError, check_metas
+from edgetrain.tensors import check_finite, unpack
 from edgetrain.updates import UpdateFormat
 
 logger = logging.getLogger(__name__)
 
 
 class StepError(Exception):
-    """A request about a step the board cannot serve. `kind` names the gRPC status."""
+    """A request about a step the board cannot serve. `kind` names the gRPC status, `refusal` the
+    typed reason the peer acts on."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, refusal: Refusal = Refusal.UNSPECIFIED) -> None:
         super().__init__(message)
         self.kind = kind
-        """not_found, failed_precondition or already_exists."""
+        """not_found, failed_precondition, already_exists or invalid_argument."""
+        self.refusal = refusal
 
 
 @dataclass(frozen=True)
@@ -342,10 +346,11 @@ class StepBoard:
             self._cond.notify_all()
         return contribution
 
-    def fail(self, device_id: str, step: int, attempt: int, reason: str) -> None:
+    def fail(self, device_id: str, step: int, attempt: int, kind: FailureKind, reason: str) -> None:
         """The device reports it cannot complete its ticket; recorded as its answer."""
         with self._cond:
-            self._reject(device_id, self._ticket_for(device_id, step, attempt), f"failed: {reason}")
+            self._reject(device_id, self._ticket_for(device_id, step, attempt),
+                         f"failed ({kind.name.lower()}): {reason}")
 
     def upload_status(self, device_id: str, step: int, attempt: int) -> tuple[int, int]:
         """(bytes held, total bytes) of the device's upload for this attempt."""
@@ -358,13 +363,15 @@ class StepBoard:
         ticket = self._tickets.get(key)
         if ticket is None:
             if (step, attempt) in self._closed:
-                raise StepError("failed_precondition", f"step {step} attempt {attempt} is closed")
+                raise StepError("failed_precondition", f"step {step} attempt {attempt} is closed", Refusal.STEP_CLOSED)
             if any(k[1:] == (step, attempt) for k in self._tickets):
-                raise StepError("failed_precondition", f"device {device_id} has no work in step {step} attempt {attempt}")
+                raise StepError("failed_precondition", f"device {device_id} has no work in step {step} attempt {attempt}",
+                                Refusal.NOT_ASSIGNED)
             current = f"step {self._current[0]} attempt {self._current[1]}" if self._current else "no open step"
-            raise StepError("not_found", f"unknown step {step} attempt {attempt}; current: {current}")
+            raise StepError("not_found", f"unknown step {step} attempt {attempt}; current: {current}", Refusal.UNKNOWN_STEP)
         if ticket.answered:
-            raise StepError("already_exists", f"device {device_id} already answered step {step} attempt {attempt}")
+            raise StepError("already_exists", f"device {device_id} already answered step {step} attempt {attempt}",
+                            Refusal.ALREADY_ANSWERED)
         return ticket
 
     def _close(self, key: tuple[str, int, int]) -> None:

@@ -1,0 +1,270 @@
+"""A board's StagePeer endpoint: what its pipeline neighbours and the coordinator call on it.
+
+Every board serves `StagePeer` next to its client (edgetrain.transport makes the server and the
+channels to peers). Neighbouring stage hosts `Send` activations and their gradients; they wait in
+the `Mailbox` until the stage runner (edge_client.stage) takes them. The coordinator hands over
+and takes back the stage a board owns (`LoadState`, `PullState`, edge_client.stage_state); an
+interrupted pull resumes from the byte it reached. Every bad stream gets a precise status and
+nothing is half-loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from edge_client.stage_state import StageState, StageStateError
+from edgetrain import serde, transport
+from edgetrain.emulator.shaping import LinkShaper
+from edgetrain.errors import FailureKind, Refusal
+from edgetrain.streaming import TransferError, iter_chunks
+from edgetrain.tensors import pack, unpack
+from protos import stage_pb2 as spb
+from protos import stage_pb2_grpc as spb_grpc
+
+logger = logging.getLogger(__name__)
+
+SEND_RETRY = transport.RetryPolicy(budget_s=2.0, initial_s=0.2)
+"""A neighbour briefly unreachable is tried again for up to 2 s; the stage timeout bounds the rest."""
+
+
+class StageFailure(Exception):
+    """The step cannot complete on this board (a neighbour failed or stalled, the attempt was
+    superseded, or the owned state does not fit); `kind` says which, for the coordinator."""
+
+    def __init__(self, kind: FailureKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class MailKey:
+    """What a tensor from a peer is: which attempt, pipeline, micro-batch, direction and rows."""
+
+    step: int
+    attempt: int
+    pipeline: int
+    microbatch: int
+    backward: bool
+    from_stage: int
+    row_begin: int
+    row_end: int
+    from_device: str
+    """The sender's registration: a message from an earlier run of the coordinator never matches."""
+
+
+class Mailbox:
+    """Tensors from peers, kept until the stage runner takes them (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._items: dict[MailKey, torch.Tensor] = {}
+        self._floor = (-1, -1)
+        self._newest = (-1, -1)
+
+    def put(self, key: MailKey, tensor: torch.Tensor) -> None:
+        with self._cond:
+            if (key.step, key.attempt) < self._floor:
+                return  # for an attempt this board has moved past
+            self._items[key] = tensor
+            self._cond.notify_all()
+
+    def take(self, key: MailKey, timeout_s: float, what: str, check: Callable[[], None] = lambda: None) -> torch.Tensor:
+        """The tensor for `key`; StageFailure after `timeout_s` without it, or as soon as the
+        coordinator opened a newer attempt (this one is dead), or when `check` raises."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while key not in self._items:
+                if (key.step, key.attempt) < self._newest:
+                    raise StageFailure(FailureKind.SUPERSEDED, f"step {key.step} attempt {key.attempt} was "
+                                       f"closed by the coordinator while waiting for {what}")
+                check()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise StageFailure(FailureKind.NEIGHBOUR_TIMEOUT,
+                                       f"no {what} within the stage timeout ({timeout_s:g} s)")
+                self._cond.wait(min(remaining, 0.5))
+            return self._items.pop(key)
+
+    def superseded(self, step: int, attempt: int) -> bool:
+        """Whether the coordinator has opened an attempt newer than (step, attempt)."""
+        with self._cond:
+            return (step, attempt) < self._newest
+
+    def supersede(self, step: int, attempt: int) -> None:
+        """The coordinator's newest attempt: waits for older ones end at once."""
+        with self._cond:
+            if (step, attempt) > self._newest:
+                self._newest = (step, attempt)
+                self._cond.notify_all()
+
+    def reset(self) -> None:
+        """Forget everything (a new registration: the coordinator may have restarted)."""
+        with self._cond:
+            self._items.clear()
+            self._floor = self._newest = (-1, -1)
+
+    def advance(self, step: int, attempt: int) -> None:
+        """Forget everything for attempts before (step, attempt) (a future step's tensors stay)."""
+        with self._cond:
+            self._floor = max(self._floor, (step, attempt))
+            for key in [k for k in self._items if (k.step, k.attempt) < self._floor]:
+                del self._items[key]
+
+
+
+
+class StagePeerServicer(spb_grpc.StagePeerServicer):
+    """Receives stage tensors into the mailbox and moves owned state; bad streams get precise
+    status codes."""
+
+    def __init__(self, mailbox: Mailbox, shaper: LinkShaper | None = None, state: StageState | None = None,
+                 chunk_bytes: int = transport.DEFAULT_CHUNK_BYTES) -> None:
+        self.mailbox = mailbox
+        self.shaper = shaper
+        self.state = state or StageState()
+        self.chunk_bytes = chunk_bytes
+        self._pulled: tuple[tuple, list, memoryview] | None = None
+        """The last state pulled (request key, metas, payload): an interrupted pull resumes from it."""
+
+    def LoadState(self, request_iterator: Iterator[spb.StateMessage], context) -> spb.StageAck:
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "request":
+            transport.abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a LoadState stream must start with a StateRequest")
+        request = first.request
+        self.mailbox.supersede(request.version, request.supersede_attempt)
+        try:
+            header = next(request_iterator, None)
+            if header is None or header.WhichOneof("kind") != "header":
+                raise TransferError("invalid_argument", "the StateRequest must be followed by a BundleHeader")
+            metas, total = serde.header_from_proto(header.header)
+            payload = transport.read_bundle(request_iterator, total, after="bundle header",
+                                            on_chunk=self.shaper.after_receive if self.shaper else None)
+            self.state.load(request, unpack(metas, payload))
+        except TransferError as e:
+            transport.abort(context, _status(e), str(e))
+        except StageStateError as e:
+            transport.abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e), Refusal.STAGE_STATE_MISMATCH)
+        except ValueError as e:
+            transport.abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        logger.info("[Client.Stage] now owns blocks [%d, %d) at version %d", request.first_block, request.end_block,
+                    request.version)
+        return spb.StageAck(received_bytes=total)
+
+    def PullState(self, request: spb.StateRequest, context) -> Iterator[spb.StateMessage]:
+        self.mailbox.supersede(request.version, request.supersede_attempt)
+        key = (request.job_id, request.first_block, request.end_block, request.version)
+        if request.offset:
+            if self._pulled is None or self._pulled[0] != key:
+                transport.abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"no pull of blocks "
+                                f"[{request.first_block}, {request.end_block}) version {request.version} to resume",
+                                Refusal.STAGE_STATE_MISMATCH)
+            _, metas, payload = self._pulled
+        else:
+            try:
+                metas, payload = pack(self.state.export(request))
+            except StageStateError as e:
+                transport.abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e), Refusal.STAGE_STATE_MISMATCH)
+            self._pulled = (key, metas, payload)
+        if request.offset > len(payload):
+            transport.abort(context, grpc.StatusCode.OUT_OF_RANGE, f"offset {request.offset} is past the "
+                            f"{len(payload)} bytes of the state")
+        yield spb.StateMessage(header=serde.header_to_proto(metas))
+        for chunk in iter_chunks(payload, start=request.offset, chunk_bytes=self.chunk_bytes):
+            if self.shaper:
+                self.shaper.before_send(len(chunk.data))
+            yield spb.StateMessage(chunk=serde.chunk_to_proto(chunk))
+
+    def Send(self, request_iterator: Iterator[spb.StageMessage], context) -> spb.StageAck:
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "header":
+            transport.abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a stage stream must start with a StageHeader")
+        h = first.header
+        try:
+            metas, total = serde.header_from_proto(h.bundle)
+            rows = h.row_end - h.row_begin
+            if len(metas) != 1 or metas[0].name != "x" or metas[0].dtype != "float32" or (
+                    not metas[0].shape or metas[0].shape[0] != rows):
+                raise TransferError("invalid_argument", f"stage tensor must be one float32 'x' with {rows} rows, "
+                                    f"got {[(m.name, m.dtype, list(m.shape)) for m in metas]}")
+            payload = transport.read_bundle(request_iterator, total, after="stage header",
+                                            on_chunk=self.shaper.after_receive if self.shaper else None)
+        except TransferError as e:
+            transport.abort(context, _status(e), str(e))
+        except ValueError as e:
+            transport.abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.mailbox.put(MailKey(h.step, h.attempt, h.pipeline, h.microbatch, h.backward, h.from_stage, h.row_begin,
+                                 h.row_end, h.from_device), unpack(metas, payload)["x"])
+        return spb.StageAck(received_bytes=total)
+
+
+def _status(e: TransferError) -> grpc.StatusCode:
+    return {"data_loss": grpc.StatusCode.DATA_LOSS, "out_of_range": grpc.StatusCode.OUT_OF_RANGE}.get(
+        e.kind, grpc.StatusCode.INVALID_ARGUMENT)
+
+
+class StageEndpoint:
+    """This board's StagePeer server and its channels to peers."""
+
+    def __init__(self, bind: str = "0.0.0.0:0", *, shaper: LinkShaper | None = None,
+                 chunk_bytes: int = transport.DEFAULT_CHUNK_BYTES,
+                 security: transport.Security = transport.INSECURE) -> None:
+        self.mailbox = Mailbox()
+        self.state = StageState()
+        """The stage this board owns, if any (edge_client.stage_state)."""
+        self.shaper = shaper
+        self.chunk_bytes = chunk_bytes
+        servicer = StagePeerServicer(self.mailbox, shaper, self.state, chunk_bytes)
+        try:
+            self._server, self.port = transport.create_server(
+                bind, [(spb_grpc.add_StagePeerServicer_to_server, servicer)], max_workers=16, security=security)
+        except OSError as e:
+            raise OSError(f"cannot bind the stage endpoint: {e}") from None
+        self._channels = transport.ChannelCache(security)
+        self._senders = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="stage-send")
+
+    def close(self) -> None:
+        """Stop serving and close the channels."""
+        self._senders.shutdown(wait=False, cancel_futures=True)
+        self._server.stop(grace=0.5)
+        self._channels.close()
+
+    def send(self, address: str, header: spb.StageHeader, tensor: torch.Tensor, timeout_s: float) -> futures.Future:
+        """Ship `tensor` to the peer at `address` in the background; the future fails with StageFailure."""
+        return self._senders.submit(self._send, address, header, tensor.detach().contiguous(), timeout_s)
+
+    def _send(self, address: str, header: spb.StageHeader, tensor: torch.Tensor, timeout_s: float) -> None:
+        metas, payload = pack({"x": tensor})
+        header.bundle.CopyFrom(serde.header_to_proto(metas))
+        stub = spb_grpc.StagePeerStub(self._channels.get(address))
+
+        def send() -> None:
+            if self.shaper:
+                self.shaper.rpc_delay()
+            stub.Send(self._messages(header, payload), timeout=timeout_s)
+
+        try:
+            SEND_RETRY.call(send, f"sending to {header_target(header)} at {address}")
+        except (grpc.RpcError, transport.Unreachable) as e:
+            raise StageFailure(FailureKind.NEIGHBOUR_UNREACHABLE, f"sending {header_target(header)} to "
+                               f"{address} failed: {transport.describe(e)}") from e
+
+    def _messages(self, header: spb.StageHeader, payload) -> Iterator[spb.StageMessage]:
+        yield spb.StageMessage(header=header)
+        for chunk in iter_chunks(payload, chunk_bytes=self.chunk_bytes):
+            if self.shaper:
+                self.shaper.before_send(len(chunk.data))
+            yield spb.StageMessage(chunk=serde.chunk_to_proto(chunk))
+
+
+def header_target(header: spb.StageHeader) -> str:
+    """What a stage message carries, for messages: "activations of micro-batch 3"."""
+    direction = "gradients" if header.backward else "activations"
+    return f"{direction} of micro-batch {header.microbatch}"

@@ -1,0 +1,130 @@
+"""Bundles on the wire without torch: tensor metadata, checksummed chunks, their reassembly.
+
+A bundle is an ordered mapping name -> tensor. On the wire it is a header (one `TensorMeta` per
+tensor: dtype, shape and byte range) followed by the concatenated raw bytes of all tensors, sent
+in chunks of 256 KiB - 1 MiB, each with a zlib crc32. `ChunkAssembler` receives such a stream,
+rejects bad chunks precisely and remembers the last good byte, so a broken transfer resumes from
+there instead of from zero (edgetrain.transport runs those resumable loops). Nothing here
+unpickles anything; edgetrain.tensors turns payloads into tensors.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+WIRE_DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8")
+"""The tensor dtypes a bundle may carry (edgetrain.tensors maps them to torch dtypes)."""
+MIN_CHUNK_BYTES = 4 * 1024
+MAX_CHUNK_BYTES = 1024 * 1024
+
+
+class TransferError(Exception):
+    """A stream or bundle the receiver refuses. `kind` names the gRPC status it maps to."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        """One of: invalid_argument, data_loss, out_of_range."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Where one tensor of a bundle lives in the payload, and what it is."""
+
+    name: str
+    """Tensor name, e.g. ``grad.blocks.stem.0.weight``."""
+    dtype: str
+    """One of `DTYPES`' keys."""
+    shape: tuple[int, ...]
+    """Tensor shape."""
+    offset: int
+    """First byte of the tensor in the payload."""
+    nbytes: int
+    """Byte length of the tensor."""
+
+
+def check_metas(received: Sequence[TensorMeta], expected: Sequence[TensorMeta], what: str) -> None:
+    """Raise TransferError(invalid_argument) naming the first tensor that differs."""
+    if len(received) != len(expected):
+        raise TransferError(
+            "invalid_argument", f"{what}: {len(received)} tensors, expected {len(expected)}")
+    for got, want in zip(received, expected):
+        if got.name != want.name:
+            raise TransferError("invalid_argument", f"{what}: tensor {got.name!r}, expected {want.name!r}")
+        if got.dtype != want.dtype:
+            raise TransferError(
+                "invalid_argument", f"{what}: tensor {got.name!r} dtype {got.dtype}, expected {want.dtype}")
+        if got.shape != want.shape:
+            raise TransferError(
+                "invalid_argument",
+                f"{what}: tensor {got.name!r} shape {list(got.shape)}, expected {list(want.shape)}")
+        if (got.offset, got.nbytes) != (want.offset, want.nbytes):
+            raise TransferError(
+                "invalid_argument", f"{what}: tensor {got.name!r} byte range does not match its shape")
+
+
+@dataclass(frozen=True)
+class RawChunk:
+    """One piece of a payload, with the crc32 of its bytes."""
+
+    offset: int
+    data: bytes
+    crc32: int
+
+
+def iter_chunks(payload: bytes | bytearray | memoryview, *, start: int = 0,
+                chunk_bytes: int = 512 * 1024) -> Iterator[RawChunk]:
+    """Chunks of `payload` from byte `start` on, each at most `chunk_bytes` long."""
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+    view = memoryview(payload)
+    for offset in range(start, len(view), chunk_bytes):
+        data = bytes(view[offset : offset + chunk_bytes])
+        yield RawChunk(offset, data, zlib.crc32(data))
+
+
+class ChunkAssembler:
+    """Receives a payload of known size chunk by chunk, in order, verifying each chunk.
+
+    `received` is the resume point: every byte before it arrived and passed its checksum.
+    A chunk that repeats bytes already held is ignored (a resumed sender may resend them).
+    """
+
+    def __init__(self, total_bytes: int) -> None:
+        self.total_bytes = total_bytes
+        self.received = 0
+        self._buffer = bytearray(total_bytes)
+
+    @property
+    def complete(self) -> bool:
+        """True once every byte has arrived."""
+        return self.received == self.total_bytes
+
+    def add(self, offset: int, data: bytes, crc32: int) -> None:
+        """Append one chunk, or raise TransferError saying why it is refused."""
+        end = offset + len(data)
+        if end > self.total_bytes:
+            raise TransferError(
+                "out_of_range",
+                f"chunk [{offset}, {end}) runs past the declared {self.total_bytes} bytes")
+        if offset > self.received:
+            raise TransferError(
+                "out_of_range", f"chunk at byte {offset} leaves a gap; resume from byte {self.received}")
+        if zlib.crc32(data) != crc32:
+            raise TransferError(
+                "data_loss", f"chunk at byte {offset} failed its crc32 check; resume from byte {self.received}")
+        if end <= self.received:
+            return
+        skip = self.received - offset
+        self._buffer[self.received : end] = data[skip:]
+        self.received = end
+
+    def payload(self) -> bytearray:
+        """The assembled payload; raises TransferError(data_loss) while bytes are missing."""
+        if not self.complete:
+            raise TransferError(
+                "data_loss",
+                f"stream ended at byte {self.received} of {self.total_bytes}; resume from byte {self.received}")
+        return self._buffer

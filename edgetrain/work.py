@@ -1,0 +1,168 @@
+"""What the coordinator asks of a board, and what a board reports back: plain data both roles use.
+
+The coordinator builds these, edgetrain.serde turns them into wire messages and back, and the
+board executes them; neither side handles protobuf messages beyond that boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from edgetrain.data import DatasetSpec
+
+
+@dataclass(frozen=True)
+class LocalWork:
+    """A federated round's local training on the board."""
+
+    steps: int
+    """Local SGD steps."""
+    batch_size: int
+    """Samples per local step."""
+    lr: float
+    momentum: float
+    weight_decay: float
+    prox_mu: float
+    """FedProx: weight of (mu / 2) * ||w - w_round||^2 (0: plain FedAvg)."""
+
+
+@dataclass(frozen=True)
+class StageHost:
+    """A host of a pipeline stage and its rows of each micro-batch."""
+
+    device_id: str
+    address: str
+    """host:port of its StagePeer endpoint."""
+    rows: tuple[tuple[int, int], ...]
+    """[begin, end) rows of each micro-batch it computes."""
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """A board's pipeline stage in one step attempt."""
+
+    pipeline: int
+    stage: int
+    stages: int
+    first_block: int
+    end_block: int
+    """The stage's blocks [first_block, end_block) of the model's block list."""
+    schedule: str
+    """gpipe or 1f1b."""
+    indices: tuple[int, ...]
+    """The pipeline's samples, in micro-batch order."""
+    microbatch_sizes: tuple[int, ...]
+    hosts: tuple[StageHost, ...]
+    """This stage's hosts (the board is one of them)."""
+    prev_hosts: tuple[StageHost, ...]
+    next_hosts: tuple[StageHost, ...]
+    pipeline_samples: int
+    """Samples of the whole pipeline: each micro-batch's loss is divided by it."""
+    timeout_s: float
+    """Longest wait for a neighbour."""
+    owned: bool = False
+    """The host holds the stage's parameters and optimizer state (it uploads no stage gradients)."""
+    lr: float = 0.0
+    """The step's learning rate (an owned stage applies it)."""
+    commit_step: int = -1
+    commit_attempt: int = 0
+    """The last committed step and its attempt: an owned stage applies that attempt's gradients."""
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One board's work in a step attempt."""
+
+    step: int
+    attempt: int
+    param_version: int
+    indices: tuple[int, ...]
+    """The samples it computes (a federated round: those its local training reads)."""
+    augment: bool
+    data_seed: int
+    codec: str = "none"
+    """Codec of the update (edgetrain.compression)."""
+    delta_codec: str = ""
+    """Non-empty: the board may download parameter deltas in this codec."""
+    local: LocalWork | None = None
+    """Set for a federated round."""
+    stage: StageWork | None = None
+    """Set for a pipeline stage."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The job is over; boards stop working for it."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What a board says about the update it uploads."""
+
+    samples: int
+    loss: float
+    """Mean loss over its samples."""
+    correct: int
+    compute_s: float
+    download_s: float = 0.0
+    encode_s: float = 0.0
+    energy_j: float | None = None
+    """Energy it used for the step; None when it cannot tell."""
+    wait_s: float = 0.0
+    """Pipeline stages: seconds waiting for neighbours."""
+    peak_activation_bytes: int = 0
+    peer_bytes: int = 0
+    """Pipeline stages: activation bytes sent to neighbours."""
+
+    def __post_init__(self) -> None:
+        timings = (self.compute_s, self.download_s, self.encode_s, self.wait_s)
+        if not all(math.isfinite(t) and t >= 0 for t in timings):
+            raise ValueError(f"step report timings must be finite and >= 0, got {timings}")
+
+
+@dataclass(frozen=True)
+class BoardJob:
+    """The job as a board needs it: model, data, and how to talk to the coordinator."""
+
+    job_id: str
+    model: str
+    num_classes: int
+    dataset: DatasetSpec
+    """The job's dataset, read from the board's own data directory."""
+    profile_batch_sizes: tuple[int, ...]
+    """Batch sizes the board times itself at when it joins."""
+    heartbeat_interval_s: float
+    chunk_bytes: int
+    max_forward_batch: int
+    """Most samples per forward pass (larger shards go in chunks; 0: no chunking)."""
+    error_feedback: bool
+    """Keep what a lossy uplink codec did not send and add it to the next update."""
+    board_momentum: float
+    """Momentum the board accumulates itself (momentum correction); 0: the coordinator's."""
+
+
+@dataclass(frozen=True)
+class StateRequest:
+    """The coordinator's hand-over (LoadState) or pull (PullState) of a stage a board owns."""
+
+    job_id: str
+    first_block: int
+    end_block: int
+    version: int
+    """Parameters as they are before step `version` (after `version` committed steps)."""
+    commit_step: int = -1
+    commit_attempt: int = 0
+    """The step committed last and the attempt whose gradients count (-1: none)."""
+    supersede_attempt: int = 0
+    """Attempts of step `version` before this one are over."""
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    """LoadState: the SGD the board applies to the stage."""
+    release: bool = False
+    """PullState: the board gives the stage up after sending it."""
+    offset: int = 0
+    """PullState: resume an interrupted pull from this byte."""
