@@ -19,15 +19,10 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from coordinator.planning.planner import (
-    BoardCost,
-    ModelCost,
-    Plan,
-    objective_cost,
-    plan_optimal,
-    predict,
-)
+from coordinator.planning.cost import objective_cost, predict
+from coordinator.planning.planner import plan_optimal
 from edgetrain.config import PlannerConfig
+from edgetrain.plan import BoardCost, ModelCost, Plan
 
 logger = logging.getLogger(__name__)
 
