@@ -3,9 +3,11 @@
 What the planner reads: a model as a ``ModelCost`` (its ``BlockCost``s in order) and each board
 as a ``BoardCost``. What it returns: a ``Plan``, a pipeline of ``StagePlan``s (consecutive blocks,
 each stage hosted by a group of boards that split every micro-batch by rows in proportion to
-their speed) run with M micro-batches under 1F1B, next to it data-parallel (DP) shards
+their speed) run with M micro-batches under a schedule, next to it data-parallel (DP) shards
 holding the whole model and taking a share of the global batch; a plan without stages is pure
-data parallelism. The planner fills in the plan's ``Prediction``.
+data parallelism. The planner fills in the plan's ``Prediction``. ``plan_to_dict`` and
+``plan_from_dict`` convert a plan to and from plain data in the shape of a job's ``pipeline``
+section, for plan files and metrics.
 
 Plain data only: no torch, sockets or clocks (the planner in ``coordinator.planning`` is built on
 it, and a board may read it).
@@ -14,9 +16,17 @@ it, and a board may read it).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+"""Pipeline schedules, as ``edgetrain.pipeline`` runs them."""
+PLAN_KEYS: tuple[str, ...] = ("stages", "microbatches", "schedule", "dp_boards", "dp_share")
+"""The keys of a plan's plain-data form (those of a job's ``pipeline`` section that make a plan)."""
+DEFAULT_MICROBATCHES = 4
+"""Micro-batches of a plan whose plain data has stages but no ``microbatches`` (as in a job's
+``pipeline`` section)."""
 
 
 def _check(ok: bool, what: str) -> None:
@@ -161,13 +171,18 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """A placement: pipeline stages, micro-batches, DP shards with their share, boards left out.
+    """A placement: pipeline stages, micro-batches and their schedule, DP shards with their share,
+    boards left out.
 
-    No stages means pure data parallelism over ``dp_boards`` (``dp_share`` 1).
+    No stages means pure data parallelism (``dp_share`` 1) over ``dp_boards``, or over every
+    available board when ``dp_boards`` is empty.
     """
 
     stages: tuple[StagePlan, ...] = ()
     microbatches: int = 1
+    schedule: str = "1f1b"
+    """Pipeline schedule, "gpipe" or "1f1b"; the planner makes 1f1b plans (its memory terms assume
+    1f1b's in-flight rows)."""
     dp_boards: tuple[str, ...] = ()
     dp_share: float = 0.0
     """Fraction of the global batch the DP shards take, water-filled among them."""
@@ -178,11 +193,12 @@ class Plan:
 
     def __post_init__(self) -> None:
         _check(self.microbatches >= 1, f"microbatches must be >= 1, got {self.microbatches}")
+        _check(self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.stages:
             _check(0 <= self.dp_share < 1, f"dp_share must be in [0, 1) with stages, got {self.dp_share}")
             _check(bool(self.dp_boards) == (self.dp_share > 0), "dp_share > 0 exactly with dp_boards")
         else:
-            _check(bool(self.dp_boards) and self.dp_share == 1, "pure DP needs dp_boards and dp_share 1")
+            _check(self.dp_share == 1, f"pure DP (no stages) needs dp_share 1, got {self.dp_share}")
 
     @property
     def kind(self) -> str:
@@ -192,31 +208,106 @@ class Plan:
     def to_pipeline_section(self) -> dict:
         """The job's ``pipeline`` section (``PipelineConfig``); pure DP gives an empty pipeline,
         i.e. the trainer's data-parallel mode with its own proportional split."""
+        section = plan_to_dict(self)
         if not self.stages:
-            return {"stages": [], "microbatches": 1, "schedule": "1f1b", "dp_boards": [], "dp_share": 0.0}
-        return {"stages": [{"blocks": s.end - s.begin, "boards": list(s.boards)} for s in self.stages],
-                "microbatches": self.microbatches, "schedule": "1f1b",
-                "dp_boards": list(self.dp_boards), "dp_share": self.dp_share}
+            section.update(microbatches=1, dp_boards=[], dp_share=0.0)
+        return section
 
     def explain(self) -> str:
         """A table: board -> role, blocks, batch share, predicted time, memory; then the totals."""
         p = self.prediction
         _check(p is not None, "explain needs a plan with a prediction (from the planner)")
         single = len(self.stages) == 1 and len(self.stages[0].boards) == 1 and not self.dp_boards
-        head = {"dp": "pure data parallelism",
+        every = not self.stages and not self.dp_boards
+        head = {"dp": "pure data parallelism" + (" over every available board" if every else ""),
                 "pipeline": "the whole model on one board" if single else f"{len(self.stages)} stages",
                 "hybrid": f"{len(self.stages)} stages + DP shards taking {self.dp_share:.1%}"}[self.kind]
         if self.stages and not single:
-            head += f", {self.microbatches} micro-batches (1f1b)"
+            head += f", {self.microbatches} micro-batches ({self.schedule})"
         rows = [("board", "role", "blocks", "share", "time_s", "memory_MB")]
         for s, stage in enumerate(self.stages):
             rows += [(b, f"stage {s}", f"{stage.begin}-{stage.end - 1}", f"{p.share[b]:.1%}",
                       f"{p.time_s[b]:.3f}", f"{p.memory_bytes[b] / 1e6:.1f}") for b in stage.boards]
         rows += [(b, "dp", "all", f"{p.share[b]:.1%}", f"{p.time_s[b]:.3f}", f"{p.memory_bytes[b] / 1e6:.1f}")
-                 for b in self.dp_boards]
+                 for b in (tuple(p.share) if every else self.dp_boards)]
         rows += [(b, "left out", "-", "-", "-", why) for b, why in self.left_out]
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = [f"plan: {head}"] + ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         lines.append(f"predicted: step {p.step_s:.3f} s, {p.samples_per_s:.1f} samples/s, "
                      f"{p.energy_per_sample_j:.3f} J/sample")
         return "\n".join(lines)
+
+
+def plan_to_dict(plan: Plan) -> dict:
+    """The plan as plain data in the shape of a job's ``pipeline`` section: ``stages`` as
+    ``{blocks, boards}`` first stage first, ``microbatches``, ``schedule``, ``dp_boards``,
+    ``dp_share``. Boards left out and the prediction are not part of it."""
+    ends = [0] + [s.end for s in plan.stages]
+    _check(all(s.begin == e for s, e in zip(plan.stages, ends)),
+           f"stages must be consecutive from block 0 to have a plain-data form, got "
+           f"{[(s.begin, s.end) for s in plan.stages]}")
+    return {"stages": [{"blocks": s.end - s.begin, "boards": list(s.boards)} for s in plan.stages],
+            "microbatches": plan.microbatches, "schedule": plan.schedule,
+            "dp_boards": list(plan.dp_boards), "dp_share": plan.dp_share}
+
+
+def plan_from_dict(data: Mapping[str, Any], *, where: str) -> Plan:
+    """The plan ``data`` describes (``plan_to_dict``'s form, e.g. a plan file): stage block counts
+    become consecutive [begin, end) ranges from block 0. Keys left out mean what they mean in a
+    job's ``pipeline`` section: no stages, DEFAULT_MICROBATCHES micro-batches, 1f1b, no DP shards;
+    without stages ``dp_share`` is 1 (pure DP, over every available board when ``dp_boards`` is
+    empty). Raises ValueError naming ``where`` (a file, a section), the key and the bad value."""
+    def need(ok: bool, key: str, value: Any, why: str) -> None:
+        if not ok:
+            raise ValueError(f"{where}: {key}={value!r}: {why}")
+
+    need(isinstance(data, Mapping), "plan", data, f"must be a mapping of {', '.join(PLAN_KEYS)}")
+    for key, value in data.items():
+        need(key in PLAN_KEYS, key, value, f"unknown key (known: {', '.join(PLAN_KEYS)})")
+    stages = _stages_from_list(data.get("stages") or [], need)
+    microbatches = data.get("microbatches", DEFAULT_MICROBATCHES if stages else 1)
+    need(_is_int(microbatches) and microbatches >= 1, "microbatches", microbatches, "must be an integer >= 1")
+    schedule = data.get("schedule", "1f1b")
+    need(schedule in SCHEDULES, "schedule", schedule, f"must be one of {', '.join(SCHEDULES)}")
+    dp_boards = data.get("dp_boards") or []
+    need(_is_names(dp_boards), "dp_boards", dp_boards, "must be a list of board names")
+    hosts = [b for s in stages for b in s.boards]
+    for key, names in (("stages", hosts), ("dp_boards", hosts + list(dp_boards))):
+        repeated = sorted({b for b in names if names.count(b) > 1})
+        need(not repeated, key, repeated, "a board can host only one stage or DP shard")
+    dp_share = data.get("dp_share", 0.0 if stages else 1.0)
+    need(isinstance(dp_share, (int, float)) and not isinstance(dp_share, bool) and math.isfinite(dp_share),
+         "dp_share", dp_share, "must be a number")
+    if stages:
+        need(0 <= dp_share < 1, "dp_share", dp_share, "must be in [0, 1) with stages")
+        need(dp_share == 0 or bool(dp_boards), "dp_share", dp_share, "needs dp_boards to take that share")
+        need(dp_share > 0 or not dp_boards, "dp_boards", dp_boards, "need a dp_share > 0 to work on")
+    else:
+        need(dp_share == 1, "dp_share", dp_share, "must be 1 without stages (pure data parallelism)")
+    return Plan(stages=stages, microbatches=microbatches, schedule=schedule, dp_boards=tuple(dp_boards),
+                dp_share=float(dp_share))
+
+
+def _stages_from_list(raw: Any, need: Callable[[bool, str, Any, str], None]) -> tuple[StagePlan, ...]:
+    """Stages of ``{blocks, boards}`` mappings, as consecutive block ranges from block 0."""
+    need(isinstance(raw, (list, tuple)), "stages", raw, "must be a list of {blocks, boards} mappings")
+    stages, begin = [], 0
+    for s, stage in enumerate(raw):
+        at = f"stages[{s}]"
+        need(isinstance(stage, Mapping), at, stage, "must be a mapping {blocks, boards}")
+        for key, value in stage.items():
+            need(key in ("blocks", "boards"), f"{at}.{key}", value, "unknown key (known: blocks, boards)")
+        blocks, boards = stage.get("blocks"), stage.get("boards")
+        need(_is_int(blocks) and blocks >= 1, f"{at}.blocks", blocks, "must be an integer >= 1")
+        need(_is_names(boards) and bool(boards), f"{at}.boards", boards, "must be a non-empty list of board names")
+        stages.append(StagePlan(begin, begin + blocks, tuple(boards)))
+        begin += blocks
+    return tuple(stages)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_names(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(b, str) and b for b in value)

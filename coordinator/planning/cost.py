@@ -24,7 +24,8 @@ together (``split_proportional``'s rule); a shard that cannot start before that 
     step = max(T_pipe, T_k);  energy/step = Σ_used idle_w · step + (busy_w − idle_w) · busy_k
 with busy = compute seconds; objective cost = (η · energy + (1 − η) · P_ref · step) / B, η = 0
 for time, 1 for energy, P_ref = Σ busy_w of the fleet (Zeus). Stage-host memory is checked at the
-full batch (B / M), so a plan still fits when its DP shards drop out.
+full batch (B / M), so a plan still fits when its DP shards drop out. A stage-less plan without
+``dp_boards`` is DP over every board of the fleet.
 Boards on battery below ``battery_floor`` and not plugged in are left out under every objective.
 
 ``Problem`` holds a fleet, a model, a batch and an objective with these terms precomputed; the
@@ -341,7 +342,8 @@ class Problem:
             t_pipe = max(self._transfer_s(self._span(s.begin, s.end)[0], k, len(s.boards), plan)
                          for s in plan.stages for k in (self.by_name[n] for n in s.boards))
             t_pipe += (m + depth - 1) * max(stage_s)
-        shards = sorted((self.shard_of[n] for n in plan.dp_boards), key=lambda s: (s.o, s.board.name))
+        dp_boards = plan.dp_boards if plan.stages or plan.dp_boards else tuple(self.by_name)
+        shards = sorted((self.shard_of[n] for n in dp_boards), key=lambda s: (s.o, s.board.name))
         tau, active = _waterfill(shards, n_dp) if n_dp > 0 else (0.0, 0)
         for s in shards[:active]:
             n = s.r * (tau - s.o)
@@ -390,7 +392,8 @@ def objective_weight(objective: str | float) -> float:
 def predict(plan: Plan, fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, *,
             stage_state: str = "hosts", sync_every: int = 50) -> Prediction:
     """Predicted step time, samples/s, energy per sample, per-stage time, per-board memory and
-    busy seconds of ``plan`` (formulas in the module docstring)."""
+    busy seconds of ``plan`` (formulas in the module docstring; a plan with neither stages nor
+    ``dp_boards`` is DP over every board of ``fleet``)."""
     return Problem(fleet, model, global_batch, stage_state=stage_state, sync_every=sync_every).predict(plan)
 
 
