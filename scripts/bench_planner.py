@@ -56,6 +56,7 @@ from pathlib import Path
 
 import yaml
 
+from coordinator.planning.cost import predict
 from coordinator.planning.inputs import (
     boards_from_fleet,
     measure_model_cost,
@@ -63,10 +64,11 @@ from coordinator.planning.inputs import (
     train_flops_per_sample,
     transfer_cpu_s_per_byte,
 )
-from coordinator.planning.planner import BoardCost, Plan, StagePlan, plan_optimal, predict
+from coordinator.planning.planner import plan_optimal
 from edgetrain.emulator.fleet_config import BoardSpec
 from edgetrain.emulator.launch import DEMO_JOB, run_on_emulated_boards
 from edgetrain.emulator.shaping import LinkSpec
+from edgetrain.plan import BoardCost, Plan, StagePlan
 from edgetrain.split import SpeedEstimate, split_proportional
 
 SPEEDS = (0.5, 0.3, 0.2, 0.1)

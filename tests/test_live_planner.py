@@ -11,8 +11,8 @@ import pytest
 
 from coordinator.planning.command import spread
 from coordinator.planning.live import LivePlanner
-from coordinator.planning.planner import BlockCost, BoardCost, ModelCost
 from edgetrain.config import PlannerConfig
+from edgetrain.plan import BlockCost, BoardCost, ModelCost
 
 MODEL = ModelCost(tuple(BlockCost(name=f"b{i}", param_bytes=p, activation_bytes=a, forward_flops=f)
                         for i, (p, a, f) in enumerate([(1e5, 6e4, 4e7), (4e5, 3e4, 4e7), (2e6, 1e4, 3e7),

@@ -1,5 +1,5 @@
-"""Tests for coordinator.planning.planner: the cost model, the exact DP against brute force, memory and
-battery rules, the Pareto front, the plan's YAML form and the planning time."""
+"""Tests for the planner (coordinator.planning): the cost model, the exact DP against brute force,
+memory and battery rules, the Pareto front, the plan's YAML form and the planning time."""
 
 from __future__ import annotations
 
@@ -12,19 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.planning.planner import (
-    BlockCost,
-    BoardCost,
-    ModelCost,
-    Plan,
-    StagePlan,
-    brute_force,
-    objective_cost,
-    pareto,
-    plan_optimal,
-    predict,
-)
+from coordinator.planning.brute_force import brute_force
+from coordinator.planning.cost import objective_cost, predict
+from coordinator.planning.planner import pareto, plan_optimal
 from edgetrain.config import job_from_dict
+from edgetrain.plan import BlockCost, BoardCost, ModelCost, Plan, StagePlan
 
 pytestmark = pytest.mark.timeout(120)
 

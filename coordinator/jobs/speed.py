@@ -14,16 +14,18 @@ import threading
 from collections.abc import Mapping
 
 from coordinator.jobs.scheduler import Board, Job
+from coordinator.planning.cost import predict
 from coordinator.planning.inputs import (
     boards_from_fleet,
     measure_model_cost,
     one_core_speed,
     transfer_cpu_s_per_byte,
 )
-from coordinator.planning.planner import Plan, StagePlan, plan_optimal, predict
+from coordinator.planning.planner import plan_optimal
 from edgetrain.config import JobConfig
 from edgetrain.emulator.fleet_config import BoardSpec
 from edgetrain.emulator.shaping import LinkSpec
+from edgetrain.plan import Plan, StagePlan
 
 UNKNOWN_LINK_MBIT = 100.0
 """Link rate assumed for a board whose probe gave no estimate."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from coordinator.planning.cost import predict
 from coordinator.planning.inputs import (
     boards_from_fleet,
     measure_model_cost,
@@ -21,8 +22,9 @@ from coordinator.planning.inputs import (
     train_flops_per_sample,
     transfer_cpu_s_per_byte,
 )
-from coordinator.planning.planner import Plan, pareto, plan_optimal, predict
+from coordinator.planning.planner import pareto, plan_optimal
 from edgetrain.emulator.fleet_config import load_fleet
+from edgetrain.plan import Plan
 
 
 def _objective(text: str) -> str | float:

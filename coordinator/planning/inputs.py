@@ -27,9 +27,9 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from coordinator.planning.planner import BlockCost, BoardCost, ModelCost
 from coordinator.registry import DeviceRecord
 from edgetrain.models import block_costs, build_model
+from edgetrain.plan import BlockCost, BoardCost, ModelCost
 from edgetrain.split import SpeedEstimate, fit_speed
 
 UNKNOWN_LINK_MBIT = 10.0

@@ -19,15 +19,10 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from coordinator.planning.planner import (
-    BoardCost,
-    ModelCost,
-    Plan,
-    objective_cost,
-    plan_optimal,
-    predict,
-)
+from coordinator.planning.cost import objective_cost, predict
+from coordinator.planning.planner import plan_optimal
 from edgetrain.config import PlannerConfig
+from edgetrain.plan import BoardCost, ModelCost, Plan
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +97,8 @@ class LivePlanner:
         else:  # keep the plan, with its prediction on today's fleet (shards it gives no work are out)
             active = tuple(n for n in self.current.dp_boards if now.share.get(n, 0.0) > 0)
             idle = tuple((n, "no gain") for n in self.current.dp_boards if n not in active)
-            kept = Plan(stages=self.current.stages, microbatches=self.current.microbatches, dp_boards=active,
-                        dp_share=self.current.dp_share if active else 0.0,
-                        left_out=self.current.left_out + idle)
+            kept = replace(self.current, dp_boards=active, dp_share=self.current.dp_share if active else 0.0,
+                           left_out=self.current.left_out + idle)
             self.current = replace(kept, prediction=predict(kept, list(boards), self.model, self.global_batch,
                                                             stage_state=self.stage_state, sync_every=self.sync_every))
         return PlanDecision(step, tuple(reasons), self.current, switch, cost, current_cost, tuple(boards))
