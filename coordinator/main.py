@@ -22,6 +22,7 @@ from edgetrain.data import dataset_is_synthetic, load_dataset
 from edgetrain.models import build_model
 from edgetrain.training import freeze_heap, shard_tensor_names
 from edgetrain.updates import UpdateFormats
+from edgetrain.work import BoardJob
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,16 @@ def profile_batch_sizes(global_batch: int) -> list[int]:
     (a board at a tenth of a core takes about 25 s per forward+backward of 64 ResNet-18 samples,
     and times each size 4 times; the speed fit needs two sizes, not large ones)."""
     return sorted({max(2, min(global_batch // 8, 16)), max(4, min(global_batch // 2, 64))})
+
+
+def board_job(job: JobConfig) -> BoardJob:
+    """The job as boards get it when they register."""
+    boards_keep_momentum = job.compression.boards_keep_momentum and not job.aggregation.federated
+    return BoardJob(job_id=job.name, model=job.model, num_classes=10, dataset=job.dataset,
+                    profile_batch_sizes=tuple(profile_batch_sizes(job.training.global_batch)),
+                    heartbeat_interval_s=job.training.heartbeat_interval_s, chunk_bytes=job.training.chunk_bytes,
+                    max_forward_batch=job.training.max_forward_batch, error_feedback=job.compression.error_feedback,
+                    board_momentum=job.optimizer.momentum if boards_keep_momentum else 0.0)
 
 
 def _watch_heartbeats(registry: DeviceRegistry, board: StepBoard, timeout_s: float, stop: threading.Event) -> None:
@@ -75,11 +86,10 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
         check_plan(job.pipeline, model)
     registry = DeviceRegistry()
     formats = UpdateFormats(shard_tensor_names(model))
-    board = StepBoard(formats)
+    board = StepBoard(formats, model.block_names)
     keep_full = job.aggregation.staleness_bound + 1 if job.aggregation.rule == "staleness" else 1
     store = ParameterStore(job.compression.downlink, keep_full=keep_full)
-    servicer = CoordinatorServicer(job, registry, board, store, profile_batch_sizes(job.training.global_batch),
-                                   cluster=cluster)
+    servicer = CoordinatorServicer(job, board_job(job), registry, board, store, cluster=cluster)
     trainer = Trainer(job, registry, board, model, train_size, test_set, run_dir, stop,
                                   store=store, formats=formats)
     server, port = create_server(bind, servicer)

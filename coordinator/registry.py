@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from edgetrain.split import SpeedEstimate, fit_speed, refine_speed
 from edgetrain.telemetry import TelemetrySample
+from edgetrain.work import BoardProfile
 
 TELEMETRY_WINDOW = 120
 """Samples kept per device (two minutes at the default 1 s interval)."""
@@ -28,20 +29,6 @@ class UnknownDevice(KeyError):
         return f"unknown device id {self.args[0]!r}; register again"
 
 
-@dataclass(frozen=True)
-class DeviceProfile:
-    """What a device measured about itself at join time."""
-
-    timings: tuple[tuple[int, float], ...]
-    """(batch size, seconds for one forward+backward) pairs on the job's model."""
-    memory_total_bytes: int
-    """Physical memory of the board."""
-    memory_available_bytes: int
-    """Memory available when it profiled."""
-    peak_rss_bytes: int
-    """Resident memory of the client after profiling."""
-
-
 @dataclass
 class DeviceRecord:
     """One admitted device."""
@@ -52,7 +39,7 @@ class DeviceRecord:
     versions: dict
     joined_at: float
     last_seen: float
-    profile: DeviceProfile | None = None
+    profile: BoardProfile | None = None
     speed: SpeedEstimate | None = None
     alive: bool = True
     left_reason: str = ""
@@ -125,7 +112,7 @@ class DeviceRegistry:
                 raise UnknownDevice(device_id)
             return record
 
-    def set_profile(self, device_id: str, profile: DeviceProfile) -> SpeedEstimate:
+    def set_profile(self, device_id: str, profile: BoardProfile) -> SpeedEstimate:
         """Store the device's profile and derive its speed estimate from it."""
         speed = fit_speed(profile.timings)
         with self._lock:

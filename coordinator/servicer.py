@@ -11,13 +11,14 @@ from collections.abc import Iterator
 import grpc
 
 import edgetrain
-from coordinator.registry import DeviceProfile, DeviceRecord, DeviceRegistry, UnknownDevice
+from coordinator.registry import DeviceRecord, DeviceRegistry, UnknownDevice
 from coordinator.training.parameters import ParameterStore
-from coordinator.training.steps import Assignment, Finished, StepBoard, StepError
+from coordinator.training.steps import StepBoard, StepError
 from edgetrain import serde, transport
 from edgetrain.config import JobConfig
 from edgetrain.errors import Refusal
 from edgetrain.streaming import TransferError, iter_chunks
+from edgetrain.work import BoardJob
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 
@@ -72,26 +73,11 @@ def _device_view(record: DeviceRecord, now: float) -> pb.DeviceView:
     return view
 
 
-def _host(plan) -> pb.StageHost:
-    return pb.StageHost(device_id=plan.device_id, address=plan.address, row_begin=[b for b, _ in plan.rows],
-                        row_end=[e for _, e in plan.rows])
-
-
-def _stage_work(stage) -> pb.StageWork:
-    return pb.StageWork(
-        pipeline=stage.pipeline, stage=stage.stage, stages=stage.stages, first_block=stage.first_block,
-        end_block=stage.end_block, schedule=stage.schedule, indices=stage.indices,
-        microbatch_sizes=stage.microbatch_sizes, hosts=[_host(h) for h in stage.hosts],
-        prev_hosts=[_host(h) for h in stage.prev_hosts], next_hosts=[_host(h) for h in stage.next_hosts],
-        pipeline_samples=stage.pipeline_samples, timeout_s=stage.timeout_s,
-        owned=stage.owned, lr=stage.lr, commit_step=stage.commit_step, commit_attempt=stage.commit_attempt)
-
-
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     """Admits devices and serves the data-parallel training loop's work and transfers."""
 
-    def __init__(self, job: JobConfig, registry: DeviceRegistry, board: StepBoard, store: ParameterStore,
-                 profile_batch_sizes: list[int], *, cluster: str = "edgetrain") -> None:
+    def __init__(self, job: JobConfig, board_job: BoardJob, registry: DeviceRegistry, board: StepBoard,
+                 store: ParameterStore, *, cluster: str = "edgetrain") -> None:
         self._job = job
         self._cluster = cluster
         self._registry = registry
@@ -99,14 +85,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._store = store
         self._cache_lock = threading.Lock()
         self._cache: dict[tuple[int, int], list[pb.ParameterMessage]] = {}
-        self._job_spec = pb.JobSpec(
-            job_id=job.name, model=job.model, num_classes=10,
-            dataset=serde.dataset_to_proto(job.dataset), profile_batch_sizes=profile_batch_sizes,
-            heartbeat_interval_s=job.training.heartbeat_interval_s, chunk_bytes=job.training.chunk_bytes,
-            max_forward_batch=job.training.max_forward_batch,
-            error_feedback=job.compression.error_feedback,
-            board_momentum=job.optimizer.momentum if job.compression.boards_keep_momentum and not
-            job.aggregation.federated else 0.0)
+        self._job_spec = serde.board_job_to_proto(board_job)
 
     @_guarded("Register")
     def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterReply:
@@ -125,12 +104,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_guarded("ReportProfile")
     def ReportProfile(self, request: pb.ProfileReport, context) -> pb.ProfileAck:
-        timings = tuple((t.batch_size, t.seconds) for t in request.timings)
-        if not timings or any(b == 0 or not (s > 0 and math.isfinite(s)) for b, s in timings):
-            raise ValueError(f"profile needs timings with batch_size > 0 and finite seconds > 0, got {timings}")
-        profile = DeviceProfile(timings, request.memory_total_bytes, request.memory_available_bytes,
-                                request.peak_rss_bytes)
-        speed = self._registry.set_profile(request.device_id, profile)
+        speed = self._registry.set_profile(request.device_id, serde.profile_from_proto(request))
         logger.info("[Coordinator.ReportProfile] %s: %.1f samples/s + %.3f s/step", request.device_id,
                     speed.samples_per_s, speed.overhead_s)
         return pb.ProfileAck()
@@ -161,18 +135,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         wait = min(max(request.max_wait_s, 0.0), MAX_POLL_S)
         work = self._board.next_work(request.device_id, wait)
         self._registry.get(request.device_id)  # it may have been dropped while waiting
-        if isinstance(work, Finished):
-            return pb.WorkAssignment(finished=pb.Finished(reason=work.reason))
-        if isinstance(work, Assignment):
-            step = pb.StepWork(step=work.step, attempt=work.attempt, param_version=work.param_version,
-                               indices=work.indices, augment=work.augment, data_seed=work.data_seed,
-                               codec=work.codec, delta_codec=work.delta_codec)
-            if work.local is not None:
-                step.local.CopyFrom(pb.LocalTraining(**vars(work.local)))
-            if work.stage is not None:
-                step.stage.CopyFrom(_stage_work(work.stage))
-            return pb.WorkAssignment(step=step)
-        return pb.WorkAssignment(idle=pb.Idle())
+        return serde.work_to_proto(work)
 
     @_guarded("ReportFailure")
     def ReportFailure(self, request: pb.FailureReport, context) -> pb.FailureAck:
@@ -242,15 +205,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         header = first.header
         self._registry.get(header.device_id)
         metas, _ = serde.header_from_proto(header.bundle)
-        timings = (header.report.compute_s, header.report.download_s, header.report.encode_s)
-        if not all(math.isfinite(t) and t >= 0 for t in timings):
-            raise ValueError(f"step report timings must be finite and >= 0, got {timings}")
-        report = {"samples": header.report.samples, "loss": header.report.loss,
-                  "correct": header.report.correct, "compute_s": header.report.compute_s,
-                  "download_s": header.report.download_s, "encode_s": header.report.encode_s,
-                  "energy_j": header.report.energy_j if header.report.HasField("energy_j") else None,
-                  "wait_s": header.report.wait_s, "peak_activation_bytes": header.report.peak_activation_bytes,
-                  "peer_bytes": header.report.peer_bytes}
+        report = serde.step_report_from_proto(header.report)
         assembler = self._board.begin_upload(header.device_id, header.step, header.attempt, metas,
                                              report, header.resume_offset)
         for message in request_iterator:

@@ -10,16 +10,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import platform
 import random
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
+import grpc
+import psutil
+
+import edgetrain
 from edge_client.telemetry import LinkMeter
 from edgetrain import serde, transport
 from edgetrain.emulator.shaping import LinkShaper
 from edgetrain.streaming import TensorMeta, TransferError, iter_chunks
+from edgetrain.telemetry import TelemetrySample
+from edgetrain.work import Assignment, BoardJob, BoardProfile, Finished, StepReport
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 
@@ -79,21 +89,27 @@ class CoordinatorConnection:
         except transport.Unreachable as e:
             raise CoordinatorUnreachable(str(e)) from e
 
-    def register(self, request: pb.RegisterRequest) -> pb.RegisterReply:
-        """Join the coordinator's job."""
-        return self._retrying(lambda: self._stub.Register(request, timeout=30), "Register")
+    def register(self, name: str, emulated_speed: float | None, stage_address: str) -> tuple[str, BoardJob]:
+        """Join the coordinator's job as board `name`; returns the device id and the job."""
+        request = registration(name, emulated_speed, stage_address)
+        reply = self._retrying(lambda: self._stub.Register(request, timeout=30), "Register")
+        return reply.device_id, serde.board_job_from_proto(reply.job)
 
-    def report_profile(self, report: pb.ProfileReport) -> None:
+    def report_profile(self, device_id: str, profile: BoardProfile) -> None:
         """Send the join-time profile."""
+        report = serde.profile_to_proto(device_id, profile)
         self._retrying(lambda: self._stub.ReportProfile(report, timeout=30), "ReportProfile")
 
-    def heartbeat(self, device_id: str, telemetry: pb.Telemetry | None = None) -> pb.HeartbeatReply:
-        """One liveness ping with a telemetry sample (no retry: the next one follows soon)."""
+    def heartbeat(self, device_id: str, telemetry: TelemetrySample | None = None) -> tuple[int, int] | None:
+        """One liveness ping with a telemetry sample (no retry: the next one follows soon); returns
+        the coordinator's newest (step, attempt), if it opened one."""
         started = time.perf_counter()
         self._delay()
-        reply = self._stub.Heartbeat(pb.HeartbeatRequest(device_id=device_id, telemetry=telemetry), timeout=10)
+        request = pb.HeartbeatRequest(device_id=device_id,
+                                      telemetry=serde.telemetry_to_proto(telemetry) if telemetry else None)
+        reply = self._stub.Heartbeat(request, timeout=10)
         self.link.observe_rtt(time.perf_counter() - started)
-        return reply
+        return (reply.newest_step, reply.newest_attempt) if reply.HasField("newest_step") else None
 
     def probe(self, device_id: str, payload: bytes) -> None:
         """Send `payload` to the coordinator and wait for the acknowledgement (a link probe)."""
@@ -110,10 +126,11 @@ class CoordinatorConnection:
         if self.shaper:
             self.shaper.rpc_delay()
 
-    def get_work(self, device_id: str, max_wait_s: float) -> pb.WorkAssignment:
-        """Long-poll for work."""
+    def get_work(self, device_id: str, max_wait_s: float) -> Assignment | Finished | None:
+        """Long-poll for work: an assignment, the end of the job, or None (nothing yet)."""
         request = pb.WorkRequest(device_id=device_id, max_wait_s=max_wait_s)
-        return self._retrying(lambda: self._stub.GetWork(request, timeout=max_wait_s + 30), "GetWork")
+        return serde.work_from_proto(self._retrying(lambda: self._stub.GetWork(request, timeout=max_wait_s + 30),
+                                                    "GetWork"))
 
     def report_failure(self, device_id: str, step: int, attempt: int, kind: int, reason: str) -> None:
         """Tell the coordinator this board cannot complete (step, attempt), and why."""
@@ -142,9 +159,11 @@ class CoordinatorConnection:
             self.link.observe_transfer(len(payload), time.perf_counter() - started)
             return metas, payload
 
-    def upload_gradient(self, header: pb.UploadHeader, payload: memoryview, chunk_bytes: int) -> None:
-        """Upload one step's tensors, resuming from what the coordinator already holds."""
-        status = pb.UploadStatusRequest(device_id=header.device_id, step=header.step, attempt=header.attempt)
+    def upload(self, device_id: str, work: Assignment, metas: Sequence[TensorMeta], payload: memoryview,
+               report: StepReport, chunk_bytes: int) -> None:
+        """Upload one step's tensors and report, resuming from what the coordinator already holds."""
+        header = serde.upload_header_to_proto(device_id, work.step, work.attempt, metas, report)
+        status = pb.UploadStatusRequest(device_id=device_id, step=work.step, attempt=work.attempt)
         started, sent_from = time.perf_counter(), [0]
 
         def send_from(start: int) -> None:
@@ -180,8 +199,23 @@ class CoordinatorConnection:
             yield pb.UploadMessage(chunk=serde.chunk_to_proto(chunk))
 
 
-def upload_header(device_id: str, step: int, attempt: int, metas: Sequence[TensorMeta],
-                  report: pb.StepReport) -> pb.UploadHeader:
-    """Header of a gradient upload."""
-    return pb.UploadHeader(device_id=device_id, step=step, attempt=attempt,
-                           bundle=serde.header_to_proto(metas), report=report)
+
+def registration(name: str, emulated_speed: float | None, stage_address: str) -> pb.RegisterRequest:
+    """This board's registration: description, software and protocol version."""
+    return pb.RegisterRequest(stage_address=stage_address,
+        device=pb.DeviceInfo(name=name, hostname=socket.gethostname(), arch=platform.machine(),
+                             os=platform.platform(), cpu_count=os.cpu_count() or 0,
+                             memory_total_bytes=psutil.virtual_memory().total,
+                             emulated_speed=emulated_speed or 0.0),
+        versions=pb.SoftwareVersions(edgetrain=edgetrain.__version__, python=sys.version.split()[0],
+                                     torch=_torch_version(), grpcio=grpc.__version__),
+        protocol_version=edgetrain.PROTOCOL_VERSION)
+
+
+def _torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return ""

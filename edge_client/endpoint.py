@@ -138,7 +138,10 @@ class StagePeerServicer(spb_grpc.StagePeerServicer):
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("kind") != "request":
             transport.abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a LoadState stream must start with a StateRequest")
-        request = first.request
+        try:
+            request = serde.state_request_from_proto(first.request)
+        except ValueError as e:
+            transport.abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self.mailbox.supersede(request.version, request.supersede_attempt)
         try:
             header = next(request_iterator, None)
@@ -158,7 +161,11 @@ class StagePeerServicer(spb_grpc.StagePeerServicer):
                     request.version)
         return spb.StageAck(received_bytes=total)
 
-    def PullState(self, request: spb.StateRequest, context) -> Iterator[spb.StateMessage]:
+    def PullState(self, message: spb.StateRequest, context) -> Iterator[spb.StateMessage]:
+        try:
+            request = serde.state_request_from_proto(message)
+        except ValueError as e:
+            transport.abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self.mailbox.supersede(request.version, request.supersede_attempt)
         key = (request.job_id, request.first_block, request.end_block, request.version)
         if request.offset:
@@ -236,13 +243,17 @@ class StageEndpoint:
         self._server.stop(grace=0.5)
         self._channels.close()
 
-    def send(self, address: str, header: spb.StageHeader, tensor: torch.Tensor, timeout_s: float) -> futures.Future:
-        """Ship `tensor` to the peer at `address` in the background; the future fails with StageFailure."""
-        return self._senders.submit(self._send, address, header, tensor.detach().contiguous(), timeout_s)
+    def send(self, address: str, job_id: str, key: MailKey, tensor: torch.Tensor, timeout_s: float) -> futures.Future:
+        """Ship `tensor` (what `key` says it is) to the peer at `address` in the background; the
+        future fails with StageFailure."""
+        return self._senders.submit(self._send, address, job_id, key, tensor.detach().contiguous(), timeout_s)
 
-    def _send(self, address: str, header: spb.StageHeader, tensor: torch.Tensor, timeout_s: float) -> None:
+    def _send(self, address: str, job_id: str, key: MailKey, tensor: torch.Tensor, timeout_s: float) -> None:
         metas, payload = pack({"x": tensor})
-        header.bundle.CopyFrom(serde.header_to_proto(metas))
+        header = spb.StageHeader(job_id=job_id, step=key.step, attempt=key.attempt, pipeline=key.pipeline,
+                                 microbatch=key.microbatch, backward=key.backward, from_stage=key.from_stage,
+                                 row_begin=key.row_begin, row_end=key.row_end, from_device=key.from_device,
+                                 bundle=serde.header_to_proto(metas))
         stub = spb_grpc.StagePeerStub(self._channels.get(address))
 
         def send() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import psutil
 import torch
@@ -14,17 +13,7 @@ from torch import nn
 from edgetrain.data import make_batch
 from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.training import compute_shard
-
-
-@dataclass(frozen=True)
-class Profile:
-    """Measured training speed and memory of this board."""
-
-    timings: tuple[tuple[int, float], ...]
-    """(batch size, fastest seconds of one forward + backward)."""
-    memory_total_bytes: int
-    memory_available_bytes: int
-    peak_rss_bytes: int
+from edgetrain.work import BoardProfile
 
 
 def time_training_step(model: nn.Module, dataset, batch_size: int, limiter: CpuLimiter, *,
@@ -46,14 +35,14 @@ def time_training_step(model: nn.Module, dataset, batch_size: int, limiter: CpuL
 
 
 def profile_device(model: nn.Module, dataset, batch_sizes: Sequence[int], limiter: CpuLimiter, *,
-                   max_forward_batch: int = 0) -> Profile:
+                   max_forward_batch: int = 0) -> BoardProfile:
     """Time training at each batch size, the way shards are computed (in chunks of at most
     `max_forward_batch`); the model's weights are overwritten before real work."""
     timings = tuple((b, time_training_step(model, dataset, b, limiter, max_forward_batch=max_forward_batch))
                     for b in batch_sizes)
     memory = psutil.virtual_memory()
     rss = psutil.Process(os.getpid()).memory_info().rss
-    return Profile(timings, memory.total, memory.available, rss)
+    return BoardProfile(timings, memory.total, memory.available, rss)
 
 
 def torch_threads_for(speed: float | None) -> int | None:

@@ -31,12 +31,23 @@ import torch
 from torch import nn
 
 from edge_client.endpoint import MailKey, StageEndpoint, StageFailure
+from edge_client.shard import Download, Update
+from edge_client.stage_state import StageStateError
 from edgetrain.data import make_batch
+from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.errors import FailureKind
 from edgetrain.pipeline import overlaps, schedule, stage_parameter_prefixes
-from edgetrain.training import BUFFER_PREFIX, GRAD_PREFIX, ShardResult, chunk_bounds
-from protos import coordinator_pb2 as pb
-from protos import stage_pb2 as spb
+from edgetrain.tensors import pack, unpack
+from edgetrain.training import (
+    BUFFER_PREFIX,
+    GRAD_PREFIX,
+    ShardResult,
+    chunk_bounds,
+    load_state_tensors,
+    shard_tensor_names,
+)
+from edgetrain.updates import UpdateFormats
+from edgetrain.work import Assignment, BoardJob, StageHost, StepReport
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +63,93 @@ class StageResult:
     """Most bytes of activations held for backward at any time."""
     peer_bytes: int = 0
     """Bytes of activations and gradients sent to neighbouring stages."""
+    compute_s: float = 0.0
+    """Seconds computing (set by the runner: the step's time less the waits)."""
+    download_s: float = 0.0
+    """Seconds fetching the stage's parameters (a stage its host does not own)."""
 
 
-def _rows(host: pb.StageHost, m: int) -> tuple[int, int]:
-    return host.row_begin[m], host.row_end[m]
+class StageRunner:
+    """Runs this board's pipeline stages, keeping track of what the model holds for them.
+
+    An owned stage (StageWork.owned) runs on the state this board holds and uploads no
+    gradients; otherwise the stage's parameters are downloaded and their gradients uploaded."""
+
+    def __init__(self, model: nn.Module, dataset, job: BoardJob, endpoint: StageEndpoint, limiter: CpuLimiter) -> None:
+        self.model = model
+        self.dataset = dataset
+        self.job = job
+        self.endpoint = endpoint
+        self.limiter = limiter
+        self.formats = UpdateFormats(shard_tensor_names(model))
+        self._loaded: tuple[int, int, int] | None = None
+        """(version, first block, end block) of stage parameters the model holds (un-owned stages)."""
+
+    def invalidate(self) -> None:
+        """The model's parameters were overwritten (a shard ran on it)."""
+        self._loaded = None
+
+    def compute(self, work: Assignment, device_id: str, download: Download) -> Update:
+        """Run this board's stage for the step and encode what goes up."""
+        st = work.stage
+        result = self._run_owned(work, device_id) if st.owned else self._run_downloaded(work, device_id, download)
+        started = time.perf_counter()
+        prefixes = () if st.owned else stage_parameter_prefixes(self.model.block_names, st.first_block, st.end_block)
+        wire, commit = self.formats(work.codec, prefixes).encode({} if st.owned else result.shard.tensors, None)
+        metas, payload = pack(wire)
+        shard = result.shard
+        report = StepReport(samples=shard.samples, loss=shard.loss, correct=shard.correct, compute_s=result.compute_s,
+                            download_s=result.download_s, encode_s=time.perf_counter() - started, wait_s=result.wait_s,
+                            peak_activation_bytes=result.peak_activation_bytes, peer_bytes=result.peer_bytes)
+        return Update(metas, payload, report, commit)
+
+    def _run_owned(self, work: Assignment, device_id: str) -> StageResult:
+        st, state = work.stage, self.endpoint.state
+        started = time.perf_counter()
+        with state.lock:
+            try:
+                state.begin(work.step, st.first_block, st.end_block, st.commit_step, st.commit_attempt)
+            except StageStateError as e:
+                raise StageFailure(FailureKind.STAGE_STATE, str(e)) from None
+            self._loaded = None
+            try:
+                result = run_stage(self.model, work, self.dataset, self.endpoint, device_id, self.job.job_id,
+                                   self.limiter, self.job.max_forward_batch)
+            except BaseException:
+                state.abandon()
+                raise
+            try:
+                state.finish(work.step, work.attempt, st.lr)
+            except StageStateError as e:
+                raise StageFailure(FailureKind.STAGE_STATE, str(e)) from None
+        result.compute_s = time.perf_counter() - started - result.wait_s
+        return result
+
+    def _run_downloaded(self, work: Assignment, device_id: str, download: Download) -> StageResult:
+        st = work.stage
+        started = time.perf_counter()
+        self.endpoint.state.drop()
+        loaded = (work.param_version, st.first_block, st.end_block)
+        if self._loaded != loaded:
+            prefixes = stage_parameter_prefixes(self.model.block_names, st.first_block, st.end_block)
+            metas, payload = download(work.param_version, prefixes=list(prefixes))
+            load_state_tensors(self.model, unpack(metas, payload))
+            self._loaded = loaded
+        download_s = time.perf_counter() - started
+        started = time.perf_counter()
+        result = run_stage(self.model, work, self.dataset, self.endpoint, device_id, self.job.job_id, self.limiter,
+                           self.job.max_forward_batch)
+        result.compute_s, result.download_s = time.perf_counter() - started - result.wait_s, download_s
+        if any(b.is_floating_point() for b in self.model.buffers()):  # the forward passes moved BN statistics
+            self._loaded = None
+        return result
 
 
-def run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndpoint, device_id: str,
+def _rows(host: StageHost, m: int) -> tuple[int, int]:
+    return host.rows[m]
+
+
+def run_stage(model: nn.Module, work: Assignment, dataset, endpoint: StageEndpoint, device_id: str,
               job_id: str, limiter=None, max_forward_batch: int = 0) -> StageResult:
     """Run this board's stage of one pipeline step (see the module docstring).
 
@@ -78,7 +169,7 @@ def run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndpo
         raise StageFailure(FailureKind.INTERNAL, f"{type(e).__name__}: {e}") from e
 
 
-def _run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndpoint, device_id: str,
+def _run_stage(model: nn.Module, work: Assignment, dataset, endpoint: StageEndpoint, device_id: str,
                job_id: str, limiter, max_forward_batch: int) -> StageResult:
     st = work.stage
     s, stages, m_count = st.stage, st.stages, len(st.microbatch_sizes)
@@ -104,10 +195,8 @@ def _run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndp
             offsets[m] = (at, at + e - b)
             at += e - b
 
-    def header(m: int, backward: bool, begin: int, end: int) -> spb.StageHeader:
-        return spb.StageHeader(job_id=job_id, step=work.step, attempt=work.attempt, pipeline=st.pipeline,
-                               microbatch=m, backward=backward, from_stage=s, row_begin=begin, row_end=end,
-                               from_device=device_id)
+    def key(m: int, backward: bool, begin: int, end: int) -> MailKey:
+        return MailKey(work.step, work.attempt, st.pipeline, m, backward, s, begin, end, device_id)
 
     sends: list[futures.Future] = []
     shipped = [0]
@@ -138,7 +227,7 @@ def _run_stage(model: nn.Module, work: pb.StepWork, dataset, endpoint: StageEndp
                 continue
             peer = peers[receiver]
             shipped[0] += (end - begin) * tensor[0].numel() * tensor.element_size()
-            sends.append(endpoint.send(peer.address, header(m, backward, begin, end),
+            sends.append(endpoint.send(peer.address, job_id, key(m, backward, begin, end),
                                        tensor[begin - my_begin:end - my_begin], st.timeout_s))
 
     saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}

@@ -21,6 +21,7 @@ from torch import nn
 
 from edgetrain.pipeline import stage_parameter_prefixes
 from edgetrain.training import MOMENTUM_PREFIX
+from edgetrain.work import StateRequest
 
 
 class StageStateError(Exception):
@@ -74,7 +75,7 @@ class StageState:
         out.update(buffers)
         return out
 
-    def load(self, request, tensors: dict[str, torch.Tensor]) -> None:
+    def load(self, request: StateRequest, tensors: dict[str, torch.Tensor]) -> None:
         """Own blocks [first, end) at `request.version` with these parameters, buffers and momenta."""
         with self.lock:
             self._check_job(request.job_id)
@@ -108,7 +109,7 @@ class StageState:
             self.blocks, self.version, self._pending = (request.first_block, request.end_block), request.version, None
             self._save_buffers()
 
-    def export(self, request) -> dict[str, torch.Tensor]:
+    def export(self, request: StateRequest) -> dict[str, torch.Tensor]:
         """The state at `request.version`, after applying the committed step's pending gradients."""
         with self.lock:
             self._check_job(request.job_id)

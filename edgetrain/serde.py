@@ -1,4 +1,11 @@
-"""Pure conversions between the core's plain data and the wire messages (protos/)."""
+"""Pure conversions between the core's plain data and the wire messages (protos/).
+
+Every wire message a role handles goes through a ``*_to_proto`` / ``*_from_proto`` pair here;
+beyond this module, the servicers and the client connection, code speaks core dataclasses
+(edgetrain.work, edgetrain.telemetry, edgetrain.streaming). A message that cannot be turned into
+a valid core object raises ValueError (or TransferError for bundles), which servers answer with
+INVALID_ARGUMENT.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,19 @@ from edgetrain.data import DatasetSpec
 from edgetrain.errors import FailureKind
 from edgetrain.streaming import WIRE_DTYPES, RawChunk, TensorMeta, TransferError
 from edgetrain.telemetry import TelemetrySample
+from edgetrain.work import (
+    Assignment,
+    BoardJob,
+    BoardProfile,
+    Finished,
+    LocalWork,
+    StageHost,
+    StageWork,
+    StateRequest,
+    StepReport,
+)
 from protos import coordinator_pb2 as pb
+from protos import stage_pb2 as spb
 from protos import tensor_pb2 as tpb
 
 _DTYPE_TO_PROTO = {
@@ -64,11 +83,10 @@ def dataset_to_proto(spec: DatasetSpec) -> pb.DatasetSpec:
                           test_size=spec.test_size or 0, augment=spec.augment)
 
 
-def dataset_from_proto(msg: pb.DatasetSpec, *, data_dir: str, download: bool) -> DatasetSpec:
-    """The job's dataset, read from this board's own data directory."""
+def dataset_from_proto(msg: pb.DatasetSpec) -> DatasetSpec:
+    """The job's dataset (each board reads it from its own data directory: the default until set)."""
     return DatasetSpec(name=msg.name, seed=msg.seed, train_size=msg.train_size or None,
-                       test_size=msg.test_size or None, augment=msg.augment, data_dir=data_dir,
-                       download=download)
+                       test_size=msg.test_size or None, augment=msg.augment)
 
 
 def telemetry_to_proto(sample: TelemetrySample) -> pb.Telemetry:
@@ -89,3 +107,150 @@ def failure_kind_from_proto(value: int) -> FailureKind:
         return FailureKind(value)
     except ValueError:
         raise ValueError(f"unknown failure kind {value}") from None
+
+
+# --- work -----------------------------------------------------------------------------------------
+
+def _host_to_proto(host: StageHost) -> pb.StageHost:
+    return pb.StageHost(device_id=host.device_id, address=host.address, row_begin=[b for b, _ in host.rows],
+                        row_end=[e for _, e in host.rows])
+
+
+def _host_from_proto(msg: pb.StageHost, microbatches: int) -> StageHost:
+    if len(msg.row_begin) != microbatches or len(msg.row_end) != microbatches:
+        raise ValueError(f"stage host {msg.device_id!r}: rows for {len(msg.row_begin)} micro-batches, "
+                         f"the stage has {microbatches}")
+    return StageHost(msg.device_id, msg.address, tuple(zip(msg.row_begin, msg.row_end)))
+
+
+def stage_work_to_proto(stage: StageWork) -> pb.StageWork:
+    """A pipeline stage's work message."""
+    return pb.StageWork(
+        pipeline=stage.pipeline, stage=stage.stage, stages=stage.stages, first_block=stage.first_block,
+        end_block=stage.end_block, schedule=stage.schedule, indices=stage.indices,
+        microbatch_sizes=stage.microbatch_sizes, hosts=[_host_to_proto(h) for h in stage.hosts],
+        prev_hosts=[_host_to_proto(h) for h in stage.prev_hosts],
+        next_hosts=[_host_to_proto(h) for h in stage.next_hosts], pipeline_samples=stage.pipeline_samples,
+        timeout_s=stage.timeout_s, owned=stage.owned, lr=stage.lr, commit_step=stage.commit_step,
+        commit_attempt=stage.commit_attempt)
+
+
+def stage_work_from_proto(msg: pb.StageWork) -> StageWork:
+    """A pipeline stage's work; ValueError when it does not describe one."""
+    m = len(msg.microbatch_sizes)
+    if not (msg.stage < msg.stages and msg.first_block < msg.end_block and m and msg.hosts):
+        raise ValueError(f"stage work {msg.stage}/{msg.stages}, blocks [{msg.first_block}, {msg.end_block}), "
+                         f"{m} micro-batches, {len(msg.hosts)} hosts does not describe a stage")
+    return StageWork(
+        pipeline=msg.pipeline, stage=msg.stage, stages=msg.stages, first_block=msg.first_block,
+        end_block=msg.end_block, schedule=msg.schedule, indices=tuple(msg.indices),
+        microbatch_sizes=tuple(msg.microbatch_sizes), hosts=tuple(_host_from_proto(h, m) for h in msg.hosts),
+        prev_hosts=tuple(_host_from_proto(h, m) for h in msg.prev_hosts),
+        next_hosts=tuple(_host_from_proto(h, m) for h in msg.next_hosts), pipeline_samples=msg.pipeline_samples,
+        timeout_s=msg.timeout_s, owned=msg.owned, lr=msg.lr, commit_step=msg.commit_step,
+        commit_attempt=msg.commit_attempt)
+
+
+def work_to_proto(work: Assignment | Finished | None) -> pb.WorkAssignment:
+    """The answer to a work poll: a step's assignment, the end of the job, or nothing yet (idle)."""
+    if isinstance(work, Finished):
+        return pb.WorkAssignment(finished=pb.Finished(reason=work.reason))
+    if work is None:
+        return pb.WorkAssignment(idle=pb.Idle())
+    step = pb.StepWork(step=work.step, attempt=work.attempt, param_version=work.param_version,
+                       indices=work.indices, augment=work.augment, data_seed=work.data_seed, codec=work.codec,
+                       delta_codec=work.delta_codec)
+    if work.local is not None:
+        step.local.CopyFrom(pb.LocalTraining(**vars(work.local)))
+    if work.stage is not None:
+        step.stage.CopyFrom(stage_work_to_proto(work.stage))
+    return pb.WorkAssignment(step=step)
+
+
+def work_from_proto(msg: pb.WorkAssignment) -> Assignment | Finished | None:
+    """The assignment, Finished, or None (idle) a work poll answered."""
+    kind = msg.WhichOneof("work")
+    if kind == "finished":
+        return Finished(msg.finished.reason)
+    if kind != "step":
+        return None
+    w = msg.step
+    local = None
+    if w.HasField("local"):
+        local = LocalWork(steps=w.local.steps, batch_size=w.local.batch_size, lr=w.local.lr,
+                          momentum=w.local.momentum, weight_decay=w.local.weight_decay, prox_mu=w.local.prox_mu)
+    return Assignment(step=w.step, attempt=w.attempt, param_version=w.param_version, indices=tuple(w.indices),
+                      augment=w.augment, data_seed=w.data_seed, codec=w.codec, delta_codec=w.delta_codec,
+                      local=local, stage=stage_work_from_proto(w.stage) if w.HasField("stage") else None)
+
+
+def step_report_to_proto(report: StepReport) -> pb.StepReport:
+    """A board's report on its update (energy unset when unknown)."""
+    return pb.StepReport(samples=report.samples, loss=report.loss, correct=report.correct,
+                         compute_s=report.compute_s, download_s=report.download_s, encode_s=report.encode_s,
+                         energy_j=report.energy_j, wait_s=report.wait_s,
+                         peak_activation_bytes=report.peak_activation_bytes, peer_bytes=report.peer_bytes)
+
+
+def step_report_from_proto(msg: pb.StepReport) -> StepReport:
+    """A board's report; ValueError for timings that are not finite and >= 0."""
+    return StepReport(samples=msg.samples, loss=msg.loss, correct=msg.correct, compute_s=msg.compute_s,
+                      download_s=msg.download_s, encode_s=msg.encode_s,
+                      energy_j=msg.energy_j if msg.HasField("energy_j") else None, wait_s=msg.wait_s,
+                      peak_activation_bytes=msg.peak_activation_bytes, peer_bytes=msg.peer_bytes)
+
+
+def upload_header_to_proto(device_id: str, step: int, attempt: int, metas: Sequence[TensorMeta],
+                           report: StepReport, resume_offset: int = 0) -> pb.UploadHeader:
+    """The first message of an update upload."""
+    return pb.UploadHeader(device_id=device_id, step=step, attempt=attempt, bundle=header_to_proto(metas),
+                           report=step_report_to_proto(report), resume_offset=resume_offset)
+
+
+def board_job_to_proto(job: BoardJob) -> pb.JobSpec:
+    """The job as boards get it when they register."""
+    return pb.JobSpec(job_id=job.job_id, model=job.model, num_classes=job.num_classes,
+                      dataset=dataset_to_proto(job.dataset), profile_batch_sizes=job.profile_batch_sizes,
+                      heartbeat_interval_s=job.heartbeat_interval_s, chunk_bytes=job.chunk_bytes,
+                      max_forward_batch=job.max_forward_batch, error_feedback=job.error_feedback,
+                      board_momentum=job.board_momentum)
+
+
+def board_job_from_proto(msg: pb.JobSpec) -> BoardJob:
+    """The job a board registered for (its dataset's data directory is the board's to set)."""
+    return BoardJob(job_id=msg.job_id, model=msg.model, num_classes=msg.num_classes,
+                    dataset=dataset_from_proto(msg.dataset),
+                    profile_batch_sizes=tuple(msg.profile_batch_sizes), heartbeat_interval_s=msg.heartbeat_interval_s,
+                    chunk_bytes=msg.chunk_bytes, max_forward_batch=msg.max_forward_batch,
+                    error_feedback=msg.error_feedback, board_momentum=msg.board_momentum)
+
+
+def state_request_to_proto(request: StateRequest) -> spb.StateRequest:
+    """A stage-state hand-over or pull request."""
+    return spb.StateRequest(**vars(request))
+
+
+def state_request_from_proto(msg: spb.StateRequest) -> StateRequest:
+    """A stage-state request; ValueError when its block range is empty."""
+    if msg.first_block >= msg.end_block:
+        raise ValueError(f"blocks [{msg.first_block}, {msg.end_block}) are an empty range")
+    return StateRequest(job_id=msg.job_id, first_block=msg.first_block, end_block=msg.end_block,
+                        version=msg.version, commit_step=msg.commit_step, commit_attempt=msg.commit_attempt,
+                        supersede_attempt=msg.supersede_attempt, momentum=msg.momentum,
+                        weight_decay=msg.weight_decay, nesterov=msg.nesterov, release=msg.release,
+                        offset=msg.offset)
+
+
+def profile_to_proto(device_id: str, profile: BoardProfile) -> pb.ProfileReport:
+    """A board's join-time profile."""
+    return pb.ProfileReport(device_id=device_id, timings=[pb.BatchTiming(batch_size=b, seconds=t)
+                                                          for b, t in profile.timings],
+                            memory_total_bytes=profile.memory_total_bytes,
+                            memory_available_bytes=profile.memory_available_bytes,
+                            peak_rss_bytes=profile.peak_rss_bytes)
+
+
+def profile_from_proto(msg: pb.ProfileReport) -> BoardProfile:
+    """A board's profile; ValueError for timings that are not positive and finite."""
+    return BoardProfile(tuple((t.batch_size, t.seconds) for t in msg.timings), msg.memory_total_bytes,
+                        msg.memory_available_bytes, msg.peak_rss_bytes)

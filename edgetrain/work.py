@@ -145,6 +145,25 @@ class BoardJob:
 
 
 @dataclass(frozen=True)
+class BoardProfile:
+    """What a board measured about itself when it joined a job."""
+
+    timings: tuple[tuple[int, float], ...]
+    """(batch size, seconds of one forward + backward) on the job's model."""
+    memory_total_bytes: int
+    """Physical memory of the board."""
+    memory_available_bytes: int
+    """Memory available when it profiled."""
+    peak_rss_bytes: int
+    """Resident memory of the client after profiling."""
+
+    def __post_init__(self) -> None:
+        if not self.timings or any(b <= 0 or not (s > 0 and math.isfinite(s)) for b, s in self.timings):
+            raise ValueError(f"a profile needs timings with batch_size > 0 and finite seconds > 0, "
+                             f"got {self.timings}")
+
+
+@dataclass(frozen=True)
 class StateRequest:
     """The coordinator's hand-over (LoadState) or pull (PullState) of a stage a board owns."""
 

@@ -33,29 +33,25 @@ MODEL = "mobilenet_v2"
 
 def board_side(address: str) -> None:
     """Inside the namespace: join, time one download and one upload, probe the link."""
-    import edgetrain
-    from edge_client.connection import CoordinatorConnection, upload_header
+    from edge_client.connection import CoordinatorConnection
     from edge_client.telemetry import LinkMeter, probe_link
     from edgetrain.models import build_model
     from edgetrain.tensors import pack
     from edgetrain.training import shard_tensor_names
-    from protos import coordinator_pb2 as pb
+    from edgetrain.work import BoardProfile, StepReport
 
     conn = CoordinatorConnection(address)
-    reply = conn.register(pb.RegisterRequest(device=pb.DeviceInfo(name="bench"),
-                                             protocol_version=edgetrain.PROTOCOL_VERSION))
-    device = reply.device_id
-    conn.report_profile(pb.ProfileReport(device_id=device, timings=[pb.BatchTiming(batch_size=8, seconds=1.0)]))
-    work = conn.get_work(device, 30).step
+    device, job = conn.register("bench", None, "")
+    conn.report_profile(device, BoardProfile(((8, 1.0),), 0, 0, 0))
+    work = conn.get_work(device, 30)
     started = time.perf_counter()
     _, params = conn.download_parameters(device, work.param_version)
     download_s = time.perf_counter() - started
     model = build_model(MODEL)
     metas, payload = pack({name: torch.zeros_like(t) for name, t in shard_tensor_names(model)})
-    header = upload_header(device, work.step, work.attempt, metas,
-                           pb.StepReport(samples=len(work.indices)))
+    report = StepReport(samples=len(work.indices), loss=0.0, correct=0, compute_s=0.0)
     started = time.perf_counter()
-    conn.upload_gradient(header, payload, reply.job.chunk_bytes)
+    conn.upload(device, work, metas, payload, report, job.chunk_bytes)
     upload_s = time.perf_counter() - started
     meter = LinkMeter()
     probes = [probe_link(lambda p: conn.probe(device, p), meter) for _ in range(3)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -101,7 +101,7 @@ def compute_gradient(board: Board, work: pb.StepWork, tmp_path: Path) -> Gradien
     """What a real board computes for `work`: gradients of the mean loss over its samples."""
     model = build_model(board.job.model, num_classes=board.job.num_classes)
     load_state_tensors(model, download(board, work.param_version))
-    spec = serde.dataset_from_proto(board.job.dataset, data_dir=str(tmp_path / "data"), download=False)
+    spec = replace(serde.dataset_from_proto(board.job.dataset), data_dir=str(tmp_path / "data"))
     x, y = make_batch(load_dataset(spec, train=True), list(work.indices), augment=work.augment,
                       seed=work.data_seed, step=work.step)
     result = compute_shard(model, x, y)

@@ -8,12 +8,13 @@ import torch
 from coordinator.training.aggregate import Weighted, combine, screen, staleness_weight, update_norm
 from coordinator.training.codec_policy import CodecPolicy
 from coordinator.training.parameters import ParameterStore
-from coordinator.training.steps import Assignment, Contribution, StepBoard, StepError
+from coordinator.training.steps import Contribution, StepBoard, StepError
 from edgetrain.config import CompressionConfig
 from edgetrain.models import build_model
 from edgetrain.tensors import pack, unpack
 from edgetrain.training import shard_tensor_names, state_tensors
 from edgetrain.updates import DeltaFormat, UpdateFormats
+from edgetrain.work import Assignment, StepReport
 
 
 def contribution(device: str, samples: int, grad: torch.Tensor, *, version: int = 0,
@@ -116,8 +117,7 @@ def _upload(board: StepBoard, formats: UpdateFormats, device: str, step: int, sa
     fmt = formats("none")
     wire = {m.name: torch.zeros(m.shape) for m in fmt.metas()}
     metas, payload = pack(wire)
-    report = {"samples": samples, "loss": 1.0, "correct": 0, "compute_s": 0.1, "download_s": 0.0,
-              "encode_s": 0.0, "energy_j": None}
+    report = StepReport(samples=samples, loss=1.0, correct=0, compute_s=0.1)
     assembler = board.begin_upload(device, step, 0, metas, report, 0)
     assembler.add(0, bytes(payload), __import__("zlib").crc32(bytes(payload)))
     board.complete_upload(device, step, 0)

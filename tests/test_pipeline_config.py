@@ -82,7 +82,6 @@ def test_assignments_split_micro_batches_between_a_stage_group_by_speed():
     assert sorted(b.indices + c.indices) == list(range(100, 124)) == sorted(a.indices) == sorted(d.indices)
     assert (a.stage.first_block, a.stage.end_block, b.stage.first_block, d.stage.end_block) == (0, 1, 1, 4)
     assert b.stage.prev_hosts == a.stage.hosts and b.stage.next_hosts == d.stage.hosts
-    assert b.stage.prefixes == ("blocks.c2.", "blocks.c3.")
 
 
 def test_dp_shards_take_their_share_of_the_batch_next_to_the_pipeline():

@@ -20,16 +20,16 @@ from dataclasses import dataclass
 
 import torch
 
-from coordinator.training.steps import Assignment, Contribution, StageAssignment, StageHostPlan
+from coordinator.training.steps import Contribution
 from edgetrain.config import PipelineConfig
 from edgetrain.pipeline import (
     split_microbatches,
     split_rows,
     stage_blocks,
-    stage_parameter_prefixes,
 )
 from edgetrain.split import SpeedEstimate, split_sticky
 from edgetrain.training import GRAD_PREFIX
+from edgetrain.work import Assignment, StageHost, StageWork
 
 
 @dataclass(frozen=True)
@@ -66,18 +66,18 @@ def assign(plan: PipelineConfig, *, step: int, attempt: int, indices: Sequence[i
     sizes = split_microbatches(len(pipe), min(plan.microbatches, len(pipe)))
     starts = [sum(sizes[:m]) for m in range(len(sizes))]
     ranges = stage_blocks([s.blocks for s in plan.stages], len(block_names))
-    groups: list[tuple[StageHostPlan, ...]] = []
+    groups: list[tuple[StageHost, ...]] = []
     for stage in plan.stages:
         weights = [hosts[b].speed.samples_per_s for b in stage.boards]
         rows = [split_rows(size, weights) for size in sizes]
-        groups.append(tuple(StageHostPlan(hosts[b].device_id, hosts[b].address, tuple(r[j] for r in rows))
+        groups.append(tuple(StageHost(hosts[b].device_id, hosts[b].address, tuple(r[j] for r in rows))
                             for j, b in enumerate(stage.boards)))
     out: dict[str, Assignment] = {}
     for i, (begin, end) in enumerate(ranges):
         for host in groups[i]:
-            stage = StageAssignment(
+            stage = StageWork(
                 pipeline=0, stage=i, stages=len(ranges), first_block=begin, end_block=end,
-                prefixes=stage_parameter_prefixes(block_names, begin, end), schedule=plan.schedule,
+                schedule=plan.schedule,
                 indices=tuple(pipe), microbatch_sizes=tuple(sizes), hosts=groups[i],
                 prev_hosts=groups[i - 1] if i else (), next_hosts=groups[i + 1] if i + 1 < len(groups) else (),
                 pipeline_samples=len(pipe), timeout_s=plan.stage_timeout_s,

@@ -14,15 +14,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from edgetrain.errors import FailureKind, Refusal
+from edgetrain.pipeline import stage_parameter_prefixes
 from edgetrain.streaming import ChunkAssembler, TransferError, check_metas
 from edgetrain.tensors import check_finite, unpack
 from edgetrain.updates import UpdateFormat
+from edgetrain.work import Assignment, Finished, StageWork, StepReport
 
 logger = logging.getLogger(__name__)
 
@@ -36,87 +38,6 @@ class StepError(Exception):
         self.kind = kind
         """not_found, failed_precondition, already_exists or invalid_argument."""
         self.refusal = refusal
-
-
-@dataclass(frozen=True)
-class LocalWork:
-    """A federated round's local training on the board (see protos: LocalTraining)."""
-
-    steps: int
-    batch_size: int
-    lr: float
-    momentum: float
-    weight_decay: float
-    prox_mu: float
-
-
-@dataclass(frozen=True)
-class StageHostPlan:
-    """A host of a pipeline stage and its rows of each micro-batch."""
-
-    device_id: str
-    address: str
-    rows: tuple[tuple[int, int], ...]
-
-
-@dataclass(frozen=True)
-class StageAssignment:
-    """A board's pipeline stage in a step (see protos: StageWork)."""
-
-    pipeline: int
-    stage: int
-    stages: int
-    first_block: int
-    end_block: int
-    prefixes: tuple[str, ...]
-    """Names of the stage's parameters and buffers start with ``blocks.<key>.`` for these keys."""
-    schedule: str
-    indices: tuple[int, ...]
-    microbatch_sizes: tuple[int, ...]
-    hosts: tuple[StageHostPlan, ...]
-    prev_hosts: tuple[StageHostPlan, ...]
-    next_hosts: tuple[StageHostPlan, ...]
-    pipeline_samples: int
-    timeout_s: float
-    owned: bool = False
-    """The host holds the stage's parameters and optimizer state (it uploads no stage gradients)."""
-    lr: float = 0.0
-    """The step's learning rate (an owned stage applies it)."""
-    commit_step: int = -1
-    commit_attempt: int = 0
-    """The last committed step and its attempt: an owned stage applies that attempt's gradients."""
-
-    @property
-    def upload_prefixes(self) -> tuple[str, ...]:
-        """Prefixes of what the host uploads: the stage's tensors, or nothing when it owns them."""
-        return () if self.owned else self.prefixes
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """One device's work in a step attempt."""
-
-    step: int
-    attempt: int
-    param_version: int
-    indices: tuple[int, ...]
-    augment: bool
-    data_seed: int
-    codec: str = "none"
-    """Codec of the update (edgetrain.compression)."""
-    delta_codec: str = ""
-    """Non-empty: the board may download parameter deltas in this codec."""
-    local: LocalWork | None = None
-    """Set for a federated round."""
-    stage: StageAssignment | None = None
-    """Set for a pipeline stage."""
-
-
-@dataclass(frozen=True)
-class Finished:
-    """The job is over; clients should stop."""
-
-    reason: str
 
 
 @dataclass
@@ -143,7 +64,7 @@ class Contribution:
     """Codec it travelled in."""
     wire_bytes: int = 0
     """Payload bytes it took on the wire."""
-    stage: StageAssignment | None = None
+    stage: StageWork | None = None
     """The pipeline stage it computed, if any (its tensors cover only that stage)."""
     wait_s: float = 0.0
     peak_activation_bytes: int = 0
@@ -159,7 +80,7 @@ class Contribution:
 @dataclass
 class _Upload:
     assembler: ChunkAssembler
-    report: dict
+    report: StepReport
     started: float
 
 
@@ -192,8 +113,10 @@ class AttemptOutcome:
 class StepBoard:
     """Thread-safe state shared by the training driver and the RPC handlers."""
 
-    def __init__(self, formats: Callable[[str], UpdateFormat], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, formats: Callable[..., UpdateFormat], block_names: Sequence[str] = (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._formats = formats
+        self._block_names = list(block_names)
         self._clock = clock
         self._cond = threading.Condition()
         self._tickets: dict[tuple[str, int, int], _Ticket] = {}
@@ -207,7 +130,7 @@ class StepBoard:
         with self._cond:
             for device_id, a in assignments.items():
                 self._tickets[(device_id, a.step, a.attempt)] = _Ticket(
-                    a, self._formats(a.codec, a.stage.upload_prefixes if a.stage else None))
+                    a, self._formats(a.codec, self._upload_prefixes(a.stage)))
                 self._current = (a.step, a.attempt)
             self._cond.notify_all()
 
@@ -295,7 +218,7 @@ class StepBoard:
                     return None
                 self._cond.wait(timeout=remaining)
 
-    def begin_upload(self, device_id: str, step: int, attempt: int, metas, report: dict,
+    def begin_upload(self, device_id: str, step: int, attempt: int, metas, report: StepReport,
                      resume_offset: int) -> ChunkAssembler:
         """Validate an upload's header; returns the assembler to feed (kept across resumes)."""
         with self._cond:
@@ -330,8 +253,8 @@ class StepBoard:
             except ValueError as e:
                 raise TransferError("invalid_argument", f"{what}: {e}") from None
             check_finite(tensors, what)
-            if int(upload.report["samples"]) != len(a.indices):
-                raise TransferError("invalid_argument", f"{what}: report says {upload.report['samples']} samples, "
+            if upload.report.samples != len(a.indices):
+                raise TransferError("invalid_argument", f"{what}: report says {upload.report.samples} samples, "
                                     f"assignment had {len(a.indices)}")
         except TransferError as e:
             with self._cond:
@@ -339,7 +262,7 @@ class StepBoard:
             raise
         contribution = Contribution(device_id=device_id, tensors=tensors, upload_s=self._clock() - upload.started,
                                     step=a.step, param_version=a.param_version, codec=str(ticket.fmt.spec),
-                                    wire_bytes=len(payload), stage=a.stage, **upload.report)
+                                    wire_bytes=len(payload), stage=a.stage, **vars(upload.report))
         with self._cond:
             ticket = self._ticket_for(device_id, step, attempt)
             ticket.accepted, ticket.upload = contribution, None
@@ -357,6 +280,13 @@ class StepBoard:
         with self._cond:
             ticket = self._ticket_for(device_id, step, attempt)
             return (ticket.upload.assembler.received if ticket.upload else 0), ticket.fmt.wire_bytes()
+
+    def _upload_prefixes(self, stage: StageWork | None) -> tuple[str, ...] | None:
+        """What a ticket's upload holds: the whole model (None), a stage's tensors, or nothing
+        (a stage whose host owns it uploads no gradients)."""
+        if stage is None:
+            return None
+        return () if stage.owned else stage_parameter_prefixes(self._block_names, stage.first_block, stage.end_block)
 
     def _ticket_for(self, device_id: str, step: int, attempt: int) -> _Ticket:
         key = (device_id, step, attempt)

@@ -43,10 +43,8 @@ from coordinator.training.parameters import ParameterStore
 from coordinator.training.pipeline_plan import Host, assign, merge_pipelines, missing_boards
 from coordinator.training.stage_owners import Owner, StageOwners
 from coordinator.training.steps import (
-    Assignment,
     AttemptOutcome,
     Contribution,
-    LocalWork,
     StepBoard,
 )
 from edgetrain.config import JobConfig, OptimizerConfig, PipelineConfig, load_pipeline_plan
@@ -56,6 +54,7 @@ from edgetrain.sampling import batch_indices, epoch_of
 from edgetrain.split import SpeedEstimate, predicted_step_seconds, split_equal, split_sticky
 from edgetrain.training import evaluate, lr_factor, make_optimizer, set_learning_rate, state_tensors
 from edgetrain.updates import UpdateFormats
+from edgetrain.work import Assignment, LocalWork
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,163 @@
+"""A data-parallel shard on the board: fetch the parameters it needs, compute the update, encode it.
+
+An update is the gradient of the assigned samples (or, in a federated round, the parameter
+change of local training), encoded with the codec the coordinator chose for this board's link;
+with a lossy codec, what was not sent is kept (error feedback) and added to the next update once
+the upload succeeded. Parameters arrive in full, or as the compressed deltas since the version
+the board holds; either way the board keeps the coordinator's served view exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from edgetrain import transport
+from edgetrain.compression import ErrorFeedback
+from edgetrain.data import make_batch
+from edgetrain.emulator.throttle import CpuLimiter
+from edgetrain.errors import Refusal
+from edgetrain.streaming import TensorMeta, TransferError, check_metas
+from edgetrain.tensors import pack, unpack
+from edgetrain.training import (
+    GRAD_PREFIX,
+    compute_shard,
+    load_state_tensors,
+    local_train,
+    shard_tensor_names,
+    state_tensors,
+)
+from edgetrain.updates import DeltaFormat, UpdateFormats
+from edgetrain.work import Assignment, BoardJob, StepReport
+
+logger = logging.getLogger(__name__)
+
+Download = Callable[..., tuple[list[TensorMeta], bytearray]]
+"""The connection's parameter download: (version, base_version=None, prefixes=()) -> bundle."""
+
+
+@dataclass
+class Update:
+    """What a board uploads for one step, and what to do once the upload was accepted."""
+
+    metas: list[TensorMeta]
+    payload: memoryview
+    report: StepReport
+    commit: Callable[[], None]
+    """Called after a successful upload (error feedback and momentum masks advance then)."""
+
+
+class ShardRunner:
+    """The board's copy of the served parameters and what the model currently holds."""
+
+    def __init__(self, model: torch.nn.Module, dataset, job: BoardJob, limiter: CpuLimiter) -> None:
+        self.model = model
+        self.dataset = dataset
+        self.job = job
+        self.limiter = limiter
+        self.formats = UpdateFormats(shard_tensor_names(model))
+        self._version = -1
+        self._view: dict[str, torch.Tensor] = {}
+        self._loaded = -1
+        self._deltas: dict[str, DeltaFormat] = {}
+        self._feedback = ErrorFeedback()
+        self._velocity: dict[str, torch.Tensor] = {}
+
+    def forget(self) -> None:
+        """Hold nothing (the coordinator may have restarted: what this board holds may not be its view)."""
+        self._version, self._loaded, self._view, self._feedback, self._velocity = -1, -1, {}, ErrorFeedback(), {}
+
+    def invalidate(self) -> None:
+        """The model's parameters were overwritten (a pipeline stage ran on it): load the view again."""
+        self._version, self._loaded, self._view = -1, -1, {}
+
+    def compute(self, work: Assignment, download: Download) -> Update:
+        """Fetch parameters if needed, compute the update, encode it."""
+        started = time.perf_counter()
+        self._fetch(work, download)
+        if self._loaded != self._version:  # also after a forward pass moved BN running stats
+            load_state_tensors(self.model, self._view)
+            self._loaded = self._version
+        download_s = time.perf_counter() - started
+        started = time.perf_counter()
+        with self.limiter.working():
+            x, y = make_batch(self.dataset, list(work.indices), augment=work.augment, seed=work.data_seed,
+                              step=work.step)
+            if work.local is not None:
+                local = work.local
+                result = local_train(self.model, x, y, steps=local.steps, batch_size=local.batch_size, lr=local.lr,
+                                     momentum=local.momentum, weight_decay=local.weight_decay,
+                                     prox_mu=local.prox_mu)
+            else:
+                result = compute_shard(self.model, x, y, self.job.max_forward_batch)
+        compute_s = time.perf_counter() - started
+        if work.local is not None or _has_running_stats(self.model):
+            self._loaded = -1
+        started = time.perf_counter()
+        tensors = self._with_momentum(result.tensors)
+        wire, commit_feedback = self.formats(work.codec).encode(
+            tensors, self._feedback if self.job.error_feedback else None)
+
+        def commit() -> None:
+            commit_feedback()
+            self._mask_sent_momentum(wire)
+
+        metas, payload = pack(wire)
+        report = StepReport(samples=result.samples, loss=result.loss, correct=result.correct, compute_s=compute_s,
+                            download_s=download_s, encode_s=time.perf_counter() - started)
+        return Update(metas, payload, report, commit)
+
+    def _with_momentum(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Momentum correction: u <- m u + g per gradient, sent in place of g (when the job asks)."""
+        m = self.job.board_momentum
+        if not m:
+            return tensors
+        out = dict(tensors)
+        for name, grad in tensors.items():
+            if name.startswith(GRAD_PREFIX):
+                u = self._velocity.get(name)
+                self._velocity[name] = u = grad.clone() if u is None else u.mul_(m).add_(grad)
+                out[name] = u.clone()
+        return out
+
+    def _mask_sent_momentum(self, wire: dict[str, torch.Tensor]) -> None:
+        """DGC momentum factor masking: a coordinate top-k sent starts its momentum afresh."""
+        for name, u in self._velocity.items():
+            idx = wire.get(name + ":idx")
+            if idx is not None:
+                u.view(-1)[idx.long()] = 0.0
+
+    def _fetch(self, work: Assignment, download: Download) -> None:
+        """Bring the served view to `work.param_version`: deltas when offered and possible, else full."""
+        version = work.param_version
+        if version == self._version:
+            return
+        if work.delta_codec and 0 <= self._version < version:
+            deltas = self._deltas.get(work.delta_codec)
+            if deltas is None:
+                deltas = self._deltas[work.delta_codec] = DeltaFormat(state_tensors(self.model), work.delta_codec)
+            try:
+                metas, payload = download(version, base_version=self._version)
+                check_metas(metas, deltas.chain_metas(self._version, version), f"deltas to version {version}")
+                deltas.apply_chain(self._view, self._version, version, unpack(metas, payload))
+                self._version = version
+                return
+            except grpc.RpcError as e:
+                if transport.error_reason(e) not in (Refusal.DELTAS_NOT_KEPT, Refusal.VERSION_NOT_SERVED):
+                    raise
+                logger.info("[Client.Download] no deltas from version %d (%s); downloading in full",
+                            self._version, e.details())
+            except (TransferError, ValueError) as e:
+                logger.warning("[Client.Download] bad deltas (%s); downloading in full", e)
+        metas, payload = download(version)
+        self._view = unpack(metas, payload)
+        self._version = version
+
+
+def _has_running_stats(model: torch.nn.Module) -> bool:
+    return any(b.is_floating_point() for b in model.buffers())
