@@ -1,5 +1,7 @@
 """EdgeTrain shared core: role-free code imported by both the coordinator and the edge client.
 
+- ``catalog.py``   what a job can name (models, datasets, codecs) and the specs that pick them,
+                   without torch, so job files are checked without it.
 - ``models.py``    CIFAR ResNet-18 / MobileNetV2 / a BN-free small CNN as ordered block lists,
                    with per-block parameter count, FLOPs and activation size.
 - ``data.py``      CIFAR-10 loader and a deterministic, learnable synthetic CIFAR-shaped dataset;

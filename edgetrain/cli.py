@@ -9,6 +9,9 @@
   edgetrain plan FLEET.yaml [--model M]        the hybrid plan for a fleet, explained
   edgetrain coordinator --jobs                 a job server: several jobs share the fleet
   edgetrain submit JOB.yaml | jobs | cancel ID its jobs: queue one, list them, cancel one
+
+Role modules and torch are imported by the handler that needs them, never at the top: `--help`,
+`devices`, `submit`, `jobs`, `cancel` and `fleet down` start without torch.
 """
 
 from __future__ import annotations
