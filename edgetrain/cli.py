@@ -113,6 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--stage-state", choices=("hosts", "coordinator"), default="hosts",
                       help="where single-host stages keep parameters and optimizer state")
     plan.add_argument("--json", action="store_true", help="one JSON object")
+    plan.add_argument("--remeasure", action="store_true",
+                      help="measure this machine again instead of using the figures kept from an earlier run")
 
     for name, help_text in (("local", "a job on emulated boards on this machine"),
                             ("demo", "the demo job on 4 emulated boards")):
@@ -213,7 +215,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     try:
         print(plan_report(args.fleet, model=args.model, objective=args.objective, batch=args.batch,
-                          stage_state=args.stage_state, as_json=args.json))
+                          stage_state=args.stage_state, as_json=args.json, remeasure=args.remeasure))
     except ValueError as e:
         print(f"edgetrain plan: error: {e}", file=sys.stderr)
         return 2
