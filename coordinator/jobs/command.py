@@ -35,14 +35,14 @@ def find_server(server: str | None, cluster: str | None, interfaces: list[str] |
 
     records = [r for r in browse(interfaces=interfaces or default_interfaces(), timeout_s=5.0)
                if cluster is None or r.cluster == cluster]
-    servers = [r.address for r in records if _is_job_server(r.address)]
+    servers = [r.address for r in records if is_job_server(r.address)]
     if not servers:
         seen = ", ".join(f"{r.cluster} at {r.address}" for r in records) or "nothing"
         raise JobsCommandError(f"no job server found over mDNS (saw {seen}); pass --server HOST:PORT")
     return servers[0]
 
 
-def _is_job_server(address: str, budget_s: float = 3.0) -> bool:
+def is_job_server(address: str, budget_s: float = 3.0) -> bool:
     """Whether `address` answers as a job server within `budget_s`. A lone job's coordinator
     answers UNIMPLEMENTED (it serves no JobServer service); an address where nothing answers is
     not one either."""
