@@ -51,7 +51,8 @@ def cache_path() -> Path:
 
 def torch_threads() -> int:
     """The threads torch computes with in this process: its own count once torch is imported,
-    else the count it starts with (OMP_NUM_THREADS, else the physical cores)."""
+    else its usual default (OMP_NUM_THREADS, else the physical cores). A measurement runs with
+    exactly the count it is recorded with, so a default guessed wrong never mislabels a figure."""
     torch = sys.modules.get("torch")
     if torch is not None:
         return torch.get_num_threads()
@@ -67,9 +68,9 @@ def measured_on(what: Mapping[str, Any], threads: int) -> dict[str, Any]:
             "threads": threads}
 
 
-def find(key: Mapping[str, Any], decode: Callable[[Any], T], path: Path | None = None) -> T | None:
+def find(key: Mapping[str, Any], decode: Callable[[Any], T]) -> T | None:
     """The kept value measured on exactly `key`, decoded; None when there is none (or it is damaged)."""
-    path = path or cache_path()
+    path = cache_path()
     for entry in _read(path):
         if entry["measured_on"] == key:
             try:
@@ -80,9 +81,9 @@ def find(key: Mapping[str, Any], decode: Callable[[Any], T], path: Path | None =
     return None
 
 
-def keep(key: Mapping[str, Any], value: Any, path: Path | None = None) -> None:
+def keep(key: Mapping[str, Any], value: Any) -> None:
     """Keep `value` (plain JSON data) as measured on `key`, replacing an entry with the same key."""
-    path = path or cache_path()
+    path = cache_path()
     entries = [e for e in _read(path, quiet=True) if e["measured_on"] != key]
     entries.append({"measured_on": dict(key), "value": value})
     try:
