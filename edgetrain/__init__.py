@@ -1,5 +1,7 @@
 """EdgeTrain shared core: role-free code imported by both the coordinator and the edge client.
 
+- ``catalog.py``   what a job can name (models, datasets, codecs) and the specs that pick them,
+                   without torch, so job files are checked without it.
 - ``config.py``    job configuration (keyword-only dataclasses) and YAML loading.
 - ``transport.py`` every gRPC server, channel, credential, retry and resumable transfer.
 - ``serde.py``     conversions between plain data and the wire messages.

@@ -9,12 +9,16 @@
   edgetrain plan FLEET.yaml [--model M]        the hybrid plan for a fleet, explained
   edgetrain coordinator --jobs                 a job server: several jobs share the fleet
   edgetrain submit JOB.yaml | jobs | cancel ID its jobs: queue one, list them, cancel one
+
+Role modules and torch are imported by the handler that needs them, never at the top: `--help`,
+`devices`, `submit`, `jobs`, `cancel` and `fleet down` start without torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -110,6 +114,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--stage-state", choices=("hosts", "coordinator"), default="hosts",
                       help="where single-host stages keep parameters and optimizer state")
     plan.add_argument("--json", action="store_true", help="one JSON object")
+    plan.add_argument("--remeasure", action="store_true",
+                      help="measure this machine again instead of using the figures kept from an earlier run")
 
     for name, help_text in (("local", "a job on emulated boards on this machine"),
                             ("demo", "the demo job on 4 emulated boards")):
@@ -210,7 +216,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     try:
         print(plan_report(args.fleet, model=args.model, objective=args.objective, batch=args.batch,
-                          stage_state=args.stage_state, as_json=args.json))
+                          stage_state=args.stage_state, as_json=args.json, remeasure=args.remeasure))
     except ValueError as e:
         print(f"edgetrain plan: error: {e}", file=sys.stderr)
         return 2
@@ -257,3 +263,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader stopped early (`edgetrain plan ... | head`): not an error to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush does not fail too
+        return 141

@@ -6,6 +6,9 @@ templates, never on the values, so a receiver validates a header against `Codec.
 before reading a byte. Tensors with fewer than `MIN_COMPRESSED_NUMEL` elements (biases, norm
 weights) always travel as dense float32 ``<name>``: they cost little and compress badly.
 
+The spec that picks a codec (`CodecSpec`, read by `parse_codec`) is in ``edgetrain.catalog``, which
+needs no torch, so a job file is checked without it.
+
 Codecs and wire names, for a tensor ``<name>`` with at least `MIN_COMPRESSED_NUMEL` elements:
 
 - ``none``: ``<name>`` float32, unchanged. Lossless.
@@ -37,14 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
+from edgetrain.catalog import CodecSpec, parse_codec
 from edgetrain.streaming import TensorMeta
 from edgetrain.tensors import bundle_metas
-
-CODEC_NAMES: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "topk")
-"""Names accepted by ``CodecSpec.name``."""
-
-DEFAULT_TOPK_RATIO = 0.01
-"""Fraction of elements top-k keeps when the spec gives no ratio (``topk``)."""
 
 MIN_COMPRESSED_NUMEL = 2048
 """Float tensors with fewer elements travel dense float32 under every codec."""
@@ -55,57 +53,6 @@ _INT8_LEVELS = 127
 _TOPK_SAMPLED_MIN_NUMEL = 1 << 14
 _TOPK_SAMPLED_MAX_FRACTION = 4
 _TOPK_SAMPLE_STRIDE = 32
-_CODEC_FORMS = "none, fp16, bf16, int8, topk, or topk:<ratio> with 0 < ratio <= 1 (e.g. topk:0.01)"
-
-
-@dataclass(frozen=True)
-class CodecSpec:
-    """Which codec compresses a bundle; ``str(spec)`` is the text `parse_codec` reads back."""
-
-    name: str
-    """One of `CODEC_NAMES`."""
-    ratio: float = DEFAULT_TOPK_RATIO
-    """Top-k only: fraction of each tensor's elements kept, in (0, 1]."""
-
-    def __post_init__(self) -> None:
-        if self.name not in CODEC_NAMES:
-            raise ValueError(f"unknown codec {self.name!r}; valid names: {', '.join(CODEC_NAMES)}")
-        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
-            raise ValueError(f"codec ratio must be a number, got {self.ratio!r}")
-        if not 0.0 < self.ratio <= 1.0:
-            raise ValueError(f"codec ratio must be in (0, 1], got {self.ratio!r}")
-        if self.name != "topk" and self.ratio != DEFAULT_TOPK_RATIO:
-            raise ValueError(f"codec {self.name!r} takes no ratio (only topk does), got {self.ratio!r}")
-
-    def __str__(self) -> str:
-        return f"topk:{float(self.ratio)!r}" if self.name == "topk" else self.name
-
-    @property
-    def lossy(self) -> bool:
-        """Whether decode(encode(x)) can differ from x (everything but ``none``)."""
-        return self.name != "none"
-
-
-def parse_codec(text: str) -> CodecSpec:
-    """The spec written as ``none``, ``fp16``, ``bf16``, ``int8``, ``topk`` or ``topk:<ratio>``."""
-    if not isinstance(text, str):
-        raise ValueError(f"bad codec {text!r}: not a string; expected {_CODEC_FORMS}")
-    name, sep, ratio_text = text.partition(":")
-    if name not in CODEC_NAMES or (sep and name != "topk"):
-        raise ValueError(f"bad codec {text!r}; expected {_CODEC_FORMS}")
-    if ":" in ratio_text:
-        raise ValueError(f"bad codec {text!r}: more than one ':'; expected {_CODEC_FORMS}")
-    if not sep:
-        return CodecSpec(name)
-    try:
-        ratio = float(ratio_text)
-    except ValueError:
-        raise ValueError(
-            f"bad codec {text!r}: ratio {ratio_text!r} is not a number; expected {_CODEC_FORMS}"
-        ) from None
-    if not 0.0 < ratio <= 1.0:
-        raise ValueError(f"bad codec {text!r}: ratio {ratio_text} is not in (0, 1]; expected {_CODEC_FORMS}")
-    return CodecSpec(name, ratio)
 
 
 @dataclass(frozen=True)

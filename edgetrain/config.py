@@ -28,8 +28,7 @@ from typing import Any
 
 import yaml
 
-from edgetrain.data import FULL_TRAIN_SIZE, DatasetSpec
-from edgetrain.models import MODEL_NAMES
+from edgetrain.catalog import FULL_TRAIN_SIZE, MODEL_NAMES, DatasetSpec, parse_codec
 
 SPLITS = ("proportional", "equal")
 SCHEDULES = ("cosine", "constant", "step")
@@ -223,8 +222,6 @@ class CompressionConfig:
         return self.momentum_correction == "on"
 
     def __post_init__(self) -> None:
-        from edgetrain.compression import parse_codec
-
         for key in ("uplink", "downlink"):
             value = getattr(self, key)
             if key == "uplink" and value == "adaptive":
@@ -434,7 +431,7 @@ class JobConfig:
     name: str = "demo"
     """Job name; results go to runs/<name>/."""
     model: str = "mobilenet_v2"
-    """Model name (see edgetrain.models.MODEL_NAMES)."""
+    """Model name (see edgetrain.catalog.MODEL_NAMES)."""
     seed: int = 0
     """Seed for the model's initial parameters and the sample order."""
     dataset: DatasetSpec = field(default_factory=lambda: DatasetSpec(name="synthetic"))

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-logger = logging.getLogger(__name__)
+from edgetrain.catalog import DatasetSpec, dataset_is_synthetic
 
-DATASET_NAMES: tuple[str, ...] = ("synthetic", "cifar10")
-"""Names accepted by ``DatasetSpec.name``."""
+logger = logging.getLogger(__name__)
 
 CIFAR10_MEAN: tuple[float, float, float] = (0.4914, 0.4822, 0.4465)
 """Per-channel mean of the CIFAR-10 training images (pixels scaled to [0, 1])."""
@@ -28,8 +26,6 @@ CIFAR10_STD: tuple[float, float, float] = (0.2470, 0.2435, 0.2616)
 """Per-channel standard deviation of the CIFAR-10 training images (pixels scaled to [0, 1])."""
 
 NUM_CLASSES = 10
-FULL_TRAIN_SIZE = 50_000
-FULL_TEST_SIZE = 10_000
 IMAGE_SIZE = 32
 CROP_PADDING = 4
 
@@ -46,42 +42,6 @@ _CONTRAST_SIXTEENTHS = (8, 24)
 _MAX_BRIGHTNESS = 24
 _NOISE_TERMS = 3
 _NOISE_HALF_WIDTH = 64
-
-
-@dataclass(kw_only=True, frozen=True)
-class DatasetSpec:
-    """Which dataset a job trains on, and how much of it."""
-
-    name: str
-    """``"synthetic"`` (generated on the fly, needs nothing on disk) or ``"cifar10"``."""
-    data_dir: str = "data"
-    """Directory holding (or receiving) the CIFAR-10 python batches."""
-    download: bool = False
-    """Download CIFAR-10 into ``data_dir`` when it is missing (needs network access)."""
-    seed: int = 0
-    """Seed of the synthetic dataset; every process with the same seed sees the same images."""
-    train_size: int | None = None
-    """Training samples to use: the first N (None: 50000)."""
-    test_size: int | None = None
-    """Test samples to use: the first N (None: 10000)."""
-    augment: bool = True
-    """Random crop (4-pixel zero padding) and horizontal flip on training batches."""
-
-    def __post_init__(self) -> None:
-        if self.name not in DATASET_NAMES:
-            raise ValueError(
-                f"unknown dataset {self.name!r}; valid names: {', '.join(DATASET_NAMES)}"
-            )
-        for field in ("train_size", "test_size"):
-            size = getattr(self, field)
-            if size is not None and size <= 0:
-                raise ValueError(f"{field} must be > 0 (or None for the full split), got {size}")
-
-    def split_size(self, *, train: bool) -> int:
-        """Number of samples to use from the training or test split."""
-        if train:
-            return FULL_TRAIN_SIZE if self.train_size is None else self.train_size
-        return FULL_TEST_SIZE if self.test_size is None else self.test_size
 
 
 def _mix(*values: int) -> int:
@@ -206,11 +166,6 @@ class InMemoryImages(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         return normalize(self.images[index]), int(self.labels[index])
-
-
-def dataset_is_synthetic(spec: DatasetSpec) -> bool:
-    """Whether ``spec`` names generated data, which reports must label as synthetic."""
-    return spec.name == "synthetic"
 
 
 def load_dataset(spec: DatasetSpec, *, train: bool) -> Dataset:

@@ -240,7 +240,9 @@ def serves_jobs(address: str, *, retry: transport.RetryPolicy = transport.CALLS,
     try:
         stub = jobs_pb_grpc.JobServerStub(channel)
         retry = replace(retry, retry_on=retry.retry_on | {grpc.StatusCode.DEADLINE_EXCEEDED})
-        retry.call(lambda: stub.Probe(jobs_pb.LobbyProbe(), timeout=5, wait_for_ready=True), f"probe of {address}")
+        timeout = min(5.0, retry.budget_s or 5.0)
+        retry.call(lambda: stub.Probe(jobs_pb.LobbyProbe(), timeout=timeout, wait_for_ready=True),
+                   f"probe of {address}")
         return True
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.UNIMPLEMENTED:

@@ -17,10 +17,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-logger = logging.getLogger(__name__)
+from edgetrain.catalog import MODEL_NAMES
 
-MODEL_NAMES: tuple[str, ...] = ("resnet18", "mobilenet_v2", "small_cnn")
-"""Names accepted by ``build_model``."""
+logger = logging.getLogger(__name__)
 
 _FLOAT32_BYTES = 4
 _BATCHNORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)

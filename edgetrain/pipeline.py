@@ -33,8 +33,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 """Names accepted by ``schedule``."""

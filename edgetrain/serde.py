@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from edgetrain.data import DatasetSpec
+from edgetrain.catalog import DatasetSpec
 from edgetrain.errors import FailureKind
 from edgetrain.streaming import WIRE_DTYPES, RawChunk, TensorMeta, TransferError
 from edgetrain.telemetry import TelemetrySample

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from edgetrain.data import DatasetSpec
+from edgetrain.catalog import DatasetSpec
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,14 @@ def _kill_leftover_children() -> Iterator[None]:
         child.kill()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _measurement_cache(tmp_path_factory) -> Iterator[None]:
+    """What tests measure (under test load) stays out of the user's measurement cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EDGETRAIN_CACHE_DIR", str(tmp_path_factory.mktemp("measurements")))
+        yield
+
+
 def small_job(**sections) -> JobConfig:
     """A fast BN-free job on synthetic data; `sections` override parts of the job mapping."""
     data = {

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgetrain.catalog import CODEC_NAMES
 from edgetrain.compression import (
-    CODEC_NAMES,
     MIN_COMPRESSED_NUMEL,
     Codec,
     CodecSpec,

@@ -14,9 +14,10 @@ import grpc
 import psutil
 import pytest
 import yaml
-from conftest import wait_for
+from conftest import small_job, wait_for
 
 import edgetrain
+from coordinator.jobs.command import is_job_server
 from coordinator.jobs.scheduler import Board, Job
 from coordinator.jobs.server import JobServer, JobServerServicer
 from coordinator.jobs.simulator import simulate
@@ -114,6 +115,14 @@ def test_bad_requests_get_precise_status_and_the_server_keeps_serving(in_process
     stub.Cancel(pb.CancelRequest(id="j1"))
     got, details = _code(lambda: stub.Cancel(pb.CancelRequest(id="j1")))
     assert got == grpc.StatusCode.FAILED_PRECONDITION and "cancelled" in details
+
+
+def test_the_jobs_command_tells_a_job_server_from_a_lone_coordinator(in_process, coordinator_factory):
+    server, lone = in_process(), coordinator_factory(small_job())
+
+    assert is_job_server(f"127.0.0.1:{server.port}")
+    assert not is_job_server(lone.address)
+    assert not is_job_server("127.0.0.1:1", budget_s=0.5)  # nothing answers there
 
 
 def test_jobs_survive_a_restart_of_the_job_server(in_process):

@@ -1,4 +1,8 @@
-"""`edgetrain submit | jobs | cancel`: a user's view of a job server (`edgetrain coordinator --jobs`)."""
+"""`edgetrain submit | jobs | cancel`: a user's view of a job server (`edgetrain coordinator --jobs`).
+
+A job file is validated here before any server is looked for, so its error names file, key and
+value at once. Nothing here imports torch.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import grpc
 import yaml
 
 from edgetrain import transport
-from edgetrain.config import ConfigError, apply_overrides
+from edgetrain.config import ConfigError, apply_overrides, job_from_dict
 from edgetrain.discovery import browse, default_interfaces, serves_jobs
 from protos import jobs_pb2 as pb
 from protos import jobs_pb2_grpc as pb_grpc
@@ -28,20 +32,22 @@ def find_server(server: str | None, cluster: str | None, interfaces: list[str] |
     """`server`, else $EDGETRAIN_SERVER, else the job server advertised over mDNS."""
     if server or os.environ.get(SERVER_ENV):
         return server or os.environ[SERVER_ENV]
-    from edge_client.lobby import is_job_server
 
     records = [r for r in browse(interfaces=interfaces or default_interfaces(), timeout_s=5.0)
                if cluster is None or r.cluster == cluster]
-    servers = [r.address for r in records if _answers(r.address, is_job_server)]
+    servers = [r.address for r in records if is_job_server(r.address)]
     if not servers:
         seen = ", ".join(f"{r.cluster} at {r.address}" for r in records) or "nothing"
         raise JobsCommandError(f"no job server found over mDNS (saw {seen}); pass --server HOST:PORT")
     return servers[0]
 
 
-def _answers(address: str) -> bool:
+def is_job_server(address: str, budget_s: float = 3.0) -> bool:
+    """Whether `address` answers as a job server within `budget_s`. A lone job's coordinator
+    answers UNIMPLEMENTED (it serves no JobServer service); an address where nothing answers is
+    not one either."""
     try:
-        return serves_jobs(address, retry=transport.RetryPolicy(budget_s=3.0))
+        return serves_jobs(address, retry=transport.RetryPolicy(budget_s=budget_s))
     except (transport.Unreachable, grpc.RpcError):
         return False
 
@@ -66,6 +72,10 @@ def submit_job(path: Path, overrides: list[tuple[str, Any]], *, server: str | No
         data = apply_overrides(data if data is not None else {}, dict(overrides))
     except ConfigError as e:
         raise JobsCommandError(f"{path}: {e}") from None
+    try:
+        job_from_dict(data, source=str(path))
+    except ConfigError as e:
+        raise JobsCommandError(str(e)) from None
     address = find_server(server, cluster, interfaces)
     view = _call(address, "Submit", pb.SubmitRequest(job_yaml=yaml.safe_dump(data)))
     return f"job {view.id} ({view.name}, {view.model}, {view.kind}: {view.request}) submitted to {address}"

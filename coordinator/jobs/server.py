@@ -123,10 +123,10 @@ class JobServer:
     def reference_s(self) -> float:
         """This machine's time for the reference workload on one core (measured once)."""
         if self._reference_s is None:
-            from coordinator.planning.inputs import _one_thread
+            from coordinator.planning.measure import num_threads
             from edgetrain.speed_reference import reference_seconds
 
-            with _one_thread():
+            with num_threads(1):
                 self._reference_s = reference_seconds()
             logger.info("[JobServer] reference workload: %.3f s on one core here", self._reference_s)
         return self._reference_s

@@ -3,7 +3,9 @@
 The fleet file's boards become `BoardCost`s (coordinator.planning.inputs: speed x this machine's
 measured samples/s on one core, link rate and delay less the CPU cost of moving bytes at that
 speed, battery and power figures); the model's
-per-block costs are measured here. Printed: the plan table (board -> role, blocks, share,
+per-block costs are measured here, once: the figures are kept in the measurement cache
+(coordinator.planning.cache), so the same fleet and model give the same plan, without torch, the
+next time. Printed: the plan table (board -> role, blocks, share,
 predicted seconds, memory), its predicted step time, throughput and energy, and beside it the
 same fleet's proportional data parallelism and the fleet's ideal throughput (every board
 computing all the time, no communication).
@@ -14,13 +16,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from coordinator.planning.cache import cache_path
 from coordinator.planning.cost import predict
 from coordinator.planning.inputs import (
+    MachineCosts,
     boards_from_fleet,
-    measure_model_cost,
-    one_core_speed,
+    machine_costs,
     train_flops_per_sample,
-    transfer_cpu_s_per_byte,
 )
 from coordinator.planning.planner import pareto, plan_optimal
 from edgetrain.emulator.fleet_config import load_fleet
@@ -52,16 +54,26 @@ def spread(n: int, k: int) -> list[int]:
     return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
 
 
+def _measured(costs: MachineCosts) -> str:
+    """Where the figures of this machine came from, for the report's first line."""
+    if not any(costs.from_cache.values()):
+        return "measured"
+    if all(costs.from_cache.values()):
+        return f"measured earlier, kept in {cache_path()}"
+    return f"measured; some kept earlier in {cache_path()}"
+
+
 def plan_report(fleet_file: str | Path, *, model: str | None = None, objective: str = "time",
-                batch: int | None = None, stage_state: str = "hosts", as_json: bool = False) -> str:
-    """The report `edgetrain plan` prints (text, or one JSON object)."""
+                batch: int | None = None, stage_state: str = "hosts", as_json: bool = False,
+                remeasure: bool = False) -> str:
+    """The report `edgetrain plan` prints (text, or one JSON object). This machine's figures come
+    from the measurement cache when it has them (`remeasure`: measure them again regardless)."""
     fleet = load_fleet(fleet_file)
     model_name = model or fleet.job.model
     batch = batch or fleet.job.training.global_batch
     aim = _objective(objective)
-    cost = measure_model_cost(model_name)
-    one_core = one_core_speed(model_name)
-    per_byte = transfer_cpu_s_per_byte()
+    costs = machine_costs(model_name, remeasure=remeasure)
+    cost, one_core, per_byte = costs.model, costs.one_core, costs.cpu_s_per_byte
     boards = boards_from_fleet(list(fleet.boards), cost, one_core, cpu_s_per_byte=per_byte)
     ideal = sum(b.flops_per_s for b in boards) / train_flops_per_sample(cost)
     dp = Plan(dp_boards=tuple(b.name for b in boards), dp_share=1.0)
@@ -73,7 +85,9 @@ def plan_report(fleet_file: str | Path, *, model: str | None = None, objective: 
             "fleet": fleet.name, "model": model_name, "global_batch": batch, "objective": objective,
             "one_core_samples_per_s": round(one_core.samples_per_s, 2),
             "one_core_overhead_s": round(one_core.overhead_s, 4),
-            "transfer_cpu_ns_per_byte": round(per_byte * 1e9, 3), "ideal_samples_per_s": round(ideal, 2),
+            "transfer_cpu_ns_per_byte": round(per_byte * 1e9, 3),
+            "from_cache": costs.from_cache, "measurement_cache": str(cache_path()),
+            "ideal_samples_per_s": round(ideal, 2),
             "proportional_dp_samples_per_s": round(dp_pred.samples_per_s, 3),
             "plans": [{**p.to_pipeline_section(), "kind": p.kind, "left_out": dict(p.left_out),
                        "predicted_step_s": round(p.prediction.step_s, 4),
@@ -82,7 +96,8 @@ def plan_report(fleet_file: str | Path, *, model: str | None = None, objective: 
                       for p in plans]})
     lines = [f"fleet {fleet.name}: {len(boards)} boards; {model_name}, global batch {batch}, objective {objective}; "
              f"one core of this machine: {one_core.samples_per_s:.1f} samples/s + "
-             f"{one_core.overhead_s * 1000:.0f} ms per call, {per_byte * 1e9:.2f} ns of CPU per byte moved (measured)"]
+             f"{one_core.overhead_s * 1000:.0f} ms per call, {per_byte * 1e9:.2f} ns of CPU per byte moved "
+             f"({_measured(costs)})"]
     shown = spread(len(plans), PARETO_SHOWN)
     if len(plans) > 1:
         lines.append(f"\nPareto front: {len(plans)} plans, fastest first"

@@ -17,20 +17,25 @@ transfer seconds, averaged over the run): a board with a small CPU spends CPU ti
 byte (serialising, checksums), which the link measurement does not see. A fleet file's boards (`edgetrain plan`) get the same from
 their YAML: speed (fraction of one core of this machine, whose samples/s is measured),
 link rate and delay, battery and power figures.
+
+What is measured on this machine (the model's block times, one core's speed, the CPU cost of a
+byte) is kept in the measurement cache (coordinator.planning.cache) with what it was measured
+on; torch is imported (coordinator.planning.measure) only to measure what the cache lacks.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Iterator, Mapping
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, TypeVar
 
-import torch
-
+from coordinator.planning import cache
 from coordinator.registry import DeviceRecord
-from edgetrain.models import block_costs, build_model
 from edgetrain.plan import BlockCost, BoardCost, ModelCost
-from edgetrain.split import SpeedEstimate, fit_speed
+from edgetrain.split import SpeedEstimate
 
 UNKNOWN_LINK_MBIT = 10.0
 """Link rate assumed for a board whose link was never measured (pessimistic on purpose)."""
@@ -38,56 +43,120 @@ UNKNOWN_MEMORY_BYTES = 2 * 1024**3
 """Memory assumed for a board that reported none."""
 MIN_OBSERVED_BYTES = 4 * 1024**2
 """Parameter and gradient bytes a board must have moved before its observed transfer rate counts."""
+MODEL_COST_BATCH = 16
+"""Batch a model's blocks are timed on."""
+ONE_CORE_BATCHES = (4, 32)
+"""Batches one core's training speed is fitted over (samples/s and a fixed cost per call)."""
+TRANSFER_BYTES = 16 * 1024**2
+"""Bytes packed, chunked and unpacked to price the CPU cost of a transfer."""
 
-_model_costs: dict[tuple[str, int], ModelCost] = {}
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """Measure as one core does: torch on a single thread for the block, then as before."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+T = TypeVar("T")
 
 
-def block_seconds(model: torch.nn.Module, batch: int, repeats: int = 2) -> list[float]:
-    """Seconds of forward + backward of each block on a random batch (best of `repeats`)."""
-    model.train()
-    x = torch.randn(batch, 3, 32, 32)
-    inputs = []
-    with torch.no_grad():
-        for block in model.block_modules():
-            inputs.append(x)
-            x = block(x)
-    best = [float("inf")] * len(inputs)
-    for _ in range(repeats):
-        for b, (block, inp) in enumerate(zip(model.block_modules(), inputs, strict=True)):
-            inp = inp.clone().requires_grad_()
-            started = time.perf_counter()
-            out = block(inp)
-            out.backward(torch.ones_like(out))
-            best[b] = min(best[b], time.perf_counter() - started)
-            model.zero_grad(set_to_none=True)
-    return best
+@dataclass(frozen=True)
+class MachineCosts:
+    """What this machine measured for planning one model, and which figures the cache supplied."""
+
+    model: ModelCost
+    """The model's per-block costs."""
+    one_core: SpeedEstimate
+    """Training speed of the model on one core of this machine."""
+    cpu_s_per_byte: float
+    """CPU seconds one core spends per byte moved."""
+    from_cache: dict[str, bool]
+    """Per figure (model_cost, one_core_speed, transfer_cpu_s_per_byte): read from the cache."""
 
 
-def measure_model_cost(model_name: str, batch: int = 16, *, num_classes: int = 10) -> ModelCost:
-    """The model's blocks as the planner sees them (cached per model and batch in this process)."""
-    key = (model_name, batch)
-    if key not in _model_costs:
-        model = build_model(model_name, num_classes=num_classes, seed=0)
-        counted = block_costs(model, 1)
-        seconds = block_seconds(model, batch)
-        flops = sum(3 * b.forward_flops for b in counted)
-        total_s = sum(seconds)
-        _model_costs[key] = ModelCost(tuple(
-            BlockCost(name=b.name, param_bytes=b.param_bytes, activation_bytes=b.output_bytes,
-                      forward_flops=flops * s / total_s / 3)
-            for b, s in zip(counted, seconds, strict=True)))
-    return _model_costs[key]
+def machine_costs(model_name: str, *, remeasure: bool = False) -> MachineCosts:
+    """This machine's figures for `model_name` (what `edgetrain plan` needs): from the measurement
+    cache when it holds them for exactly this machine, else measured (with torch) and kept."""
+    model, model_cached = _model_cost(model_name, MODEL_COST_BATCH, 10, remeasure=remeasure)
+    one_core, core_cached = _one_core(model_name, ONE_CORE_BATCHES, remeasure=remeasure)
+    per_byte, byte_cached = _transfer(TRANSFER_BYTES, remeasure=remeasure)
+    return MachineCosts(model=model, one_core=one_core, cpu_s_per_byte=per_byte, from_cache={
+        "model_cost": model_cached, "one_core_speed": core_cached, "transfer_cpu_s_per_byte": byte_cached})
+
+
+def measure_model_cost(model_name: str, batch: int = MODEL_COST_BATCH, *, num_classes: int = 10) -> ModelCost:
+    """The model's blocks as the planner sees them, timed with this process's torch threads
+    (measured once per machine: see coordinator.planning.cache)."""
+    return _model_cost(model_name, batch, num_classes, remeasure=False)[0]
+
+
+def one_core_speed(model_name: str, batches: tuple[int, int] = ONE_CORE_BATCHES) -> SpeedEstimate:
+    """Training speed of the model on one core of this machine: samples/s and the fixed cost
+    per forward+backward call (fitted over two batch sizes), for a fleet file's speeds."""
+    return _one_core(model_name, batches, remeasure=False)[0]
+
+
+def transfer_cpu_s_per_byte(nbytes: int = TRANSFER_BYTES) -> float:
+    """CPU seconds one core of this machine spends per byte a board moves: packing, chunking
+    with checksums, and unpacking (what a transfer costs besides the link)."""
+    return _transfer(nbytes, remeasure=False)[0]
+
+
+def _model_cost(model_name: str, batch: int, num_classes: int, *, remeasure: bool) -> tuple[ModelCost, bool]:
+    threads = cache.torch_threads()
+    what = {"measurement": "model_cost", "model": model_name, "batch": batch, "num_classes": num_classes}
+    return _kept(cache.measured_on(what, threads),
+                 lambda: _measuring().model_cost(model_name, batch, num_classes, threads),
+                 _model_to_json, _model_from_json, remeasure=remeasure)
+
+
+def _one_core(model_name: str, batches: tuple[int, int], *, remeasure: bool) -> tuple[SpeedEstimate, bool]:
+    what = {"measurement": "one_core_speed", "model": model_name, "batches": list(batches)}
+    return _kept(cache.measured_on(what, threads=1), lambda: _measuring().one_core_speed(model_name, batches),
+                 _speed_to_json, _speed_from_json, remeasure=remeasure)
+
+
+def _transfer(nbytes: int, *, remeasure: bool) -> tuple[float, bool]:
+    what = {"measurement": "transfer_cpu_s_per_byte", "bytes": nbytes}
+    return _kept(cache.measured_on(what, threads=1), lambda: _measuring().transfer_cpu_s_per_byte(nbytes),
+                 float, _nonnegative, remeasure=remeasure)
+
+
+def _measuring() -> ModuleType:
+    """The torch side, imported only when something must be measured."""
+    from coordinator.planning import measure
+
+    return measure
+
+
+def _kept(key: dict[str, Any], measure: Callable[[], T], encode: Callable[[T], Any],
+          decode: Callable[[Any], T], *, remeasure: bool) -> tuple[T, bool]:
+    """The value kept for `key`, or a new measurement (then kept); and whether it was kept."""
+    if not remeasure:
+        value = cache.find(key, decode)
+        if value is not None:
+            return value, True
+    value = measure()
+    cache.keep(key, encode(value))
+    return value, False
+
+
+def _nonnegative(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"expected a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _model_to_json(model: ModelCost) -> list[dict[str, Any]]:
+    return [dataclasses.asdict(b) for b in model.blocks]
+
+
+def _model_from_json(blocks: list[dict[str, Any]]) -> ModelCost:
+    return ModelCost(tuple(BlockCost(**b) for b in blocks))
+
+
+def _speed_to_json(speed: SpeedEstimate) -> dict[str, float]:
+    return {"samples_per_s": speed.samples_per_s, "overhead_s": speed.overhead_s}
+
+
+def _speed_from_json(data: Mapping[str, Any]) -> SpeedEstimate:
+    samples_per_s = _nonnegative(data["samples_per_s"])
+    if samples_per_s == 0:
+        raise ValueError("samples_per_s must be > 0")
+    return SpeedEstimate(overhead_s=_nonnegative(data["overhead_s"]), samples_per_s=samples_per_s)
 
 
 def train_flops_per_sample(model: ModelCost) -> float:
@@ -116,45 +185,6 @@ def board_from_record(record: DeviceRecord, model: ModelCost) -> BoardCost:
         rtt_s=(t.rtt_ms or 0.0) / 1000 if t else 0.0, idle_w=idle_w, busy_w=max(busy_w, idle_w),
         battery_percent=t.battery_percent if t else None, plugged=plugged,
         overhead_s=record.speed.overhead_s)
-
-
-def one_core_speed(model_name: str, batches: tuple[int, int] = (4, 32)) -> SpeedEstimate:
-    """Training speed of the model on one core of this machine: samples/s and the fixed cost
-    per forward+backward call (fitted over two batch sizes), for a fleet file's speeds."""
-    with _one_thread():
-        model = build_model(model_name, seed=0)
-        model.train()
-        timings = []
-        for batch in batches:
-            x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
-            best = float("inf")
-            for _ in range(2):
-                started = time.perf_counter()
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-                best = min(best, time.perf_counter() - started)
-                model.zero_grad(set_to_none=True)
-            timings.append((batch, best))
-        return fit_speed(timings)
-
-
-def transfer_cpu_s_per_byte(nbytes: int = 16 * 1024**2) -> float:
-    """CPU seconds one core of this machine spends per byte a board moves: packing, chunking
-    with checksums, and unpacking (what a transfer costs besides the link)."""
-    from edgetrain.streaming import ChunkAssembler, iter_chunks
-    from edgetrain.tensors import pack, unpack
-
-    with _one_thread():
-        tensors = {"x": torch.randn(nbytes // 4)}
-        best = float("inf")
-        for _ in range(2):
-            started = time.perf_counter()
-            metas, payload = pack(tensors)
-            assembler = ChunkAssembler(len(payload))
-            for chunk in iter_chunks(payload):
-                assembler.add(chunk.offset, chunk.data, chunk.crc32)
-            unpack(metas, assembler.payload())
-            best = min(best, time.perf_counter() - started)
-        return best / nbytes
 
 
 def boards_from_fleet(boards: list, model: ModelCost, one_core: SpeedEstimate,

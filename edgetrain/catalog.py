@@ -1,0 +1,122 @@
+"""What a job can name — models, datasets, codecs — and the specs that pick them, without torch.
+
+Job configuration (``config.py``) is checked against these names and specs, so a command that
+only reads or validates a job (``edgetrain submit``, ``edgetrain plan`` with cached measurements)
+never imports torch. The modules that build what is named here need torch and use these names:
+``models.py`` builds a model of ``MODEL_NAMES``, ``data.py`` loads a ``DatasetSpec``,
+``compression.py`` encodes with a ``CodecSpec``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODEL_NAMES: tuple[str, ...] = ("resnet18", "mobilenet_v2", "small_cnn")
+"""Names accepted by ``edgetrain.models.build_model``."""
+
+DATASET_NAMES: tuple[str, ...] = ("synthetic", "cifar10")
+"""Names accepted by ``DatasetSpec.name``."""
+
+FULL_TRAIN_SIZE = 50_000
+"""Samples in the training split (CIFAR-10's, which the synthetic dataset copies)."""
+FULL_TEST_SIZE = 10_000
+"""Samples in the test split."""
+
+CODEC_NAMES: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "topk")
+"""Names accepted by ``CodecSpec.name``."""
+
+DEFAULT_TOPK_RATIO = 0.01
+"""Fraction of elements top-k keeps when the spec gives no ratio (``topk``)."""
+
+_CODEC_FORMS = "none, fp16, bf16, int8, topk, or topk:<ratio> with 0 < ratio <= 1 (e.g. topk:0.01)"
+
+
+@dataclass(kw_only=True, frozen=True)
+class DatasetSpec:
+    """Which dataset a job trains on, and how much of it."""
+
+    name: str
+    """``"synthetic"`` (generated on the fly, needs nothing on disk) or ``"cifar10"``."""
+    data_dir: str = "data"
+    """Directory holding (or receiving) the CIFAR-10 python batches."""
+    download: bool = False
+    """Download CIFAR-10 into ``data_dir`` when it is missing (needs network access)."""
+    seed: int = 0
+    """Seed of the synthetic dataset; every process with the same seed sees the same images."""
+    train_size: int | None = None
+    """Training samples to use: the first N (None: 50000)."""
+    test_size: int | None = None
+    """Test samples to use: the first N (None: 10000)."""
+    augment: bool = True
+    """Random crop (4-pixel zero padding) and horizontal flip on training batches."""
+
+    def __post_init__(self) -> None:
+        if self.name not in DATASET_NAMES:
+            raise ValueError(
+                f"unknown dataset {self.name!r}; valid names: {', '.join(DATASET_NAMES)}"
+            )
+        for field in ("train_size", "test_size"):
+            size = getattr(self, field)
+            if size is not None and size <= 0:
+                raise ValueError(f"{field} must be > 0 (or None for the full split), got {size}")
+
+    def split_size(self, *, train: bool) -> int:
+        """Number of samples to use from the training or test split."""
+        if train:
+            return FULL_TRAIN_SIZE if self.train_size is None else self.train_size
+        return FULL_TEST_SIZE if self.test_size is None else self.test_size
+
+
+def dataset_is_synthetic(spec: DatasetSpec) -> bool:
+    """Whether ``spec`` names generated data, which reports must label as synthetic."""
+    return spec.name == "synthetic"
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """Which codec compresses a bundle; ``str(spec)`` is the text `parse_codec` reads back."""
+
+    name: str
+    """One of `CODEC_NAMES`."""
+    ratio: float = DEFAULT_TOPK_RATIO
+    """Top-k only: fraction of each tensor's elements kept, in (0, 1]."""
+
+    def __post_init__(self) -> None:
+        if self.name not in CODEC_NAMES:
+            raise ValueError(f"unknown codec {self.name!r}; valid names: {', '.join(CODEC_NAMES)}")
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
+            raise ValueError(f"codec ratio must be a number, got {self.ratio!r}")
+        if not 0.0 < self.ratio <= 1.0:
+            raise ValueError(f"codec ratio must be in (0, 1], got {self.ratio!r}")
+        if self.name != "topk" and self.ratio != DEFAULT_TOPK_RATIO:
+            raise ValueError(f"codec {self.name!r} takes no ratio (only topk does), got {self.ratio!r}")
+
+    def __str__(self) -> str:
+        return f"topk:{float(self.ratio)!r}" if self.name == "topk" else self.name
+
+    @property
+    def lossy(self) -> bool:
+        """Whether decode(encode(x)) can differ from x (everything but ``none``)."""
+        return self.name != "none"
+
+
+def parse_codec(text: str) -> CodecSpec:
+    """The spec written as ``none``, ``fp16``, ``bf16``, ``int8``, ``topk`` or ``topk:<ratio>``."""
+    if not isinstance(text, str):
+        raise ValueError(f"bad codec {text!r}: not a string; expected {_CODEC_FORMS}")
+    name, sep, ratio_text = text.partition(":")
+    if name not in CODEC_NAMES or (sep and name != "topk"):
+        raise ValueError(f"bad codec {text!r}; expected {_CODEC_FORMS}")
+    if ":" in ratio_text:
+        raise ValueError(f"bad codec {text!r}: more than one ':'; expected {_CODEC_FORMS}")
+    if not sep:
+        return CodecSpec(name)
+    try:
+        ratio = float(ratio_text)
+    except ValueError:
+        raise ValueError(
+            f"bad codec {text!r}: ratio {ratio_text!r} is not a number; expected {_CODEC_FORMS}"
+        ) from None
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"bad codec {text!r}: ratio {ratio_text} is not in (0, 1]; expected {_CODEC_FORMS}")
+    return CodecSpec(name, ratio)
