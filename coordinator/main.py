@@ -13,6 +13,7 @@ import torch
 from coordinator.advertiser import advertise_on
 from coordinator.registry import DeviceRegistry
 from coordinator.servicer import CoordinatorServicer, create_server
+from coordinator.training.aggregator import Aggregator
 from coordinator.training.parameters import ParameterStore
 from coordinator.training.report import summarize, summary_table
 from coordinator.training.steps import StepBoard
@@ -27,17 +28,6 @@ from edgetrain.work import BoardJob
 logger = logging.getLogger(__name__)
 
 
-def check_plan(plan, model) -> None:
-    """Refuse a pipeline plan whose stages do not cover the model's blocks exactly."""
-    from edgetrain.config import ConfigError
-    from edgetrain.pipeline import stage_blocks
-
-    try:
-        stage_blocks([s.blocks for s in plan.stages], len(model.block_names))
-    except ValueError as e:
-        raise ConfigError(f"pipeline.stages: {e} ({', '.join(model.block_names)})") from None
-
-
 def profile_batch_sizes(global_batch: int) -> list[int]:
     """Batch sizes a device times itself at: around the shares it is likely to get, at most 64
     (a board at a tenth of a core takes about 25 s per forward+backward of 64 ResNet-18 samples,
@@ -45,14 +35,13 @@ def profile_batch_sizes(global_batch: int) -> list[int]:
     return sorted({max(2, min(global_batch // 8, 16)), max(4, min(global_batch // 2, 64))})
 
 
-def board_job(job: JobConfig) -> BoardJob:
+def board_job(job: JobConfig, aggregator: Aggregator) -> BoardJob:
     """The job as boards get it when they register."""
-    boards_keep_momentum = job.compression.boards_keep_momentum and not job.aggregation.federated
     return BoardJob(job_id=job.name, model=job.model, num_classes=10, dataset=job.dataset,
                     profile_batch_sizes=tuple(profile_batch_sizes(job.training.global_batch)),
                     heartbeat_interval_s=job.training.heartbeat_interval_s, chunk_bytes=job.training.chunk_bytes,
                     max_forward_batch=job.training.max_forward_batch, error_feedback=job.compression.error_feedback,
-                    board_momentum=job.optimizer.momentum if boards_keep_momentum else 0.0)
+                    board_momentum=aggregator.board_momentum)
 
 
 def _watch_heartbeats(registry: DeviceRegistry, board: StepBoard, timeout_s: float, stop: threading.Event) -> None:
@@ -82,16 +71,13 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
     test_set = load_dataset(job.dataset, train=False)
     if dataset_is_synthetic(job.dataset):
         logger.info("[Coordinator] dataset: SYNTHETIC CIFAR-shaped data (seed %d), not CIFAR-10", job.dataset.seed)
-    if job.pipeline.stages:
-        check_plan(job.pipeline, model)
     registry = DeviceRegistry()
-    formats = UpdateFormats(shard_tensor_names(model))
-    board = StepBoard(formats, model.block_names)
-    keep_full = job.aggregation.staleness_bound + 1 if job.aggregation.rule == "staleness" else 1
-    store = ParameterStore(job.compression.downlink, keep_full=keep_full)
-    servicer = CoordinatorServicer(job, board_job(job), registry, board, store, cluster=cluster)
-    trainer = Trainer(job, registry, board, model, train_size, test_set, run_dir, stop,
-                                  store=store, formats=formats)
+    board = StepBoard(UpdateFormats(shard_tensor_names(model)), model.block_names)
+    aggregator = Aggregator(job, model, registry)
+    store = ParameterStore(job.compression.downlink, keep_full=aggregator.versions_kept)
+    servicer = CoordinatorServicer(job, board_job(job, aggregator), registry, board, store, cluster=cluster)
+    trainer = Trainer(job, registry, board, model, train_size, test_set, run_dir, stop, store=store,
+                      aggregator=aggregator)
     server, port = create_server(bind, servicer)
     freeze_heap()
     advertiser = None

@@ -29,6 +29,8 @@ from typing import Any
 import yaml
 
 from edgetrain.catalog import FULL_TRAIN_SIZE, MODEL_NAMES, DatasetSpec, parse_codec
+from edgetrain.plan import SCHEDULES as PIPELINE_SCHEDULES
+from edgetrain.plan import Plan, plan_from_dict
 
 SPLITS = ("proportional", "equal")
 SCHEDULES = ("cosine", "constant", "step")
@@ -264,27 +266,13 @@ class FederatedConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
-class StageConfig:
-    """One pipeline stage: how many consecutive blocks it holds, and the boards hosting it."""
-
-    blocks: int
-    """Number of consecutive blocks (of the model's block list) in this stage."""
-    boards: list
-    """Names of the boards hosting it; several boards split every micro-batch by rows."""
-
-    def __post_init__(self) -> None:
-        _require(self.blocks >= 1, "blocks", self.blocks, "must be >= 1")
-        _require(bool(self.boards) and all(isinstance(b, str) and b for b in self.boards), "boards",
-                 self.boards, "must be a non-empty list of board names")
-        _require(len(set(self.boards)) == len(self.boards), "boards", self.boards, "must not repeat a board")
-
-
-@dataclass(kw_only=True, frozen=True)
 class PipelineConfig:
-    """A pipeline plan: stages over boards, micro-batches, schedule (and optional DP shards)."""
+    """Pipeline training: the plan written by hand (stages over boards, micro-batches, schedule,
+    optional DP shards; or a plan file), and how stages run (timeouts, where their state lives)."""
 
     stages: list = field(default_factory=list)
-    """StageConfig mappings, first stage first; their blocks must add up to the model's."""
+    """Stages first to last, each {blocks: N consecutive blocks, boards: [names hosting it]} (a
+    group of boards splits every micro-batch by rows); their blocks must add up to the model's."""
     microbatches: int = 4
     """Micro-batches per step (the bubble is (S - 1) / (M + S - 1))."""
     schedule: str = "1f1b"
@@ -296,7 +284,8 @@ class PipelineConfig:
     stage_timeout_s: float = 60.0
     """Longest a stage host waits for a neighbour (each wait) before it gives the step up."""
     plan_file: str = ""
-    """A YAML file holding this section's keys; re-read when it changes (re-plan by hand)."""
+    """A YAML file holding the plan (this section's stages, microbatches, schedule, dp_boards and
+    dp_share); re-read when it changes (re-plan by hand)."""
     stage_state: str = "hosts"
     """Where stage parameters and optimizer state live. `hosts`: a stage with one host (and no DP
     shards beside the pipeline) keeps them on its host, which applies SGD itself, so only
@@ -309,34 +298,42 @@ class PipelineConfig:
     last pull (the other blocks keep theirs); 1 loses nothing."""
 
     def __post_init__(self) -> None:
-        from edgetrain.pipeline import SCHEDULES
-
         _require(self.stage_state in ("hosts", "coordinator"), "stage_state", self.stage_state,
                  "must be hosts or coordinator")
         _require(self.sync_every >= 1, "sync_every", self.sync_every, "must be >= 1")
 
         _require(self.microbatches >= 1, "microbatches", self.microbatches, "must be >= 1")
-        _require(self.schedule in SCHEDULES, "schedule", self.schedule, f"must be one of {SCHEDULES}")
+        _require(self.schedule in PIPELINE_SCHEDULES, "schedule", self.schedule,
+                 f"must be one of {PIPELINE_SCHEDULES}")
         _require(0 <= self.dp_share < 1, "dp_share", self.dp_share, "must be in [0, 1)")
         _require(not self.dp_boards or self.dp_share > 0, "dp_share", self.dp_share,
                  "must be > 0 when dp_boards are given (their share of the global batch)")
         _require(self.stage_timeout_s > 0, "stage_timeout_s", self.stage_timeout_s, "must be > 0")
-        if self.stages:
-            stages = [s if isinstance(s, StageConfig) else _build(StageConfig, s, f"stages[{i}]")
-                      for i, s in enumerate(self.stages)]
-            object.__setattr__(self, "stages", stages)
-            names = [b for s in stages for b in s.boards] + list(self.dp_boards)
-            dupes = sorted({b for b in names if names.count(b) > 1})
-            _require(not dupes, "stages", dupes, "a board can host only one stage or DP shard")
+        _require(not (self.stages and self.plan_file), "plan_file", self.plan_file,
+                 "give the plan either as stages here or in a plan file, not both")
+        self.plan()  # refuses a plan that does not hold together
 
     @property
     def enabled(self) -> bool:
         """Whether the job trains as a pipeline."""
         return bool(self.stages) or bool(self.plan_file)
 
+    def plan(self) -> Plan | None:
+        """The plan this section writes out (None when it has no stages: a plan file or the
+        planner makes it)."""
+        if not self.stages:
+            return None
+        try:
+            return plan_from_dict({"stages": self.stages, "microbatches": self.microbatches,
+                                   "schedule": self.schedule, "dp_boards": self.dp_boards,
+                                   "dp_share": self.dp_share}, where="pipeline")
+        except ValueError as e:
+            raise ConfigError(str(e).removeprefix("pipeline: ")) from None
 
-def load_pipeline_plan(path: str | Path) -> PipelineConfig:
-    """A pipeline plan from its own YAML file (the keys of the job's `pipeline` section)."""
+
+def load_plan(path: str | Path) -> Plan:
+    """The plan of a plan file (a job's `pipeline` section's stages, microbatches, schedule,
+    dp_boards and dp_share); errors name the file, the key and the bad value."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -344,12 +341,10 @@ def load_pipeline_plan(path: str | Path) -> PipelineConfig:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    data = dict(data or {})
-    data.pop("plan_file", None)
     try:
-        return _build(PipelineConfig, data, "pipeline")
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        return plan_from_dict(data if data is not None else {}, where=str(path))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 @dataclass(kw_only=True, frozen=True)

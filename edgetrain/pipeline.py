@@ -35,11 +35,11 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
+from edgetrain.plan import SCHEDULES
+
 if TYPE_CHECKING:
     import torch
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
-"""Names accepted by ``schedule``."""
 
 FORWARD = "F"
 BACKWARD = "B"

@@ -213,6 +213,14 @@ class Plan:
             section.update(microbatches=1, dp_boards=[], dp_share=0.0)
         return section
 
+    def describe(self) -> str:
+        """One line: stages (blocks and boards), micro-batches, schedule, DP shards."""
+        if not self.stages:
+            return "data parallelism over " + ("+".join(self.dp_boards) or "every available board")
+        stages = "; ".join(f"blocks {s.begin}-{s.end - 1} on {'+'.join(s.boards)}" for s in self.stages)
+        shards = f"; DP shards {'+'.join(self.dp_boards)} ({self.dp_share:.0%})" if self.dp_boards else ""
+        return f"{stages}; {self.microbatches} micro-batches, {self.schedule}{shards}"
+
     def explain(self) -> str:
         """A table: board -> role, blocks, batch share, predicted time, memory; then the totals."""
         p = self.prediction

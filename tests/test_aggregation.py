@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.training.aggregate import Weighted, combine, screen, staleness_weight, update_norm
+from coordinator.training.aggregator import Weighted, combine, screen, staleness_weight, update_norm
 from coordinator.training.codec_policy import CodecPolicy
 from coordinator.training.parameters import ParameterStore
 from coordinator.training.steps import Contribution, StepBoard, StepError

@@ -26,7 +26,7 @@ from rawboard import (
 )
 from reference import checkpoint_state, max_abs_difference
 
-from coordinator.training.trainer import partition_indices
+from coordinator.training.data_parallel import partition_indices
 from edgetrain.data import load_dataset, make_batch
 from edgetrain.models import build_model
 from edgetrain.streaming import iter_chunks

@@ -39,9 +39,9 @@ def test_switching_plans_mid_training_keeps_the_parameters_of_single_process_sgd
     # Prepare: 2 stages owned by a and b; the new plan moves blocks to c, a group (a + d), and b
     plan_file = tmp_path / "plan.yaml"
     plan_file.write_text(yaml.safe_dump({"stages": [{"blocks": 2, "boards": ["a"]}, {"blocks": 2, "boards": ["b"]}],
-                                         "microbatches": 2, "stage_timeout_s": 60}))
+                                         "microbatches": 2}))
     job = small_job(training={"steps": 40, "min_clients": 4, "global_batch": 16},
-                    pipeline={"plan_file": str(plan_file), "sync_every": 1000})
+                    pipeline={"plan_file": str(plan_file), "sync_every": 1000, "stage_timeout_s": 60})
     coordinator = coordinator_factory(job)
     for name in "abcd":
         client_factory(coordinator.address, name, 0.3)
@@ -54,7 +54,7 @@ def test_switching_plans_mid_training_keeps_the_parameters_of_single_process_sgd
     plan_file.write_text(yaml.safe_dump({"stages": [{"blocks": 1, "boards": ["c"]},
                                                     {"blocks": 2, "boards": ["a", "d"]},
                                                     {"blocks": 1, "boards": ["b"]}],
-                                         "microbatches": 4, "stage_timeout_s": 60}))
+                                         "microbatches": 4}))
     coordinator.wait(timeout=240)
 
     # Assert: both plans ran, and the result is single-process SGD's

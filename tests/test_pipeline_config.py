@@ -6,11 +6,17 @@ import re
 
 import pytest
 import torch
+import yaml
 
-from coordinator.main import check_plan
-from coordinator.training.pipeline_plan import Host, assign, merge_pipelines, missing_boards
+from coordinator.training.pipeline_work import (
+    Host,
+    assign,
+    check_covers,
+    merge_pipelines,
+    missing_boards,
+)
 from coordinator.training.steps import Contribution
-from edgetrain.config import ConfigError, PipelineConfig, job_from_dict, load_pipeline_plan
+from edgetrain.config import ConfigError, PipelineConfig, job_from_dict, load_plan
 from edgetrain.models import build_model
 from edgetrain.split import SpeedEstimate
 
@@ -18,16 +24,20 @@ PLAN = {"stages": [{"blocks": 1, "boards": ["a"]}, {"blocks": 2, "boards": ["b",
         "microbatches": 3}
 
 
-def plan(**extra) -> PipelineConfig:
+def settings(**extra) -> PipelineConfig:
     return job_from_dict({"model": "small_cnn", "pipeline": {**PLAN, **extra}}).pipeline
 
 
+def plan(**extra):
+    return settings(**extra).plan()
+
+
 @pytest.mark.parametrize(("pipeline", "message"), [
-    ({"stages": [{"blocks": 2, "boards": "a"}]}, "stages[0].boards: expected list"),
-    ({"stages": [{"blocks": 0, "boards": ["a"]}]}, "blocks=0: must be >= 1"),
+    ({"stages": [{"blocks": 2, "boards": "a"}]}, "stages[0].boards='a': must be a non-empty list of board names"),
+    ({"stages": [{"blocks": 0, "boards": ["a"]}]}, "stages[0].blocks=0: must be an integer >= 1"),
     ({"stages": [{"blocks": 2, "boards": ["a"]}, {"blocks": 2, "boards": ["a"]}]}, "a board can host only one"),
     ({"stages": [{"blocks": 4, "boards": ["a"]}], "schedule": "zigzag"}, "schedule='zigzag'"),
-    ({"stages": [{"blocks": 4, "boards": ["a"], "speed": 2}]}, "unknown key 'speed'"),
+    ({"stages": [{"blocks": 4, "boards": ["a"], "speed": 2}]}, "stages[0].speed=2: unknown key"),
 ])
 def test_bad_pipeline_sections_name_the_key(pipeline, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -51,16 +61,25 @@ def test_pipeline_jobs_refuse_settings_that_do_not_fit_together(job, message):
 
 
 def test_a_plan_must_cover_the_models_blocks_exactly():
-    with pytest.raises(ConfigError, match="sum to 5, but the model has 4 blocks"):
-        check_plan(plan(stages=[{"blocks": 3, "boards": ["a"]}, {"blocks": 2, "boards": ["b"]}]),
-                   build_model("small_cnn"))
+    with pytest.raises(ValueError, match="sum to 5, but the model has 4 blocks"):
+        check_covers(plan(stages=[{"blocks": 3, "boards": ["a"]}, {"blocks": 2, "boards": ["b"]}]),
+                     build_model("small_cnn").block_names)
 
 
 def test_a_plan_file_with_bad_yaml_names_the_file(tmp_path):
     path = tmp_path / "plan.yaml"
     path.write_text("stages: [blocks: 1\n")
     with pytest.raises(ConfigError, match="plan.yaml: not valid YAML"):
-        load_pipeline_plan(path)
+        load_plan(path)
+
+
+def test_a_plan_file_holds_only_the_plan_and_loads_into_the_same_plan(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(PLAN))
+    assert load_plan(path) == plan()
+    path.write_text(yaml.safe_dump({**PLAN, "stage_timeout_s": 5}))
+    with pytest.raises(ConfigError, match=re.escape("plan.yaml: stage_timeout_s=5: unknown key")):
+        load_plan(path)
 
 
 def _hosts(speeds: dict[str, float]) -> dict[str, Host]:
@@ -72,7 +91,7 @@ def test_assignments_split_micro_batches_between_a_stage_group_by_speed():
     hosts = _hosts({"a": 10, "b": 30, "c": 10, "d": 10})
 
     # Execute
-    out = assign(plan(), step=3, attempt=0, indices=list(range(100, 124)), block_names=["c1", "c2", "c3", "head"],
+    out = assign(plan(), settings(), step=3, attempt=0, indices=list(range(100, 124)), block_names=["c1", "c2", "c3", "head"],
                  hosts=hosts, augment=False, data_seed=0)
 
     # Assert: 24 samples in micro-batches of 8; b gets 3/4 of every micro-batch of stage 1
@@ -86,7 +105,7 @@ def test_assignments_split_micro_batches_between_a_stage_group_by_speed():
 
 def test_dp_shards_take_their_share_of_the_batch_next_to_the_pipeline():
     hosts = _hosts({"a": 10, "b": 10, "c": 10, "d": 10, "e": 10})
-    out = assign(plan(dp_boards=["e"], dp_share=0.25), step=0, attempt=0, indices=list(range(32)),
+    out = assign(plan(dp_boards=["e"], dp_share=0.25), settings(), step=0, attempt=0, indices=list(range(32)),
                  block_names=["c1", "c2", "c3", "head"], hosts=hosts, augment=False, data_seed=0)
     assert out["e-1"].stage is None and out["e-1"].indices == tuple(range(24, 32))
     assert out["a-1"].stage.pipeline_samples == 24
@@ -98,7 +117,7 @@ def test_missing_boards_are_named():
 
 def test_merging_a_pipeline_sums_its_hosts_partial_gradients():
     # Prepare: stage 1 hosted by b (6 rows) and c (2 rows); d is the last stage
-    stage_plan = assign(plan(), step=0, attempt=0, indices=list(range(8)), block_names=["c1", "c2", "c3", "head"],
+    stage_plan = assign(plan(), settings(), step=0, attempt=0, indices=list(range(8)), block_names=["c1", "c2", "c3", "head"],
                         hosts=_hosts({"a": 1, "b": 3, "c": 1, "d": 1}), augment=False, data_seed=0)
 
     def part(name: str, grad: float, loss: float = 0.0) -> Contribution:

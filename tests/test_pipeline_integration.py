@@ -126,9 +126,9 @@ def test_killed_stage_host_ends_the_step_with_a_clear_error_and_a_new_plan_conti
     # Prepare: plan file with 2 stages; the host of stage 1 will be killed mid-run
     plan_file = tmp_path / "plan.yaml"
     plan_file.write_text(yaml.safe_dump({"stages": [{"blocks": 2, "boards": ["a"]}, {"blocks": 2, "boards": ["b"]}],
-                                         "microbatches": 2, "stage_timeout_s": 6, "sync_every": 5}))
+                                         "microbatches": 2}))
     job = small_job(training={"steps": 300, "min_clients": 3, "global_batch": 16, "heartbeat_timeout_s": 4.0},
-                    pipeline={"plan_file": str(plan_file)})
+                    pipeline={"plan_file": str(plan_file), "stage_timeout_s": 6, "sync_every": 5})
     coordinator = coordinator_factory(job)
     client_factory(coordinator.address, "a", 0.3)
     victim = client_factory(coordinator.address, "b", 0.3)
@@ -145,7 +145,7 @@ def test_killed_stage_host_ends_the_step_with_a_clear_error_and_a_new_plan_conti
     time.sleep(12)
     stalled = len(records(coordinator.run_dir))
     plan_file.write_text(yaml.safe_dump({"stages": [{"blocks": 2, "boards": ["a"]}, {"blocks": 2, "boards": ["c"]}],
-                                         "microbatches": 2, "stage_timeout_s": 6, "sync_every": 5}))
+                                         "microbatches": 2}))
     while len(records(coordinator.run_dir)) < stalled + 5:
         assert time.monotonic() < killed_at + 150, "training did not continue after the re-plan"
         time.sleep(0.2)

@@ -25,7 +25,7 @@ from coordinator.planning.planner import plan_optimal
 from edgetrain.config import JobConfig
 from edgetrain.emulator.fleet_config import BoardSpec
 from edgetrain.emulator.shaping import LinkSpec
-from edgetrain.plan import Plan, StagePlan
+from edgetrain.plan import Plan
 
 UNKNOWN_LINK_MBIT = 100.0
 """Link rate assumed for a board whose probe gave no estimate."""
@@ -56,15 +56,6 @@ def board_spec(name: str, speed: float, mbit_per_s: float) -> BoardSpec:
     return BoardSpec(name=name, speed=speed, link=LinkSpec(mbit_per_s=mbit_per_s or UNKNOWN_LINK_MBIT))
 
 
-def _hand_plan(config: JobConfig) -> Plan:
-    bounds, stages = 0, []
-    for stage in config.pipeline.stages:
-        stages.append(StagePlan(bounds, bounds + stage.blocks, tuple(stage.boards)))
-        bounds += stage.blocks
-    return Plan(stages=tuple(stages), microbatches=config.pipeline.microbatches,
-                dp_boards=tuple(config.pipeline.dp_boards), dp_share=config.pipeline.dp_share)
-
-
 class PlannerSpeed:
     """``SpeedOracle`` over a snapshot of jobs and boards; answers are cached per request."""
 
@@ -93,7 +84,7 @@ class PlannerSpeed:
             if config.planner.enabled:
                 return plan_optimal(fleet, model, batch, config.planner.weight, **kw).prediction.samples_per_s
             if config.pipeline.stages:
-                return predict(_hand_plan(config), fleet, model, batch, **kw).samples_per_s
+                return predict(config.pipeline.plan(), fleet, model, batch, **kw).samples_per_s
             return predict(Plan(dp_boards=names, dp_share=1.0), fleet, model, batch, **kw).samples_per_s
         except ValueError:  # nothing fits these boards' memory, or the plan names other boards
             return 1e-9

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from coordinator.planning.cost import objective_cost, predict
 from coordinator.planning.planner import plan_optimal
 from edgetrain.config import PlannerConfig
-from edgetrain.plan import BoardCost, ModelCost, Plan
+from edgetrain.plan import BoardCost, ModelCost, Plan, plan_to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class PlanDecision:
     def to_record(self, stage_state: str) -> dict:
         p = self.plan.prediction
         return {"kind": "plan", "step": self.step, "reasons": list(self.reasons), "switched": self.switched,
-                "plan": self.plan.to_pipeline_section(), "plan_kind": self.plan.kind,
+                "plan": plan_to_dict(self.plan), "plan_kind": self.plan.kind,
                 "left_out": dict(self.plan.left_out), "stage_state": stage_state,
                 "predicted_step_s": round(p.step_s, 4), "predicted_samples_per_s": round(p.samples_per_s, 3),
                 "predicted_energy_per_sample_j": round(p.energy_per_sample_j, 4),

@@ -1,7 +1,7 @@
-"""A pipeline plan turned into one step's assignments, and a pipeline's results merged back.
+"""A plan turned into one step's pipeline work, and a pipeline's results merged back.
 
-The plan (job `pipeline` section or its plan file) names, for each stage, how many consecutive
-blocks it holds and which boards host it. Every step the pipeline takes its samples (the global
+The plan (edgetrain.plan.Plan: the job's pipeline section, a plan file, or the planner's) names,
+for each stage, its consecutive blocks and the boards hosting it. Every step the pipeline takes its samples (the global
 batch, less the DP shards' share), cuts them into micro-batches, and splits every micro-batch
 among a stage's hosts by rows in proportion to the hosts' measured speed. A stage with a single
 host and no DP shards beside the pipeline is *owned* by its host (`owns_state`): it keeps the
@@ -25,8 +25,8 @@ from edgetrain.config import PipelineConfig
 from edgetrain.pipeline import (
     split_microbatches,
     split_rows,
-    stage_blocks,
 )
+from edgetrain.plan import Plan, StagePlan
 from edgetrain.split import SpeedEstimate, split_sticky
 from edgetrain.training import GRAD_PREFIX
 from edgetrain.work import Assignment, StageHost, StageWork
@@ -41,31 +41,40 @@ class Host:
     speed: SpeedEstimate
 
 
-def missing_boards(plan: PipelineConfig, hosts: Mapping[str, Host]) -> list[str]:
+def missing_boards(plan: Plan, hosts: Mapping[str, Host]) -> list[str]:
     """Plan boards (by name) that are not ready, or serve no stage endpoint."""
     names = [b for s in plan.stages for b in s.boards] + list(plan.dp_boards)
     return [n for n in names if n not in hosts or (n not in plan.dp_boards and not hosts[n].address)]
 
 
-def owns_state(plan: PipelineConfig, stage_boards: Sequence[str]) -> bool:
+def owns_state(plan: Plan, stage: StagePlan, stage_state: str) -> bool:
     """Whether a stage's host keeps its parameters and optimizer state (`stage_state: hosts`, one
     host, and no DP shards: theirs are the whole model's gradients, combined centrally)."""
-    return plan.stage_state == "hosts" and len(stage_boards) == 1 and not plan.dp_boards
+    return stage_state == "hosts" and len(stage.boards) == 1 and not plan.dp_boards
 
 
-def assign(plan: PipelineConfig, *, step: int, attempt: int, indices: Sequence[int], block_names: Sequence[str],
-           hosts: Mapping[str, Host], augment: bool, data_seed: int, lr: float = 0.0,
+def check_covers(plan: Plan, block_names: Sequence[str]) -> None:
+    """ValueError unless the plan's stages cover the model's blocks exactly."""
+    if plan.stages and plan.stages[-1].end != len(block_names):
+        raise ValueError(f"the stages' blocks sum to {plan.stages[-1].end}, but the model has {len(block_names)} "
+                         f"blocks ({', '.join(block_names)})")
+
+
+def assign(plan: Plan, settings: PipelineConfig, *, step: int, attempt: int, indices: Sequence[int],
+           block_names: Sequence[str], hosts: Mapping[str, Host], augment: bool, data_seed: int, lr: float = 0.0,
            commit: tuple[int, int] = (-1, 0),
            previous_shares: Mapping[str, int] | None = None) -> dict[str, Assignment]:
-    """Every plan board's work for one attempt of `step` (pipeline 0, plus DP shards); `lr` and
-    `commit` (the last committed step and attempt) are for hosts that own their stage; the DP
-    shards keep `previous_shares` (device id -> samples) while they stay near the best split."""
+    """Every plan board's work for one attempt of `step` (pipeline 0, plus DP shards); `settings`
+    says how stages run (timeout, where their state lives); `lr` and `commit` (the last committed
+    step and attempt) are for hosts that own their stage; the DP shards keep `previous_shares`
+    (device id -> samples) while they stay near the best split."""
+    check_covers(plan, block_names)
     total = len(indices)
     dp_samples = min(round(plan.dp_share * total), total - 1) if plan.dp_boards else 0
     pipe = list(indices[: total - dp_samples])
     sizes = split_microbatches(len(pipe), min(plan.microbatches, len(pipe)))
     starts = [sum(sizes[:m]) for m in range(len(sizes))]
-    ranges = stage_blocks([s.blocks for s in plan.stages], len(block_names))
+    ranges = [(s.begin, s.end) for s in plan.stages]
     groups: list[tuple[StageHost, ...]] = []
     for stage in plan.stages:
         weights = [hosts[b].speed.samples_per_s for b in stage.boards]
@@ -80,8 +89,8 @@ def assign(plan: PipelineConfig, *, step: int, attempt: int, indices: Sequence[i
                 schedule=plan.schedule,
                 indices=tuple(pipe), microbatch_sizes=tuple(sizes), hosts=groups[i],
                 prev_hosts=groups[i - 1] if i else (), next_hosts=groups[i + 1] if i + 1 < len(groups) else (),
-                pipeline_samples=len(pipe), timeout_s=plan.stage_timeout_s,
-                owned=owns_state(plan, plan.stages[i].boards), lr=lr, commit_step=commit[0],
+                pipeline_samples=len(pipe), timeout_s=settings.stage_timeout_s,
+                owned=owns_state(plan, plan.stages[i], settings.stage_state), lr=lr, commit_step=commit[0],
                 commit_attempt=commit[1])
             mine = tuple(pipe[starts[m] + r] for m, (b, e) in enumerate(host.rows) for r in range(b, e))
             out[host.device_id] = Assignment(step, attempt, step, mine, augment, data_seed, stage=stage)
@@ -132,8 +141,3 @@ def merge_pipelines(contributions: Sequence[Contribution]) -> list[Contribution]
             peak_activation_bytes=max(c.peak_activation_bytes for c in parts)))
     return out
 
-
-def complete(parts: Sequence[Contribution], assignments: Mapping[str, Assignment]) -> bool:
-    """Whether every pipeline host of the attempt answered (a pipeline is all or nothing)."""
-    hosts = {d for d, a in assignments.items() if a.stage is not None}
-    return hosts <= {c.device_id for c in parts}

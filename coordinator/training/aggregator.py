@@ -1,0 +1,249 @@
+"""The aggregation rule: combining a step's updates into one, and applying it to the master model.
+
+`Aggregator` is built once from the job's `aggregation:` section and owns the rule: which updates
+count (late ones within the staleness bound, none past it), how they are weighted, which are
+refused (and when a board is quarantined for it), and the server optimizer that applies the
+result (the job's SGD, plain SGD when boards keep the momentum, or FedAvg's server step).
+The arithmetic is three plain functions of the step's contributions:
+1. `screen`: clip an update whose L2 norm exceeds `clip_norm`, reject one whose norm exceeds
+   `outlier_factor` x the median norm of the step's updates (NaN/Inf and wrong shapes never get
+   this far: the upload itself is refused). Every rejection carries its reason.
+2. `staleness_weight`: s(tau) = (1 + tau)^-p for an update computed tau versions ago (FedBuff).
+3. `combine`: sum_i samples_i * s(tau_i) * g_i / sum_i samples_i for gradients, which for fresh
+   updates is exactly the gradient of the mean loss over all accepted samples; float buffers
+   (BatchNorm running statistics) are a proper weighted average, sum_i w_i * b_i / sum_i w_i.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from coordinator.registry import DeviceRegistry
+from coordinator.training.steps import Contribution, StepBoard
+from edgetrain.config import JobConfig, OptimizerConfig
+from edgetrain.training import (
+    BUFFER_PREFIX,
+    GRAD_PREFIX,
+    lr_factor,
+    make_optimizer,
+    set_learning_rate,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Weighted:
+    """A contribution and the staleness factor it enters the average with."""
+
+    contribution: Contribution
+    staleness: int = 0
+    factor: float = 1.0
+
+
+def staleness_weight(tau: int, exponent: float) -> float:
+    """s(tau) = (1 + tau)^-exponent; 1 for a fresh update."""
+    if tau < 0:
+        raise ValueError(f"staleness must be >= 0, got {tau}")
+    return (1.0 + tau) ** -exponent
+
+
+def update_norm(contribution: Contribution) -> float:
+    """L2 norm of a contribution's gradients (buffers excluded)."""
+    total = 0.0
+    for name, tensor in contribution.tensors.items():
+        if name.startswith(GRAD_PREFIX):
+            total += float(torch.linalg.vector_norm(tensor.float())) ** 2
+    return math.sqrt(total)
+
+
+@dataclass(frozen=True)
+class Screening:
+    """What `screen` decided for one step's updates."""
+
+    kept: list[Contribution]
+    rejected: dict[str, str]
+    """device id -> reason."""
+    clipped: dict[str, float]
+    """device id -> norm before clipping."""
+    norms: dict[str, float]
+
+
+def screen(contributions: Sequence[Contribution], *, clip_norm: float = 0.0,
+           outlier_factor: float = 0.0) -> Screening:
+    """Clip and reject updates by norm (see the module docstring). Clipping scales in place."""
+    norms = {c.device_id: update_norm(c) for c in contributions}
+    rejected: dict[str, str] = {}
+    if outlier_factor and len(contributions) >= 3:
+        median = statistics.median(norms.values())
+        for c in contributions:
+            if median > 0 and norms[c.device_id] > outlier_factor * median:
+                rejected[c.device_id] = (f"outlier: update norm {norms[c.device_id]:.4g} is "
+                                         f"{norms[c.device_id] / median:.1f}x the step's median {median:.4g} "
+                                         f"(limit {outlier_factor:g}x)")
+    kept, clipped = [], {}
+    for c in contributions:
+        if c.device_id in rejected:
+            continue
+        if clip_norm and norms[c.device_id] > clip_norm:
+            scale = clip_norm / norms[c.device_id]
+            for name, tensor in c.tensors.items():
+                if name.startswith(GRAD_PREFIX):
+                    c.tensors[name] = tensor * scale
+            clipped[c.device_id] = norms[c.device_id]
+        kept.append(c)
+    return Screening(kept, rejected, clipped, norms)
+
+
+def combine(contributions: Sequence[Contribution | Weighted]) -> dict[str, torch.Tensor]:
+    """Sample- and staleness-weighted average of every uploaded tensor (see the module docstring)."""
+    if not contributions:
+        raise ValueError("nothing to combine")
+    items = [c if isinstance(c, Weighted) else Weighted(c) for c in contributions]
+    total = sum(w.contribution.samples for w in items)
+    buffer_total = sum(w.contribution.samples * w.factor for w in items)
+    out: dict[str, torch.Tensor] = {}
+    for item in items:
+        c = item.contribution
+        grad_weight = c.samples * item.factor / total
+        buffer_weight = c.samples * item.factor / buffer_total
+        for name, tensor in c.tensors.items():
+            weight = grad_weight if name.startswith(GRAD_PREFIX) else buffer_weight
+            if name in out:
+                out[name].add_(tensor, alpha=weight)
+            else:
+                out[name] = tensor.mul(weight)
+    return out
+
+
+@torch.no_grad()
+def apply_update(model: nn.Module, optimizer: torch.optim.Optimizer, combined: dict[str, torch.Tensor]) -> None:
+    """Set the combined gradients, take one optimizer step, adopt the averaged buffers.
+
+    Parameters without a gradient in `combined` (a pipeline stage whose host owns it) are left
+    alone, and so are their module's buffers."""
+    for name, param in model.named_parameters():
+        param.grad = combined.get(GRAD_PREFIX + name)
+    optimizer.step()
+    for name, buffer in model.named_buffers():
+        if buffer.is_floating_point():
+            if BUFFER_PREFIX + name in combined:
+                buffer.copy_(combined[BUFFER_PREFIX + name])
+        elif name.endswith("num_batches_tracked"):
+            if BUFFER_PREFIX + name.rsplit(".", 1)[0] + ".running_mean" in combined:
+                buffer.add_(1)
+    optimizer.zero_grad(set_to_none=True)
+
+
+@dataclass
+class Aggregate:
+    """What the aggregator did with one step's updates."""
+
+    used: list[Weighted]
+    """The updates that went into the step, with their staleness and weight factor."""
+    rejected: dict[str, str]
+    """Every update refused this step (upload checks, screening, too stale), by device."""
+    clipped: dict[str, float]
+    """Device -> update norm before clipping."""
+    quarantined: list[str]
+    """Boards quarantined because of this step's refusals."""
+
+
+class Aggregator:
+    """The job's aggregation rule and the server optimizer (see the module docstring)."""
+
+    def __init__(self, job: JobConfig, model: nn.Module, registry: DeviceRegistry) -> None:
+        self.cfg = job.aggregation
+        self.job = job
+        self.model = model
+        self.registry = registry
+        self.keeps_late = self.cfg.rule == "staleness"
+        """Late updates stay open and count in a later step, down-weighted (FedBuff)."""
+        self.federated = self.cfg.federated
+        pipelined = job.pipeline.enabled or job.planner.enabled
+        self.boards_keep_momentum = job.compression.boards_keep_momentum and not self.federated and not pipelined
+        """Momentum correction: boards accumulate the momentum and send it; the server applies plain
+        SGD (pipeline stages send plain gradients, so pipelined jobs keep the momentum here)."""
+        if self.federated:
+            server = OptimizerConfig(lr=job.federated.server_lr, momentum=0.0, weight_decay=0.0, schedule="constant")
+        elif self.boards_keep_momentum:
+            server = replace(job.optimizer, momentum=0.0, nesterov=False)
+        else:
+            server = job.optimizer
+        self.optimizer = make_optimizer(model, server)
+        self.lr = 0.0
+        """The learning rate of the last step (a federated round's: the boards' local one)."""
+        self._late: list[Contribution] = []
+        self._late_rejected: dict[str, str] = {}
+
+    @property
+    def board_momentum(self) -> float:
+        """The momentum boards accumulate themselves (0: the server's optimizer has it)."""
+        return self.job.optimizer.momentum if self.boards_keep_momentum else 0.0
+
+    @property
+    def versions_kept(self) -> int:
+        """Parameter versions to keep serving: late boards may still fetch the ones they started on."""
+        return self.cfg.staleness_bound + 1 if self.keeps_late else 1
+
+    def step_lr(self, step: int) -> float:
+        """The learning rate of `step` under the job's schedule (what boards use locally)."""
+        opt = self.job.optimizer
+        return opt.lr * lr_factor(step, self.job.training.steps, opt)
+
+    def collect_late(self, board: StepBoard, step: int) -> None:
+        """Keep late answers that arrived (they enter the next update); close tickets too stale to count."""
+        if self.keeps_late:
+            late, rejected = board.take_late(oldest_step=step - self.cfg.staleness_bound)
+            self._late += late
+            self._late_rejected.update(rejected)
+
+    def apply(self, step: int, board: StepBoard, fresh: Sequence[Contribution], refused: Mapping[str, str]) -> Aggregate:
+        """Combine this step's updates (and late ones) and take one optimizer step."""
+        self.collect_late(board, step)
+        late, self._late = self._late, []
+        rejected = {**refused, **self._late_rejected}
+        self._late_rejected = {}
+        usable, stale = list(fresh), set()
+        for c in late:
+            tau = step - c.param_version
+            if tau > self.cfg.staleness_bound:
+                stale.add(c.device_id)
+                rejected[c.device_id] = f"stale: computed on version {c.param_version}, {tau} steps old " \
+                                        f"(bound {self.cfg.staleness_bound})"
+            else:
+                usable.append(c)
+        screening = screen(usable, clip_norm=self.cfg.clip_norm, outlier_factor=self.cfg.outlier_factor) if usable \
+            else Screening([], {}, {}, {})
+        rejected.update(screening.rejected)
+        used = [Weighted(c, step - c.param_version, staleness_weight(step - c.param_version, self.cfg.staleness_exponent))
+                for c in screening.kept]
+        if self.federated:
+            self.lr = self.step_lr(step)
+        else:
+            self.lr = set_learning_rate(self.optimizer, step, self.job.training.steps, self.job.optimizer)
+        if used:
+            apply_update(self.model, self.optimizer, combine(used))
+        else:
+            logger.error("[Coordinator.Aggregator] step %d: no usable update; parameters unchanged", step)
+        for item in used:
+            c = item.contribution
+            self.registry.observe_step(c.device_id, c.samples, c.compute_s, c.comm_s, c.energy_j)
+        misbehaved = {d: r for d, r in rejected.items() if d not in stale}  # slowness is not misbehaviour
+        return Aggregate(used, rejected, screening.clipped, self._quarantine(step, misbehaved))
+
+    def _quarantine(self, step: int, rejected: Mapping[str, str]) -> list[str]:
+        quarantined = []
+        for device_id, reason in rejected.items():
+            if self.registry.note_rejection(device_id, step, reason, limit=self.cfg.quarantine_after,
+                                            window=self.cfg.quarantine_window,
+                                            quarantine_steps=self.cfg.quarantine_steps):
+                quarantined.append(device_id)
+        return quarantined

@@ -1,0 +1,275 @@
+"""Data-parallel rounds: every board computes an update on its shard of the step's samples.
+
+`DataParallelRound` splits the global batch over the boards that may work now (ready, not
+quarantined, not still busy with a late update): in proportion to measured speed, kept while the
+current split stays near the best one (`split: proportional`, see edgetrain.split.split_sticky),
+or equally (`split: equal`). Each board's link codecs come from the codec policy. Without a
+`Deadline` the attempt waits for every board (3 x the predicted step time + 10 s at most, or
+`training.step_timeout_s`) and counts only if nobody was missing — a board that died makes the
+step redo on the same samples with the others, so no sample is lost and no update applied
+twice. With a `Deadline` (aggregation `deadline: predicted`, and always under `staleness`) the
+attempt closes at `deadline_factor` x the typical board's predicted time and counts when
+`min_fraction` of its samples arrived; under `staleness` the late boards' tickets stay open.
+
+`FederatedRound` gives each board a round of local training on its own data partition
+(FedAvg / FedProx): the partitions are fixed per board name, in order of arrival, and a newcomer
+takes over the partition of a board that left.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+
+from coordinator.training.codec_policy import CodecPolicy, LinkChoice
+from coordinator.training.rounds import Fleet, Round, RoundContext, RoundPolicy
+from coordinator.training.steps import AttemptOutcome
+from edgetrain.config import AggregationConfig
+from edgetrain.split import SpeedEstimate, predicted_step_seconds, split_equal, split_sticky
+from edgetrain.training import shard_tensor_names, state_tensors
+from edgetrain.updates import DeltaFormat, UpdateFormats
+from edgetrain.work import Assignment, LocalWork
+
+logger = logging.getLogger(__name__)
+
+UNMEASURED_LINK_S = 30.0
+"""Transfer time assumed per step for a device whose link was never measured."""
+
+
+class Deadline:
+    """When an attempt closes without waiting for every board, and when it still counts."""
+
+    def __init__(self, cfg: AggregationConfig, *, keep_late: bool) -> None:
+        self.cfg = cfg
+        self.keep_late = keep_late
+        """Late tickets stay open (staleness rule): their updates count in a later step."""
+
+    def seconds(self, typical_s: float, attempt: int) -> float:
+        """The attempt's deadline: a multiple of the typical board's predicted time, longer on redos."""
+        return (self.cfg.deadline_factor * typical_s + self.cfg.deadline_slack_s) * (attempt + 1)
+
+    def enough(self, arrived: int, wanted: int) -> bool:
+        """Whether the samples that arrived make the attempt count."""
+        return arrived >= self.cfg.min_fraction * wanted
+
+
+class DataParallelRound(RoundPolicy):
+    """Shards of the global batch over the available boards (see the module docstring)."""
+
+    def __init__(self, ctx: RoundContext, deadline: Deadline | None = None) -> None:
+        super().__init__(ctx)
+        self.deadline = deadline
+        self._shares: dict[str, int] | None = None
+        """The shares last assigned (kept while near the best split: see split_sticky)."""
+        formats = UpdateFormats(shard_tensor_names(ctx.model))
+        state = state_tensors(ctx.model)
+        full_bytes = sum(t.numel() * t.element_size() for t in state.values())
+        self.codecs = CodecPolicy(ctx.job.compression, lambda c: formats(c).wire_bytes(), full_bytes,
+                                  _delta_bytes(state, ctx.job.compression.downlink))
+
+    def configure(self, step: int, attempt: int, indices: list[int]) -> Round:
+        return self.configure_on(step, attempt, indices)
+
+    def configure_on(self, step: int, attempt: int, indices: list[int], names: tuple[str, ...] = ()) -> Round:
+        """`configure`, on the boards named `names` only (all available ones when empty)."""
+        speeds, fleet = self._available(step)
+        if names:
+            speeds = {d: s for d, s in speeds.items() if fleet.name(d) in names} or speeds
+        shares = self._split(len(indices), speeds)
+        choices = self._choose_codecs(shares, speeds, fleet)
+        assignments = self._assign(step, attempt, indices, shares, choices, fleet)
+        return Round(step, attempt, assignments, self._timeout(shares, speeds, attempt, choices, fleet),
+                     keep_late=bool(self.deadline and self.deadline.keep_late))
+
+    def complete(self, round_: Round, outcome: AttemptOutcome, elapsed_s: float) -> bool:
+        registry, step, attempt = self.ctx.registry, round_.step, round_.attempt
+        if self.deadline is None:
+            for device_id in outcome.missing:
+                registry.drop(device_id, f"no result for step {step} attempt {attempt}")
+            if outcome.missing:
+                logger.warning("[Coordinator.Trainer] step %d attempt %d: %s failed; redoing the step with "
+                               "the remaining devices", step, attempt, ", ".join(outcome.missing))
+            return not outcome.missing
+        overdue = [d for d in outcome.missing + outcome.late if registry.is_alive(d)]
+        for device_id in overdue:
+            registry.observe_late(device_id, len(round_.assignments[device_id].indices), elapsed_s)
+        arrived = sum(c.samples for c in outcome.accepted.values())
+        wanted = sum(len(a.indices) for a in round_.assignments.values())
+        if overdue:
+            logger.info("[Coordinator.Trainer] step %d: deadline passed without %s (%d of %d samples arrived)%s",
+                        step, ", ".join(overdue), arrived, wanted,
+                        "; their updates may still count, down-weighted" if self.deadline.keep_late else "")
+        if self.deadline.enough(arrived, wanted):
+            return True
+        logger.warning("[Coordinator.Trainer] step %d attempt %d: only %d of %d samples by the deadline; "
+                       "redoing the step", step, attempt, arrived, wanted)
+        return False
+
+    # --- building an attempt ----------------------------------------------------------------------
+    def _available(self, step: int) -> tuple[dict[str, SpeedEstimate], Fleet]:
+        """Boards that may get work now (ready, not quarantined, not still busy with a late
+        ticket), waiting until there is one; and the fleet snapshot they come from."""
+        ctx = self.ctx
+        while True:
+            ctx.registry.release_quarantine(step)
+            ctx.wait_for_boards(1)
+            fleet = Fleet.snapshot(ctx.registry)
+            busy = ctx.board.busy()
+            available = {d: s for d, s in fleet.ready().items() if d not in busy and self._eligible(d, fleet)}
+            if available:
+                return available, fleet
+            ready = {d for d, r in fleet.records.items() if r.ready}
+            if ready and all(fleet.records[d].quarantined for d in ready):  # nobody left to train
+                logger.warning("[Coordinator.Trainer] every ready device is quarantined; releasing them")
+                ctx.registry.release_quarantine(10**12)
+                continue
+            self._waiting(busy)
+            ctx.aggregator.collect_late(ctx.board, step)  # everyone is busy with late work: wait for some
+            time.sleep(0.05)
+
+    def _eligible(self, device_id: str, fleet: Fleet) -> bool:
+        """Whether a ready, idle board may take part (federated rounds: it holds a partition)."""
+        return True
+
+    def _waiting(self, busy: set[str]) -> None:
+        """Nobody can work now (a subclass may say why)."""
+
+    def _split(self, total: int, speeds: dict[str, SpeedEstimate]) -> dict[str, int]:
+        if self.ctx.job.training.split == "equal":
+            return split_equal(total, list(speeds))
+        self._shares = split_sticky(total, speeds, self._shares)
+        return self._shares
+
+    def _choose_codecs(self, shares: dict[str, int], speeds: dict[str, SpeedEstimate],
+                       fleet: Fleet) -> dict[str, LinkChoice]:
+        compute_s = max((speeds[d].overhead_s + n / speeds[d].samples_per_s for d, n in shares.items() if n),
+                        default=0.0)
+        choices = {}
+        for device_id in shares:
+            choices[device_id] = self.codecs.choose(device_id, fleet.link_mbit(device_id), compute_s)
+            self.ctx.registry.set_codec(device_id, choices[device_id].codec)
+        self.codecs.retain({d for d, r in fleet.records.items() if r.alive})
+        return choices
+
+    def _assign(self, step: int, attempt: int, indices: list[int], shares: dict[str, int],
+                choices: dict[str, LinkChoice], fleet: Fleet) -> dict[str, Assignment]:
+        out, start = {}, 0
+        job = self.ctx.job
+        for device_id, count in shares.items():
+            if count:
+                mine, start = tuple(indices[start: start + count]), start + count
+                out[device_id] = Assignment(step, attempt, step, mine, job.dataset.augment, job.seed,
+                                            codec=choices[device_id].codec,
+                                            delta_codec=choices[device_id].delta_codec)
+        return out
+
+    def _calls(self) -> int:
+        """Forward+backward calls a board makes per round (each costs its fixed overhead)."""
+        return 1
+
+    def _timeout(self, shares: dict[str, int], speeds: dict[str, SpeedEstimate], attempt: int,
+                 choices: dict[str, LinkChoice], fleet: Fleet) -> float:
+        """How long the attempt may take: the configured timeout, the deadline, or 3 x the
+        prediction + 10 s. Until a board's communication time has been observed, its prediction
+        includes its transfers at its measured bandwidth."""
+        speeds = {d: self._with_transfers(speeds[d], choices[d], fleet.link_mbit(d)) for d in shares}
+        configured = self.ctx.job.training.step_timeout_s
+        extra = self._calls() - 1
+        if self.deadline is not None:  # the typical board's time: a straggler does not set the pace
+            typical = statistics.median_low([speeds[d].seconds(n) for d, n in shares.items() if n])
+            typical += statistics.median_low([speeds[d].overhead_s for d in shares]) * extra
+            deadline = self.deadline.seconds(typical, attempt)
+            return min(deadline, configured) if configured > 0 else deadline
+        predicted = predicted_step_seconds(shares, speeds) + max(speeds[d].overhead_s for d in shares) * extra
+        return configured if configured > 0 else 3 * predicted + 10.0
+
+    def _with_transfers(self, speed: SpeedEstimate, choice: LinkChoice, mbit: float | None) -> SpeedEstimate:
+        if speed.comm_s > 0:
+            return speed
+        transfer_s = self.codecs.step_bytes(choice.codec) * 8 / (mbit * 1e6) if mbit else UNMEASURED_LINK_S
+        return SpeedEstimate(speed.overhead_s, speed.samples_per_s, transfer_s)
+
+
+class FederatedRound(DataParallelRound):
+    """A round of local training on every board's own data partition (FedAvg / FedProx)."""
+
+    def __init__(self, ctx: RoundContext, deadline: Deadline | None = None) -> None:
+        super().__init__(ctx, deadline)
+        fed = ctx.job.federated
+        self.partition_count = fed.partitions or ctx.job.training.min_clients
+        self._partitions: dict[str, int] = {}
+        """Board name -> its data partition."""
+
+    def _eligible(self, device_id: str, fleet: Fleet) -> bool:
+        live = {r.name for r in fleet.records.values() if r.alive}
+        return self._partition(fleet.name(device_id), live) is not None
+
+    def _waiting(self, busy: set[str]) -> None:
+        if not busy:
+            logger.warning("[Coordinator.Trainer] ready devices hold no data partition; waiting for a "
+                           "partition holder (or a board to take over a departed one's partition)")
+            self.ctx.stop.wait(1.0)
+
+    def _partition(self, name: str, live_names: set[str]) -> int | None:
+        """The data partition of a board (by name, in order of arrival; a newcomer takes over the
+        partition of a board that left); None while every partition has a live holder."""
+        if name not in self._partitions:
+            orphaned = sorted(p for holder, p in self._partitions.items() if holder not in live_names)
+            if len(self._partitions) < self.partition_count:
+                self._partitions[name] = len(self._partitions)
+            elif orphaned:
+                holder = next(h for h, p in self._partitions.items() if p == orphaned[0])
+                self._partitions[name] = self._partitions.pop(holder)
+            else:
+                return None
+            logger.info("[Coordinator.Trainer] board %s holds data partition %d of %d", name,
+                        self._partitions[name], self.partition_count)
+        return self._partitions[name]
+
+    def _split(self, total: int, speeds: dict[str, SpeedEstimate]) -> dict[str, int]:
+        fed = self.ctx.job.federated
+        return dict.fromkeys(speeds, fed.local_steps * fed.local_batch)
+
+    def _assign(self, step: int, attempt: int, indices: list[int], shares: dict[str, int],
+                choices: dict[str, LinkChoice], fleet: Fleet) -> dict[str, Assignment]:
+        job, fed, opt = self.ctx.job, self.ctx.job.federated, self.ctx.job.optimizer
+        local = LocalWork(steps=fed.local_steps, batch_size=fed.local_batch, lr=self.ctx.aggregator.step_lr(step),
+                          momentum=opt.momentum, weight_decay=opt.weight_decay,
+                          prox_mu=fed.prox_mu if job.aggregation.rule == "fedprox" else 0.0)
+        out = {}
+        for device_id, count in shares.items():
+            partition = self._partitions[fleet.name(device_id)]
+            mine = tuple(partition_indices(partition, self.partition_count, self.ctx.train_size, job.seed, step, count))
+            out[device_id] = Assignment(step, attempt, step, mine, job.dataset.augment, job.seed,
+                                        codec=choices[device_id].codec, delta_codec=choices[device_id].delta_codec,
+                                        local=local)
+        return out
+
+    def _calls(self) -> int:
+        return self.ctx.job.federated.local_steps
+
+    def state_dict(self) -> dict:
+        return {"partitions": dict(self._partitions)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._partitions = dict(state.get("partitions", {}))
+
+
+def partition_indices(partition: int, partitions: int, train_size: int, seed: int, round_: int,
+                      count: int) -> list[int]:
+    """A federated board's `count` samples for a round: its partition (every `partitions`-th sample
+    of a seeded permutation) read cyclically, so the board's data never leaves its partition."""
+    order = torch.randperm(train_size, generator=torch.Generator().manual_seed(seed + 7919))
+    mine = order[partition::partitions].tolist()
+    start = (round_ * count) % len(mine)
+    return [mine[(start + i) % len(mine)] for i in range(count)]
+
+
+def _delta_bytes(state: dict[str, torch.Tensor], downlink: str) -> int:
+    """Bytes of one parameter delta in the downlink codec (full bytes when there is none)."""
+    if downlink == "none":
+        return sum(t.numel() * t.element_size() for t in state.values())
+    return sum(m.nbytes for m in DeltaFormat(state, downlink).chain_metas(0, 1))

@@ -1,0 +1,312 @@
+"""Pipeline rounds: the plan in force, as pipeline stages and DP shards, all or nothing.
+
+Where the plan comes from is a `PlanSource`: the job's own `pipeline` section (`FixedPlan`), a
+plan file re-read when it changes (`PlanFile`: re-plan by hand), or the hybrid planner
+(`LivePlans`: planned from the live fleet and planned again when it changes enough,
+coordinator.planning.live). Whatever the source, the plan is an `edgetrain.plan.Plan`, which
+`pipeline_work.assign` turns into each board's work.
+
+Before an attempt, every board of the plan must be ready (the round waits for them, or for a new
+plan without them), and stages whose host owns their state are placed on their hosts
+(stage_owners). An attempt counts only if every host and shard answered; a failed attempt is
+recorded (which board failed how) and redone after the failed board had time to miss its
+heartbeats. A plan without stages is data parallelism over its boards (or every board).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Protocol
+
+from coordinator.planning.inputs import UNKNOWN_LINK_MBIT, board_from_record, measure_model_cost
+from coordinator.planning.live import LivePlanner
+from coordinator.training.data_parallel import DataParallelRound
+from coordinator.training.pipeline_work import (
+    Host,
+    assign,
+    check_covers,
+    merge_pipelines,
+    missing_boards,
+)
+from coordinator.training.rounds import (
+    Collected,
+    Fleet,
+    JobAborted,
+    Round,
+    RoundContext,
+    RoundPolicy,
+)
+from coordinator.training.stage_owners import Owner, StageOwners
+from coordinator.training.steps import AttemptOutcome
+from edgetrain.config import ConfigError, load_plan
+from edgetrain.plan import Plan
+from edgetrain.training import state_tensors
+from edgetrain.work import Assignment
+
+logger = logging.getLogger(__name__)
+
+
+class PlanSource(Protocol):
+    """Where the plan in force comes from."""
+
+    def current(self, step: int, fleet: Fleet) -> Plan:
+        """The plan for `step` (JobAborted when there is none and cannot be one)."""
+
+
+class FixedPlan:
+    """The plan written in the job's `pipeline` section."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+
+    def current(self, step: int, fleet: Fleet) -> Plan:
+        return self.plan
+
+
+class PlanFile:
+    """A plan file, read again whenever it changes (re-planning by hand); a plan that does not
+    load or does not fit the model keeps the previous one in force."""
+
+    def __init__(self, path: str, block_names: list[str]) -> None:
+        self.path = Path(path)
+        self.block_names = block_names
+        self._cached: tuple[float, Plan] | None = None
+        self._error = ""
+
+    def current(self, step: int, fleet: Fleet) -> Plan:
+        try:
+            mtime = self.path.stat().st_mtime
+            if self._cached is None or self._cached[0] != mtime:
+                fresh = load_plan(self.path)
+                check_covers(fresh, self.block_names)
+                self._cached = (mtime, fresh)
+                logger.info("[Coordinator.Trainer] pipeline plan from %s: %s", self.path, fresh.describe())
+        except (OSError, ValueError) as e:  # ConfigError is a ValueError
+            if self._cached is None:
+                raise JobAborted(f"pipeline plan {self.path}: {e}") from None
+            if str(e) != self._error:  # read again next time: the file may be mid-write
+                logger.error("[Coordinator.Trainer] pipeline plan %s refused (%s); keeping the previous plan",
+                             self.path, e)
+                self._error = str(e)
+        return self._cached[1]
+
+
+class LivePlans:
+    """Hybrid mode: the planner's plan for the live fleet, planned again when the fleet changes
+    enough (coordinator.planning.live); every decision is a `plan` record in metrics.jsonl."""
+
+    def __init__(self, ctx: RoundContext) -> None:
+        job = ctx.job
+        self.ctx = ctx
+        self.model_cost = measure_model_cost(job.model)
+        self.planner = LivePlanner(job.planner, self.model_cost, job.training.global_batch,
+                                   job.pipeline.stage_state, job.pipeline.sync_every)
+        self.history: list[dict] = []
+        """Every plan put in force (step, kind, predicted step seconds), for the run's summary."""
+
+    def current(self, step: int, fleet: Fleet) -> Plan:
+        if self.planner.current is None:
+            self._wait_for_links()
+            fleet = Fleet.snapshot(self.ctx.registry)
+        boards = [board_from_record(r, self.model_cost) for r in fleet.records.values() if r.ready and not r.quarantined]
+        decision = self.planner.decide(step, boards, self._measured_step_s()) if boards else None
+        if decision is not None:
+            self._record(step, decision)
+        if self.planner.current is None:
+            raise JobAborted("no board to plan for")
+        return self.planner.current
+
+    def _record(self, step: int, decision) -> None:
+        plan, job = decision.plan, self.ctx.job
+        self.ctx.metrics.write(decision.to_record(job.pipeline.stage_state))
+        logger.info("[Coordinator.Planner] step %d: %s -> %s\n%s", step, "; ".join(decision.reasons),
+                    "new plan" if decision.switched else "plan kept (the new one is not "
+                    f"{job.planner.min_gain:.0%} better)", plan.explain())
+        entry = {"step": step, "kind": plan.kind, "predicted_step_s": plan.prediction.step_s,
+                 "predicted_samples_per_s": plan.prediction.samples_per_s}
+        if decision.switched or not self.history:
+            self.history.append(entry)
+        else:  # the same plan, predicted on today's fleet: its measured steps still count
+            self.history[-1].update(entry, step=self.history[-1]["step"])
+
+    def _measured_step_s(self) -> float | None:
+        """Median step time under the plan in force (its first step, carrying the hand-over, left
+        out); None before 3 such steps."""
+        if not self.history:
+            return None
+        since = self.history[-1]["step"]
+        times = sorted(sec for st, sec in self.ctx.step_seconds if st > since)
+        return times[len(times) // 2] if len(times) >= 3 else None
+
+    def _wait_for_links(self) -> None:
+        """Before the first plan: give every ready board up to link_wait_s to report its link."""
+        deadline = time.monotonic() + self.ctx.job.planner.link_wait_s
+        while time.monotonic() < deadline and not self.ctx.stop.is_set():
+            ready = [r for r in self.ctx.registry.snapshot() if r.ready]
+            if all(r.latest_telemetry and r.latest_telemetry.link_mbit_per_s for r in ready):
+                return
+            self.ctx.stop.wait(0.2)
+        logger.warning("[Coordinator.Planner] some boards have not measured their link yet; planning with "
+                       "%.0f Mbit/s for them", UNKNOWN_LINK_MBIT)
+
+
+def plan_source(ctx: RoundContext) -> PlanSource:
+    """The job's plan source: the planner, a plan file, or its pipeline section."""
+    if ctx.job.planner.enabled:
+        return LivePlans(ctx)
+    if ctx.job.pipeline.plan_file:
+        return PlanFile(ctx.job.pipeline.plan_file, list(ctx.model.block_names))
+    plan = ctx.job.pipeline.plan()
+    try:
+        check_covers(plan, ctx.model.block_names)
+    except ValueError as e:
+        raise ConfigError(f"pipeline.stages: {e}") from None
+    return FixedPlan(plan)
+
+
+class PipelineRound(RoundPolicy):
+    """The plan in force as pipeline stages and DP shards (see the module docstring)."""
+
+    def __init__(self, ctx: RoundContext, plans: PlanSource, dp: DataParallelRound) -> None:
+        super().__init__(ctx)
+        self.plans_from = plans
+        self.dp = dp
+        self.settings = ctx.job.pipeline
+        self.owners = StageOwners(ctx.job.name, ctx.model, ctx.aggregator.optimizer,
+                                  chunk_bytes=ctx.job.training.chunk_bytes,
+                                  timeout_s=max(60.0, self.settings.stage_timeout_s),
+                                  count_bytes=ctx.registry.count_bytes)
+        self.plans = plans.history if isinstance(plans, LivePlans) else []
+        self._committed = (-1, 0)
+        """The last committed step and the attempt that counted (hosts owning a stage apply it)."""
+        self._dp_shares: dict[str, int] | None = None
+        self._missing: list[str] = []
+
+    def configure(self, step: int, attempt: int, indices: list[int]) -> Round | None:
+        plan, hosts = self._plan_with_boards(step)
+        if not plan.stages:
+            self._release_owned(step, attempt)
+            return self.dp.configure_on(step, attempt, indices, plan.dp_boards)
+        job = self.ctx.job
+        assignments = assign(plan, self.settings, step=step, attempt=attempt, indices=indices,
+                             block_names=self.ctx.model.block_names, hosts=hosts, augment=job.dataset.augment,
+                             data_seed=job.seed, lr=self.ctx.aggregator.step_lr(step), commit=self._committed,
+                             previous_shares=self._dp_shares)
+        self._dp_shares = {d: len(a.indices) for d, a in assignments.items() if a.stage is None}
+        failed = self._place_owned(step, attempt, assignments)
+        self._republish_if_pulled(step)
+        if failed:
+            self._note_failures(step, attempt, failed)
+            self.ctx.stop.wait(job.training.heartbeat_timeout_s)
+            return None
+        timeout = job.training.step_timeout_s or 3 * self.settings.stage_timeout_s + 30.0  # a backstop
+        return Round(step, attempt, assignments, timeout, all_or_nothing=True)
+
+    def complete(self, round_: Round, outcome: AttemptOutcome, elapsed_s: float) -> bool:
+        if not round_.all_or_nothing:
+            return self.dp.complete(round_, outcome, elapsed_s)
+        registry = self.ctx.registry
+        failed = dict(outcome.rejected)
+        for device_id in outcome.missing:
+            failed.setdefault(device_id, "no result before the deadline" if registry.is_alive(device_id)
+                              else "gone (no heartbeat)")
+        failed.update({d: "no answer (its pipeline failed)" for d in round_.assignments
+                       if d not in outcome.accepted and d not in failed})
+        if not failed:
+            return True
+        self._note_failures(round_.step, round_.attempt, failed, round_.assignments)
+        # give a board that died time to miss its heartbeats: the next attempt then waits for a
+        # plan without it instead of failing again at once
+        self.ctx.stop.wait(self.ctx.job.training.heartbeat_timeout_s)
+        return False
+
+    def collect(self, round_: Round, outcome: AttemptOutcome) -> Collected:
+        fresh = list(outcome.accepted.values())
+        stages = {}
+        for c in fresh:
+            if c.stage is not None:
+                self.ctx.registry.observe_stage(c.device_id, c.samples, c.compute_s, c.comm_s, c.energy_j)
+                stages[c.device_id] = {"stage": c.stage.stage, "blocks": [c.stage.first_block, c.stage.end_block],
+                                       "compute_s": round(c.compute_s, 4), "wait_s": round(c.wait_s, 4),
+                                       "peak_activation_bytes": c.peak_activation_bytes,
+                                       "peer_bytes": c.peer_bytes, "upload_bytes": c.wire_bytes,
+                                       "owned": c.stage.owned}
+        return Collected(merge_pipelines(fresh), stages)
+
+    def committed(self, round_: Round) -> None:
+        self._committed = (round_.step, round_.attempt)
+
+    def after_step(self, step: int, saving: bool) -> None:
+        if self.owners.owners and (saving or (step + 1) % self.settings.sync_every == 0):
+            self._note_losses(step + 1, self.owners.sync(step + 1, self._committed, self.ctx.registry.is_alive))
+
+    def close(self) -> None:
+        self.owners.close()
+
+    # --- internals -----------------------------------------------------------------------------------
+    def _plan_with_boards(self, step: int) -> tuple[Plan, dict[str, Host]]:
+        """The plan in force once every board it names is ready (or a plan without stages)."""
+        while True:
+            fleet = Fleet.snapshot(self.ctx.registry)
+            plan = self.plans_from.current(step, fleet)
+            hosts = {r.name: Host(r.device_id, r.stage_address, r.speed) for r in fleet.records.values() if r.ready}
+            missing = missing_boards(plan, hosts) if plan.stages else []
+            if not missing:
+                self._missing = []
+                return plan, hosts
+            if missing != self._missing:
+                where = f" or for a new plan in {self.settings.plan_file}" if self.settings.plan_file else ""
+                logger.warning("[Coordinator.Trainer] the pipeline plan needs board(s) %s, which are not ready; "
+                               "waiting for them%s", ", ".join(missing), where)
+                self._missing = missing
+            if self.ctx.stop.wait(0.5):
+                raise JobAborted(f"stopped during step {step}")
+
+    def _place_owned(self, step: int, attempt: int, assignments: dict[str, Assignment]) -> dict[str, str]:
+        """Give owned stages to their planned hosts (taking state back from owners the plan no
+        longer wants); returns the hosts that could not take over their stage."""
+        wanted = {}
+        for device_id, a in assignments.items():
+            if a.stage is not None and a.stage.owned:
+                blocks = (a.stage.first_block, a.stage.end_block)
+                address = next(h.address for h in a.stage.hosts if h.device_id == device_id)
+                wanted[blocks] = Owner(device_id, address, blocks)
+        losses, failed = self.owners.place(wanted, step, self._committed, attempt, self.ctx.registry.is_alive)
+        self._note_losses(step, losses)
+        return failed
+
+    def _release_owned(self, step: int, attempt: int) -> None:
+        """The plan has no pipeline now: owned stages come back to the master first."""
+        if self.owners.owners:
+            failed = self._place_owned(step, attempt, {})
+            if failed:
+                self._note_failures(step, attempt, failed)
+            self.ctx.store.publish(step, state_tensors(self.ctx.model))
+            self.owners.master_changed = False
+
+    def _republish_if_pulled(self, step: int) -> None:
+        """Owned blocks taken back changed the master: serve the parameters as they are now."""
+        if self.owners.master_changed:
+            self.ctx.store.publish(step, state_tensors(self.ctx.model))
+            self.owners.master_changed = False
+
+    def _note_failures(self, step: int, attempt: int, failed: dict[str, str],
+                       assignments: dict[str, Assignment] | None = None) -> None:
+        self.failures.append({"attempt": attempt, "time": round(time.time(), 3), "failed": failed})
+        for device_id, reason in failed.items():
+            a = (assignments or {}).get(device_id)
+            role = f"stage {a.stage.stage} host" if a and a.stage else "DP shard" if a else "stage host"
+            logger.error("[Coordinator.Trainer] step %d attempt %d: %s %s failed: %s", step, attempt, role,
+                         device_id, reason)
+
+    def _note_losses(self, step: int, losses) -> None:
+        for loss in losses:
+            lost = step - max(loss.synced_version, 0)
+            self.failures.append({"time": round(time.time(), 3), "lost_state": {
+                "blocks": list(loss.blocks), "device": loss.device_id, "restored_version": loss.synced_version,
+                "steps_lost": lost, "reason": loss.reason}})
+            logger.warning("[Coordinator.Trainer] blocks [%d, %d) go back %d step(s) to version %d: their "
+                           "owner %s is lost (%s); pipeline.sync_every bounds this", loss.blocks[0], loss.blocks[1],
+                           lost, loss.synced_version, loss.device_id, loss.reason)

@@ -1,0 +1,184 @@
+"""Round policies: what each board does in one attempt of a step, and when the attempt counts.
+
+The step loop (trainer.py) is the same for every mode: publish the parameters, ask the job's
+`RoundPolicy` for an attempt (`configure`), open it on the step board, wait for it, ask the policy
+whether it counts (`complete`, else the step is redone), and hand the policy's contributions
+(`collect`) to the aggregator. One policy per mode, picked once from the job by
+`make_round_policy` — adding a mode means adding a policy, and a line there:
+
+- `DataParallelRound` (data_parallel.py): shards of the global batch split by measured speed;
+  without a deadline it waits for every board and redoes the step if one died, with one
+  (`Deadline`) the step closes at a multiple of its predicted time (deadline / staleness rules).
+- `FederatedRound` (data_parallel.py): every board trains locally on its own data partition.
+- `PipelineRound` (pipeline_round.py): the plan in force (a hand plan, a plan file, or the live
+  planner's) as pipeline stages and DP shards, all or nothing.
+
+A policy reads the fleet once per attempt (`Fleet.snapshot`), so one attempt is built from one
+consistent view of the boards.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from coordinator.registry import DeviceRecord, DeviceRegistry
+from coordinator.training.metrics import MetricsLog
+from coordinator.training.parameters import ParameterStore
+from coordinator.training.steps import AttemptOutcome, Contribution, StepBoard
+from edgetrain.config import JobConfig
+from edgetrain.split import SpeedEstimate
+from edgetrain.work import Assignment
+
+if TYPE_CHECKING:
+    from coordinator.training.aggregator import Aggregator
+
+logger = logging.getLogger(__name__)
+
+
+class JobAborted(RuntimeError):
+    """The job cannot go on (a step failed on every attempt, or it was stopped)."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """One attempt of a step: each board's work, and how to wait for it."""
+
+    step: int
+    attempt: int
+    assignments: dict[str, Assignment]
+    timeout_s: float
+    """How long after it opens the attempt ends, answered or not."""
+    keep_late: bool = False
+    """Unanswered tickets stay open past the deadline (their updates count later, down-weighted)."""
+    all_or_nothing: bool = False
+    """The attempt fails as soon as one board fails or leaves (a pipeline)."""
+
+
+@dataclass
+class Collected:
+    """What an attempt that counted contributes to the step."""
+
+    contributions: list[Contribution]
+    """The updates to aggregate (a pipeline's hosts merged into one)."""
+    stages: dict[str, dict] = field(default_factory=dict)
+    """Pipeline hosts: stage, compute and wait seconds, peak activation bytes."""
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The boards as the registry saw them at one moment (one snapshot per attempt)."""
+
+    records: dict[str, DeviceRecord]
+
+    @classmethod
+    def snapshot(cls, registry: DeviceRegistry) -> Fleet:
+        """The registry's records now."""
+        return cls({r.device_id: r for r in registry.snapshot()})
+
+    def ready(self) -> dict[str, SpeedEstimate]:
+        """Boards that may get work: alive, profiled, not quarantined; device id -> speed."""
+        return {d: r.speed for d, r in self.records.items() if r.ready and not r.quarantined}
+
+    def link_mbit(self, device_id: str) -> float | None:
+        """The board's newest measured link rate (None: not measured)."""
+        record = self.records.get(device_id)
+        sample = record.latest_telemetry if record else None
+        return sample.link_mbit_per_s if sample else None
+
+    def name(self, device_id: str) -> str:
+        """The board name of a device id."""
+        return self.records[device_id].name
+
+
+@dataclass
+class RoundContext:
+    """What every round policy works with."""
+
+    job: JobConfig
+    registry: DeviceRegistry
+    board: StepBoard
+    store: ParameterStore
+    model: torch.nn.Module
+    aggregator: Aggregator
+    metrics: MetricsLog
+    stop: threading.Event
+    train_size: int
+    step_seconds: list[tuple[int, float]] = field(default_factory=list)
+    """(step, seconds) of every step trained so far (the live planner judges its plan by them)."""
+
+    def wait_for_boards(self, count: int) -> dict[str, SpeedEstimate]:
+        """Block until `count` boards are ready (JobAborted when stopped first)."""
+        logged = False
+        while not self.stop.is_set():
+            speeds = self.registry.wait_ready(count, timeout_s=1.0)
+            if len(speeds) >= count:
+                return speeds
+            if not logged:
+                logger.info("[Coordinator.Trainer] waiting for %d ready device(s), have %d", count, len(speeds))
+                logged = True
+        raise JobAborted("stopped while waiting for devices")
+
+
+class RoundPolicy:
+    """A training mode: what each board does in an attempt, and when the attempt counts."""
+
+    plans: list[dict]
+    """Plans put in force (hybrid mode: step, kind, predicted step seconds); empty otherwise."""
+
+    def __init__(self, ctx: RoundContext) -> None:
+        self.ctx = ctx
+        self.plans = []
+        self.failures: list[dict] = []
+        """Failed attempts and lost state since the last committed step (for the step's record)."""
+
+    def configure(self, step: int, attempt: int, indices: list[int]) -> Round | None:
+        """Each board's work in this attempt of `step` on the global batch `indices`; None when
+        the attempt cannot run (it counts as failed and the step is tried again)."""
+        raise NotImplementedError
+
+    def complete(self, round_: Round, outcome: AttemptOutcome, elapsed_s: float) -> bool:
+        """Whether the attempt's results are used (else the step is redone); `elapsed_s`: how long
+        it was open."""
+        raise NotImplementedError
+
+    def collect(self, round_: Round, outcome: AttemptOutcome) -> Collected:
+        """The contributions of an attempt that counted."""
+        return Collected(list(outcome.accepted.values()))
+
+    def committed(self, round_: Round) -> None:
+        """The step of `round_` was applied (owned stages apply it on their hosts next time)."""
+
+    def after_step(self, step: int, saving: bool) -> None:
+        """`step` was applied; `saving`: an evaluation or checkpoint follows, so the master copy
+        must hold everything (stages whose hosts own their state are pulled back)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the policy (e.g. federated data partitions)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's `state_dict`."""
+
+    def close(self) -> None:
+        """Release channels and threads."""
+
+
+def make_round_policy(ctx: RoundContext) -> RoundPolicy:
+    """The job's round policy (see the module docstring)."""
+    from coordinator.training.data_parallel import DataParallelRound, Deadline, FederatedRound
+    from coordinator.training.pipeline_round import PipelineRound, plan_source
+
+    job = ctx.job
+    agg = job.aggregation
+    deadline = Deadline(agg, keep_late=ctx.aggregator.keeps_late) \
+        if agg.deadline == "predicted" or ctx.aggregator.keeps_late else None
+    if job.pipeline.enabled or job.planner.enabled:
+        return PipelineRound(ctx, plan_source(ctx), DataParallelRound(ctx))
+    if agg.federated:
+        return FederatedRound(ctx, deadline)
+    return DataParallelRound(ctx, deadline)
