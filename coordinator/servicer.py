@@ -84,7 +84,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._board = board
         self._store = store
         self._cache_lock = threading.Lock()
-        self._cache: dict[tuple[int, int], list[pb.ParameterMessage]] = {}
+        self._cache: dict[tuple[int, int, int], list[pb.ParameterMessage]] = {}
         self._job_spec = serde.board_job_to_proto(board_job)
 
     @_guarded("Register")
@@ -186,12 +186,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return self._store.full(version) if base < 0 else self._store.deltas(base, version)
 
     def _parameter_messages(self, base: int, version: int) -> list[pb.ParameterMessage]:
-        """The header and chunk messages of a download, encoded once and served to every device."""
+        """The header and chunk messages of a download, encoded once per publication and served to
+        every device."""
+        publication = self._store.publication
         metas, payload = self._bundle(base, version)  # refuses a version no longer served
         with self._cache_lock:
-            key = (base, version)
+            key = (publication, base, version)
             if key not in self._cache:
-                if any(v != version for _, v in self._cache):
+                if any(k[0] != publication or k[2] != version for k in self._cache):
                     self._cache.clear()
                 chunks = iter_chunks(payload, chunk_bytes=self._job.training.chunk_bytes)
                 self._cache[key] = list(serde.parameter_stream(metas, chunks))

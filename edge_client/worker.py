@@ -30,6 +30,7 @@ from edgetrain.data import load_dataset
 from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.errors import Refusal
 from edgetrain.models import build_model
+from edgetrain.streaming import TransferError
 from edgetrain.training import freeze_heap
 from edgetrain.work import Assignment, BoardJob, BoardProfile, Finished
 
@@ -182,6 +183,10 @@ class EdgeWorker:
                     lost.set()
                     return
                 logger.debug("[Client.Heartbeat] failed", exc_info=True)
+            except ValueError:  # the channel was closed under a last beat: this registration is over
+                if stop.is_set():
+                    return
+                raise
 
     def _probes(self, beat: threading.Event, stop: threading.Event, lost: threading.Event) -> None:
         """Link probes when no large transfer measured the link lately, each started just after a
@@ -198,6 +203,10 @@ class EdgeWorker:
                     probe_link(lambda payload: self.conn.probe(self.device_id, payload), self.conn.link)
                 except grpc.RpcError:
                     logger.debug("[Client.Probe] failed", exc_info=True)
+                except ValueError:  # the channel was closed under a last probe: this registration is over
+                    if stop.is_set():
+                        return
+                    raise
                 last_probe = time.monotonic()
 
     def _work_loop(self) -> str:
@@ -238,10 +247,10 @@ class EdgeWorker:
                 self.conn.report_failure(self.device_id, work.step, work.attempt, e.kind, str(e))
             except grpc.RpcError as report_error:
                 logger.info("[Client.Stage] failure report refused: %s", report_error.details())
-        except grpc.RpcError as e:
-            if transport.error_reason(e) == Refusal.UNKNOWN_DEVICE:
+        except (grpc.RpcError, TransferError) as e:
+            if isinstance(e, grpc.RpcError) and transport.error_reason(e) == Refusal.UNKNOWN_DEVICE:
                 raise Rejoin() from e
-            logger.warning("[Client.Step] step %d abandoned: %s %s", work.step, e.code().name, e.details())
+            logger.warning("[Client.Step] step %d abandoned: %s", work.step, transport.describe(e))
             if self._abandoned == (work.step, work.attempt):  # the same work again: do not spin
                 time.sleep(1.0)
             self._abandoned = (work.step, work.attempt)

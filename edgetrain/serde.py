@@ -9,11 +9,12 @@ INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 
 from edgetrain.catalog import DatasetSpec
 from edgetrain.errors import FailureKind
-from edgetrain.streaming import WIRE_DTYPES, RawChunk, TensorMeta, TransferError
+from edgetrain.streaming import DTYPE_BYTES, WIRE_DTYPES, RawChunk, TensorMeta, TransferError
 from edgetrain.telemetry import TelemetrySample
 from edgetrain.work import (
     Assignment,
@@ -56,6 +57,9 @@ def header_from_proto(msg: tpb.BundleHeader) -> tuple[list[TensorMeta], int]:
         dtype = _DTYPE_FROM_PROTO[spec.dtype]
         if any(d < 0 for d in spec.shape):
             raise TransferError("invalid_argument", f"tensor {spec.name!r}: negative dimension")
+        if spec.nbytes != math.prod(spec.shape) * DTYPE_BYTES[dtype]:
+            raise TransferError("invalid_argument", f"tensor {spec.name!r}: {spec.nbytes} bytes do not hold a "
+                                f"{dtype} tensor of shape {list(spec.shape)}")
         metas.append(TensorMeta(spec.name, dtype, tuple(spec.shape), spec.offset, spec.nbytes))
         if spec.offset != offset:
             raise TransferError("invalid_argument", f"tensor {spec.name!r}: offset {spec.offset}, expected {offset}")

@@ -14,8 +14,11 @@ import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-WIRE_DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8")
-"""The tensor dtypes a bundle may carry (edgetrain.tensors maps them to torch dtypes)."""
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1,
+                               "uint8": 1}
+"""The tensor dtypes a bundle may carry, with their element sizes (edgetrain.tensors maps them to
+torch dtypes)."""
+WIRE_DTYPES = tuple(DTYPE_BYTES)
 MIN_CHUNK_BYTES = 4 * 1024
 MAX_CHUNK_BYTES = 1024 * 1024
 

@@ -121,6 +121,10 @@ class StepReport:
         timings = (self.compute_s, self.download_s, self.encode_s, self.wait_s)
         if not all(math.isfinite(t) and t >= 0 for t in timings):
             raise ValueError(f"step report timings must be finite and >= 0, got {timings}")
+        if not math.isfinite(self.loss):
+            raise ValueError(f"step report loss must be finite, got {self.loss}")
+        if self.energy_j is not None and not (math.isfinite(self.energy_j) and self.energy_j >= 0):
+            raise ValueError(f"step report energy_j must be finite and >= 0, got {self.energy_j}")
 
 
 @dataclass(frozen=True)

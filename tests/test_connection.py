@@ -1,4 +1,4 @@
-"""The board's CoordinatorConnection against an in-process coordinator (tests/test_servicer.py):
+"""The board's CoordinatorConnection against an in-process coordinator (tests/inprocess.py):
 typed calls, transfers that resume from the last good byte, and the retry budget."""
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ import grpc
 import pytest
 import torch
 from conftest import small_job, wait_for
+from inprocess import InProcessCoordinator, assignment, serve_coordinator
 from rawboard import refused
-from test_servicer import InProcessCoordinator, assignment, serve_coordinator
 
-from coordinator.main import board_job
 from edge_client.connection import CoordinatorConnection, CoordinatorUnreachable
 from edgetrain import transport
 from edgetrain.data import load_dataset, make_batch
@@ -98,7 +97,7 @@ def test_a_board_joins_works_one_step_and_hears_the_job_end(coordinator, connect
 
     # Assert: the coordinator knows the board as it described itself
     record = coordinator.registry.get(device_id)
-    assert job == board_job(coordinator.job)
+    assert job == coordinator.board_job
     assert (record.name, record.stage_address, record.info["emulated_speed"]) == ("board-a", "127.0.0.1:7001", 0.5)
     assert record.profile == PROFILE and record.state == "ready"
     # ... handed it its work and the parameters it published, and took its update exactly once

@@ -6,19 +6,20 @@ wires them. There is no Trainer: each test opens step attempts on the StepBoard 
 waits for their answers, and speaks raw gRPC through the generated stubs (tests/rawboard.py) so
 it can send what a well-behaved client never would.
 
-`serve_coordinator` is also what test_connection.py and test_worker.py run their clients against.
+The in-process coordinator (tests/inprocess.py) is also what test_connection.py and
+test_worker.py run their clients against.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import grpc
 import pytest
 import torch
 from conftest import small_job
+from inprocess import SAMPLES, InProcessCoordinator, assignment, serve_coordinator
 from rawboard import (
     RPC_TIMEOUT_S,
     Board,
@@ -33,80 +34,18 @@ from rawboard import (
     upload,
     upload_good,
 )
-from torch import nn
 
 import edgetrain
-from coordinator.main import board_job
-from coordinator.registry import DeviceRegistry
-from coordinator.servicer import CoordinatorServicer, create_server
-from coordinator.training.parameters import ParameterStore
-from coordinator.training.steps import AttemptOutcome, StepBoard
 from edgetrain import serde, transport
-from edgetrain.config import JobConfig
 from edgetrain.errors import FailureKind, Refusal
-from edgetrain.models import build_model
 from edgetrain.telemetry import TelemetrySample
-from edgetrain.training import shard_tensor_names, state_tensors
-from edgetrain.updates import UpdateFormats
-from edgetrain.work import Assignment, Finished
+from edgetrain.training import state_tensors
+from edgetrain.work import Finished
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(60)
 
-SAMPLES = tuple(range(0, 480, 20))
-"""24 samples spread over the 512 of the small job's synthetic training set."""
-
-
-# --- an in-process coordinator without a trainer -------------------------------------------------
-
-@dataclass
-class InProcessCoordinator:
-    """A CoordinatorServicer served on 127.0.0.1 in this process; the test plays the trainer."""
-
-    job: JobConfig
-    model: nn.Module
-    """The master model; version 0 of the store is its state."""
-    registry: DeviceRegistry
-    board: StepBoard
-    store: ParameterStore
-    server: grpc.Server
-    port: int
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def open(self, assignments: dict[str, Assignment]) -> None:
-        """Open a step attempt: each device gets its assignment on its next poll."""
-        self.board.open_attempt(assignments)
-
-    def wait(self, step: int, attempt: int = 0, timeout_s: float = 30.0) -> AttemptOutcome:
-        """Block until every ticket of (step, attempt) is answered (or `timeout_s`), then close it."""
-        return self.board.wait_attempt(step, attempt, time.monotonic() + timeout_s, self.registry.is_alive)
-
-    def close(self) -> None:
-        """Release every poll, then stop serving."""
-        self.board.finish("coordinator stopped")
-        self.server.stop(grace=1.0).wait()
-
-
-def serve_coordinator(job: JobConfig, *, port: int = 0) -> InProcessCoordinator:
-    """Serve `job` on 127.0.0.1:`port` (0: any free port) with version 0 of the parameters published."""
-    model = build_model(job.model, seed=job.seed)
-    registry = DeviceRegistry()
-    board = StepBoard(UpdateFormats(shard_tensor_names(model)), model.block_names)
-    store = ParameterStore(job.compression.downlink)
-    store.publish(0, state_tensors(model))
-    servicer = CoordinatorServicer(job, board_job(job), registry, board, store)
-    server, bound = create_server(f"127.0.0.1:{port}", servicer)
-    return InProcessCoordinator(job, model, registry, board, store, server, bound)
-
-
-def assignment(step: int = 0, attempt: int = 0, indices: Sequence[int] = SAMPLES, **fields) -> Assignment:
-    """A data-parallel assignment on parameter version `step`."""
-    return Assignment(step=step, attempt=attempt, param_version=step, indices=tuple(indices), augment=False,
-                      data_seed=0, **fields)
 
 
 @pytest.fixture
@@ -143,7 +82,7 @@ def test_register_refuses_another_protocol_version_then_admits_a_current_board(c
     # Assert
     _assert_refused(error, grpc.StatusCode.FAILED_PRECONDITION, Refusal.PROTOCOL_MISMATCH,
                     f"this coordinator speaks {edgetrain.PROTOCOL_VERSION}")
-    assert serde.board_job_from_proto(reply.job) == board_job(coordinator.job)
+    assert serde.board_job_from_proto(reply.job) == coordinator.board_job
     assert sorted(r.name for r in coordinator.registry.snapshot()) == ["from-today", "raw-board"]
 
 
@@ -367,11 +306,6 @@ def test_deltas_from_a_version_no_longer_kept_are_refused_and_kept_ones_are_serv
         coordinator.close()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "CoordinatorServicer._parameter_messages caches the encoded download per (base, version) and "
-    "clears the cache only when another version is asked for, so after ParameterStore.publish "
-    "re-publishes the same version (Trainer._run_step does when owned pipeline blocks are taken "
-    "back: 'serve them as they are now') full downloads keep serving the first publication"))
 def test_a_version_published_again_is_served_as_published_last(coordinator, board):
     # Prepare: version 0 is downloaded once (so the servicer has encoded it), then published anew
     download(board, 0)

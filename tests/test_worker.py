@@ -1,5 +1,5 @@
 """A real EdgeWorker in a thread of the test process against an in-process coordinator
-(tests/test_servicer.py): what it uploads is what the shared training arithmetic computes, it
+(tests/inprocess.py): what it uploads is what the shared training arithmetic computes, it
 stops with the coordinator's reason, and it joins again when the coordinator forgets it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import small_job
-from test_servicer import SAMPLES, InProcessCoordinator, assignment, serve_coordinator
+from inprocess import SAMPLES, InProcessCoordinator, assignment, serve_coordinator
 
 from edge_client.connection import CoordinatorConnection
 from edge_client.emulation import BoardEmulation

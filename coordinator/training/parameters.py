@@ -33,11 +33,19 @@ class ParameterStore:
         self._old: OrderedDict[int, tuple[list[TensorMeta], memoryview]] = OrderedDict()
         self._lock = threading.Lock()
         self._version = -1
+        self._publication = 0
         self._full: tuple[list[TensorMeta], memoryview] | None = None
         self._view: dict[str, torch.Tensor] | None = None
         self._format: DeltaFormat | None = None
         self._deltas: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
         self._chains: OrderedDict[tuple[int, int], tuple[list[TensorMeta], memoryview]] = OrderedDict()
+
+    @property
+    def publication(self) -> int:
+        """Counts publications: changes whenever what is served changes (even the same version
+        published again, e.g. after owned pipeline blocks came back)."""
+        with self._lock:
+            return self._publication
 
     @property
     def version(self) -> int:
@@ -65,6 +73,7 @@ class ParameterStore:
                     self._deltas.popitem(last=False)
                 self._full = None
             self._version = version
+            self._publication += 1
             self._chains.clear()
 
     def full(self, version: int) -> tuple[list[TensorMeta], memoryview]:
