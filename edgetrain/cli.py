@@ -144,7 +144,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     advertise = None if args.no_advertise else (
         args.advertise or (default_interfaces() if host in ("0.0.0.0", "") else [host]))
     if args.jobs:
-        from coordinator.jobs.server import serve_jobs
+        from coordinator.jobs.servicer import serve_jobs
 
         serve_jobs(bind=args.bind, state_dir=args.state_dir, runs_dir=args.runs_dir, data_dir=args.data_dir,
                    scheduler=args.scheduler, port_file=args.port_file, stop=stop, cluster=args.cluster,

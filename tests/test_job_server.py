@@ -19,7 +19,8 @@ from conftest import small_job, wait_for
 import edgetrain
 from coordinator.jobs.command import is_job_server
 from coordinator.jobs.scheduler import Board, Job
-from coordinator.jobs.server import JobServer, JobServerServicer
+from coordinator.jobs.server import JobServer
+from coordinator.jobs.servicer import JobServerServicer
 from coordinator.jobs.simulator import simulate
 from coordinator.jobs.speed import PlannerSpeed, board_spec
 from edgetrain.config import job_from_dict

@@ -1,7 +1,8 @@
 """Several jobs share one fleet: the job server, its scheduler and the user's commands.
 
 - ``server.py``      the job server: lobby of boards, one coordinator process per running job,
-                     stalls, restarts; its gRPC face (``JobServer``) and ``serve_jobs``.
+                     stalls, restarts.
+- ``servicer.py``    its gRPC face (service ``JobServer``) and ``serve_jobs``, the entry point.
 - ``store.py``       jobs persisted in ``<state-dir>/jobs.json``.
 - ``scheduler.py``   rolling-horizon scheduling (branch and bound, greedy) and the FIFO,
                      first-fit and static baselines, all pure.

@@ -29,20 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import grpc
 import psutil
 import yaml
 
-import edgetrain
-from coordinator.advertiser import advertise_on
 from coordinator.jobs.scheduler import SCHEDULERS, Board, FleetState, Job, Running
 from coordinator.jobs.speed import PlannerSpeed, board_spec, warm
 from coordinator.jobs.store import ACTIVE, DONE, JobRecord, JobStore
-from edgetrain import transport
 from edgetrain.config import ConfigError, JobConfig, job_from_dict, job_to_dict
 from edgetrain.emulator.launch import edgetrain_command
-from protos import jobs_pb2 as pb
-from protos import jobs_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -522,91 +516,3 @@ def _terminate(*procs: subprocess.Popen | psutil.Process, grace_s: float = 8.0) 
             proc.kill()
         except (ProcessLookupError, psutil.Error):
             pass
-
-
-# --- gRPC ---------------------------------------------------------------------------------------
-
-
-def job_view(job: JobRecord, runs_dir: Path) -> pb.JobView:
-    return pb.JobView(id=job.id, name=job.name, model=job.model, kind=job.kind, request=job.request,
-                      state=job.state, boards=job.boards, priority=job.priority, submitted=job.submitted,
-                      planned_start=job.planned_start, predicted_finish=job.predicted_finish,
-                      started=job.started, finished=job.finished, steps=job.steps, steps_done=job.steps_done,
-                      predicted_samples_per_s=job.predicted_samples_per_s, message=job.message,
-                      run_dir=str(runs_dir / job.run_name), launches=job.launches)
-
-
-class JobServerServicer(pb_grpc.JobServerServicer):
-    """gRPC face of a JobServer; every bad request gets a precise status, the server keeps serving."""
-
-    def __init__(self, server: JobServer) -> None:
-        self.server = server
-
-    def Submit(self, request: pb.SubmitRequest, context) -> pb.JobView:
-        try:
-            return job_view(self.server.submit(request.job_yaml), self.server.runs_dir)
-        except ConfigError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Submit: {e}")
-
-    def ListJobs(self, request: pb.ListJobsRequest, context) -> pb.ListJobsReply:
-        jobs, boards = self.server.snapshot()
-        return pb.ListJobsReply(
-            jobs=[job_view(j, self.server.runs_dir) for j in jobs], scheduler=self.server.scheduler_name,
-            boards=[pb.BoardView(name=b.name, speed=b.speed, link_mbit_per_s=b.mbit_per_s, job=b.job, alive=b.alive)
-                    for b in sorted(boards, key=lambda b: b.name)],
-            now=self.server.clock(), plan_exact=self.server.plan_exact)
-
-    def Cancel(self, request: pb.CancelRequest, context) -> pb.JobView:
-        try:
-            return job_view(self.server.cancel(request.id), self.server.runs_dir)
-        except KeyError:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"Cancel: no job {request.id!r}")
-        except ValueError as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"Cancel: {e}")
-
-    def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
-        if request.protocol_version != edgetrain.PROTOCOL_VERSION:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"Join: protocol version {request.protocol_version}, this server speaks "
-                          f"{edgetrain.PROTOCOL_VERSION}")
-        try:
-            self.server.join(request.name, request.reference_s, request.link_mbit_per_s)
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Join: {e}")
-        return pb.JoinReply(poll_s=self.server.poll_s)
-
-    def NextJob(self, request: pb.NextJobRequest, context) -> pb.JobOffer:
-        try:
-            job = self.server.next_job(request.name, request.max_wait_s)
-        except KeyError:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"NextJob: unknown board {request.name!r}: Join first")
-        if job is None:
-            return pb.JobOffer()
-        return pb.JobOffer(job_id=job.id, port=job.port, job_name=job.run_name)
-
-    def Probe(self, request: pb.LobbyProbe, context) -> pb.LobbyProbeAck:
-        return pb.LobbyProbeAck()
-
-
-def serve_jobs(*, bind: str, state_dir: Path, runs_dir: Path, data_dir: Path, scheduler: str = "rolling",
-               port_file: str | None = None, stop: threading.Event | None = None, cluster: str = "edgetrain",
-               advertise: list[str] | None = None) -> None:
-    """Run a job server until `stop` (or SIGTERM in the CLI)."""
-    stop = stop or threading.Event()
-    host = bind.rsplit(":", 1)[0]
-    server = JobServer(state_dir=state_dir, runs_dir=runs_dir, data_dir=data_dir,
-                       host="0.0.0.0" if host in ("", "[::]") else host, scheduler=scheduler)
-    grpc_server, port = transport.create_server(bind, [(pb_grpc.add_JobServerServicer_to_server,
-                                                        JobServerServicer(server))])
-    server.reference_s  # noqa: B018 - measure before boards join, on a quiet machine
-    advertiser = advertise_on(cluster, host, port, advertise) if advertise else None
-    logger.info("[JobServer] serving on %s:%d (scheduler %s, state in %s)", host, port, scheduler, state_dir)
-    if port_file:
-        Path(port_file).write_text(f"{host}:{port}\n")
-    try:
-        server.run(stop)
-    finally:
-        if advertiser:
-            advertiser.close()
-        grpc_server.stop(grace=1.0)
-        server.shutdown()

@@ -6,6 +6,8 @@
 - ``climb.py``       the heuristic's hill climb over plan shapes.
 - ``brute_force.py`` the optimum by enumerating tiny instances: the tests' oracle.
 - ``inputs.py``      what the planner is given: per-block model costs, boards as ``BoardCost``.
+- ``measure.py``     timing this machine (per-block model cost, one core's speed, CPU per byte).
+- ``cache.py``       those measurements on disk, with what they were measured on.
 - ``live.py``        hybrid mode: when to plan again and whether to switch (hysteresis).
 - ``command.py``     ``edgetrain plan FLEET.yaml``: a fleet file's plan, explained.
 
