@@ -135,7 +135,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     import threading
 
     from coordinator.main import run_coordinator
-    from coordinator.training.trainer import JobAborted
+    from coordinator.training.rounds import JobAborted
     from edgetrain.discovery import default_interfaces
 
     stop = threading.Event()

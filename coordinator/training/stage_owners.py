@@ -32,6 +32,7 @@ from edgetrain.pipeline import stage_parameter_prefixes
 from edgetrain.streaming import TransferError, check_metas, iter_chunks
 from edgetrain.tensors import bundle_metas, check_finite, pack, unpack
 from edgetrain.training import MOMENTUM_PREFIX
+from edgetrain.work import StateRequest
 from protos import stage_pb2 as spb
 from protos import stage_pb2_grpc as spb_grpc
 
@@ -147,12 +148,12 @@ class StageOwners:
         return Loss(owner.blocks, owner.device_id, synced, reason)
 
     def _request(self, owner: Owner, version: int, commit: tuple[int, int], attempt: int,
-                 release: bool = False) -> spb.StateRequest:
+                 release: bool = False) -> StateRequest:
         group = self.optimizer.param_groups[0]
-        return spb.StateRequest(job_id=self.job_id, first_block=owner.blocks[0], end_block=owner.blocks[1],
-                                version=version, commit_step=commit[0], commit_attempt=commit[1],
-                                supersede_attempt=attempt, momentum=group["momentum"],
-                                weight_decay=group["weight_decay"], nesterov=group["nesterov"], release=release)
+        return StateRequest(job_id=self.job_id, first_block=owner.blocks[0], end_block=owner.blocks[1],
+                            version=version, commit_step=commit[0], commit_attempt=commit[1],
+                            supersede_attempt=attempt, momentum=group["momentum"],
+                            weight_decay=group["weight_decay"], nesterov=group["nesterov"], release=release)
 
     def _stage(self, blocks: tuple[int, int]) -> tuple[dict[str, nn.Parameter], dict[str, torch.Tensor]]:
         prefixes = stage_parameter_prefixes(self.model.block_names, *blocks)
@@ -171,7 +172,7 @@ class StageOwners:
         request = self._request(owner, version, commit, attempt)
 
         def messages() -> Iterator[spb.StateMessage]:
-            yield spb.StateMessage(request=request)
+            yield spb.StateMessage(request=serde.state_request_to_proto(request))
             yield spb.StateMessage(header=serde.header_to_proto(metas))
             for chunk in iter_chunks(payload, chunk_bytes=self.chunk_bytes):
                 yield spb.StateMessage(chunk=serde.chunk_to_proto(chunk))
@@ -190,8 +191,7 @@ class StageOwners:
         stub = self._stub(owner.address)
 
         def open_stream(offset: int):
-            request.offset = offset
-            return stub.PullState(request, timeout=timeout_s)
+            return stub.PullState(serde.state_request_to_proto(replace(request, offset=offset)), timeout=timeout_s)
 
         retry = replace(transport.TRANSFERS, budget_s=min(transport.TRANSFERS.budget_s, timeout_s))
         metas, payload = transport.receive_bundle(open_stream, f"state of blocks {list(owner.blocks)} from "

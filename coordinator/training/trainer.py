@@ -32,9 +32,6 @@ from edgetrain.training import evaluate, state_tensors
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["JobAborted", "StepRecord", "Trainer"]
-
-
 @dataclass
 class StepRecord:
     """What one completed step did, for metrics."""
