@@ -47,7 +47,6 @@ from protos import coordinator_pb2_grpc as pb_grpc
 pytestmark = pytest.mark.timeout(60)
 
 
-
 @pytest.fixture
 def coordinator() -> Iterator[InProcessCoordinator]:
     running = serve_coordinator(small_job())
