@@ -207,7 +207,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         header = first.header
         self._registry.get(header.device_id)
         metas, _ = serde.header_from_proto(header.bundle)
-        report = serde.step_report_from_proto(header.report)
+        try:
+            report = serde.step_report_from_proto(header.report)
+        except ValueError as e:  # the update comes with a report nothing can use: it is refused
+            self._board.refuse(header.device_id, header.step, header.attempt, f"bad step report: {e}")
+            raise
         assembler = self._board.begin_upload(header.device_id, header.step, header.attempt, metas,
                                              report, header.resume_offset)
         for message in request_iterator:

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import torch
@@ -31,8 +31,8 @@ from protos import stage_pb2_grpc as spb_grpc
 
 logger = logging.getLogger(__name__)
 
-SEND_RETRY = transport.RetryPolicy(budget_s=2.0, initial_s=0.2)
-"""A neighbour briefly unreachable is tried again for up to 2 s; the stage timeout bounds the rest."""
+SEND_RETRY = transport.RetryPolicy(budget_s=None, max_tries=3, initial_s=0.2)
+"""A neighbour briefly unreachable is tried three times in all; the stage timeout bounds each try."""
 
 
 class StageFailure(Exception):
@@ -132,7 +132,9 @@ class StagePeerServicer(spb_grpc.StagePeerServicer):
         self.state = state or StageState()
         self.chunk_bytes = chunk_bytes
         self._pulled: tuple[tuple, list, memoryview] | None = None
-        """The last state pulled (request key, metas, payload): an interrupted pull resumes from it."""
+        """The last state pulled (request, metas, payload): an interrupted pull resumes from it;
+        kept until the next pull or hand-over."""
+        self._pulled_lock = threading.Lock()
 
     def LoadState(self, request_iterator: Iterator[spb.StateMessage], context) -> spb.StageAck:
         first = next(request_iterator, None)
@@ -151,6 +153,8 @@ class StagePeerServicer(spb_grpc.StagePeerServicer):
             payload = transport.read_bundle(request_iterator, total, after="bundle header",
                                             on_chunk=self.shaper.after_receive if self.shaper else None)
             self.state.load(request, unpack(metas, payload))
+            with self._pulled_lock:
+                self._pulled = None
         except TransferError as e:
             transport.abort(context, _status(e), str(e))
         except StageStateError as e:
@@ -167,19 +171,21 @@ class StagePeerServicer(spb_grpc.StagePeerServicer):
         except ValueError as e:
             transport.abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self.mailbox.supersede(request.version, request.supersede_attempt)
-        key = (request.job_id, request.first_block, request.end_block, request.version)
-        if request.offset:
-            if self._pulled is None or self._pulled[0] != key:
-                transport.abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"no pull of blocks "
-                                f"[{request.first_block}, {request.end_block}) version {request.version} to resume",
-                                Refusal.STAGE_STATE_MISMATCH)
-            _, metas, payload = self._pulled
-        else:
-            try:
-                metas, payload = pack(self.state.export(request))
-            except StageStateError as e:
-                transport.abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e), Refusal.STAGE_STATE_MISMATCH)
-            self._pulled = (key, metas, payload)
+        key = replace(request, offset=0, supersede_attempt=0)  # a resumed pull asks for the same state
+        with self._pulled_lock:
+            if request.offset:
+                if self._pulled is None or self._pulled[0] != key:
+                    transport.abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"no pull of blocks "
+                                    f"[{request.first_block}, {request.end_block}) version {request.version} "
+                                    "to resume", Refusal.STAGE_STATE_MISMATCH)
+                _, metas, payload = self._pulled
+            else:
+                try:
+                    metas, payload = pack(self.state.export(request))
+                except StageStateError as e:
+                    transport.abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e),
+                                    Refusal.STAGE_STATE_MISMATCH)
+                self._pulled = (key, metas, payload)
         if request.offset > len(payload):
             transport.abort(context, grpc.StatusCode.OUT_OF_RANGE, f"offset {request.offset} is past the "
                             f"{len(payload)} bytes of the state")

@@ -458,6 +458,8 @@ class JobConfig:
                  "the planner makes the plan: leave pipeline.stages and pipeline.plan_file empty")
         _require(not (self.planner.enabled and self.aggregation.federated), "planner.enabled", True,
                  "hybrid plans are for data-parallel and pipeline training, not federated rounds")
+        _require(not (self.pipeline.enabled and self.aggregation.federated), "aggregation.rule", self.aggregation.rule,
+                 "federated rounds train the whole model on each board: leave the pipeline section out")
         agg = self.aggregation
         if (self.pipeline.enabled or self.planner.enabled) and self.pipeline.stage_state == "hosts":
             _require(agg.rule == "mean" and agg.deadline == "none" and not agg.clip_norm, "pipeline.stage_state",

@@ -46,7 +46,6 @@ class FailureKind(enum.IntEnum):
     STAGE_STATE = 4
     """The board's owned stage state does not fit the work (version, blocks), or its gradients
     were not finite."""
-    BAD_PEER_TENSOR = 5
-    """A neighbour sent a tensor that does not fit the stage."""
-    INTERNAL = 6
-    """An unexpected error on the board (logged there with its traceback)."""
+    INTERNAL = 5
+    """Anything else that went wrong on the board (a neighbour's tensor that does not fit the
+    stage, a bug); logged there with its traceback."""

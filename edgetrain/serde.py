@@ -197,11 +197,13 @@ def step_report_to_proto(report: StepReport) -> pb.StepReport:
 
 
 def step_report_from_proto(msg: pb.StepReport) -> StepReport:
-    """A board's report; ValueError for timings that are not finite and >= 0."""
-    return StepReport(samples=msg.samples, loss=msg.loss, correct=msg.correct, compute_s=msg.compute_s,
-                      download_s=msg.download_s, encode_s=msg.encode_s,
-                      energy_j=msg.energy_j if msg.HasField("energy_j") else None, wait_s=msg.wait_s,
-                      peak_activation_bytes=msg.peak_activation_bytes, peer_bytes=msg.peer_bytes)
+    """A board's report; ValueError for a figure that is not finite, or a negative duration."""
+    report = StepReport(samples=msg.samples, loss=msg.loss, correct=msg.correct, compute_s=msg.compute_s,
+                        download_s=msg.download_s, encode_s=msg.encode_s,
+                        energy_j=msg.energy_j if msg.HasField("energy_j") else None, wait_s=msg.wait_s,
+                        peak_activation_bytes=msg.peak_activation_bytes, peer_bytes=msg.peer_bytes)
+    report.check()
+    return report
 
 
 def upload_header_to_proto(device_id: str, step: int, attempt: int, metas: Sequence[TensorMeta],

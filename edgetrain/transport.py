@@ -193,6 +193,8 @@ class RetryPolicy:
 
     budget_s: float | None = 60.0
     """How long to keep retrying; None: indefinitely."""
+    max_tries: int | None = None
+    """At most this many tries, however quick (None: as many as the budget allows)."""
     initial_s: float = 0.2
     """First delay."""
     max_s: float = 5.0
@@ -244,6 +246,8 @@ class Backoff:
         """Sleep before the next try, or raise Unreachable (from `error`) when the budget is spent."""
         self.tries += 1
         delay = self._delay * (0.5 + self._rng.random())  # jitter: boards that lost one server spread out
+        if self.policy.max_tries is not None and self.tries >= self.policy.max_tries:
+            raise Unreachable(f"{self.what}: gave up after {self.tries} tries ({describe(error)})") from error
         if self._deadline is not None and time.monotonic() + delay > self._deadline:
             raise Unreachable(f"{self.what}: gave up after {self.tries} tries in {self.policy.budget_s:g} s "
                               f"({describe(error)})") from error

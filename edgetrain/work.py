@@ -117,7 +117,9 @@ class StepReport:
     peer_bytes: int = 0
     """Pipeline stages: activation bytes sent to neighbours."""
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
+        """ValueError unless every figure is finite and every duration >= 0 (what the coordinator
+        accepts; a board reports what it measured, even a diverged loss)."""
         timings = (self.compute_s, self.download_s, self.encode_s, self.wait_s)
         if not all(math.isfinite(t) and t >= 0 for t in timings):
             raise ValueError(f"step report timings must be finite and >= 0, got {timings}")

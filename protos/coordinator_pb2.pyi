@@ -15,14 +15,12 @@ class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NEIGHBOUR_UNREACHABLE: _ClassVar[FailureKind]
     SUPERSEDED: _ClassVar[FailureKind]
     STAGE_STATE: _ClassVar[FailureKind]
-    BAD_PEER_TENSOR: _ClassVar[FailureKind]
     INTERNAL: _ClassVar[FailureKind]
 FAILURE_KIND_UNSPECIFIED: FailureKind
 NEIGHBOUR_TIMEOUT: FailureKind
 NEIGHBOUR_UNREACHABLE: FailureKind
 SUPERSEDED: FailureKind
 STAGE_STATE: FailureKind
-BAD_PEER_TENSOR: FailureKind
 INTERNAL: FailureKind
 
 class DeviceInfo(_message.Message):

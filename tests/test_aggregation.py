@@ -110,7 +110,7 @@ class Clock:
 def _board(clock) -> tuple[StepBoard, UpdateFormats]:
     model = build_model("small_cnn", seed=0)
     formats = UpdateFormats(shard_tensor_names(model))
-    return StepBoard(formats, clock=clock), formats
+    return StepBoard(formats, model.block_names, clock=clock), formats
 
 
 def _upload(board: StepBoard, formats: UpdateFormats, device: str, step: int, samples: int) -> None:
@@ -301,3 +301,15 @@ def test_a_model_with_batchnorm_encodes_and_commits_its_error_feedback(codec):
         if name.startswith("buf."):
             assert torch.equal(decoded[name], tensor)
     assert feedback.norm() > 0
+
+
+def test_two_updates_of_one_board_in_a_step_are_each_judged_on_their_own_norm():
+    # A late update and a fresh one from board "a" (staleness rule), beside two ordinary ones
+    late = contribution("a", 4, torch.tensor([1.0]), version=0)
+    fresh = contribution("a", 4, torch.tensor([100.0]), version=2)
+    others = [contribution("b", 4, torch.tensor([1.0])), contribution("c", 4, torch.tensor([1.2]))]
+
+    screening = screen([late, fresh, *others], outlier_factor=5.0)
+
+    assert fresh not in screening.kept and late in screening.kept
+    assert "outlier" in screening.rejected["a"]

@@ -60,6 +60,12 @@ def test_pipeline_jobs_refuse_settings_that_do_not_fit_together(job, message):
         job_from_dict({**data, "pipeline": {**data["pipeline"], "stage_state": "coordinator"}})
 
 
+def test_federated_rounds_refuse_a_pipeline():
+    with pytest.raises(ConfigError, match="federated rounds train the whole model on each board"):
+        job_from_dict({"model": "small_cnn", "aggregation": {"rule": "fedavg"},
+                       "pipeline": {**PLAN, "stage_state": "coordinator"}})
+
+
 def test_a_plan_must_cover_the_models_blocks_exactly():
     with pytest.raises(ValueError, match="sum to 5, but the model has 4 blocks"):
         check_covers(plan(stages=[{"blocks": 3, "boards": ["a"]}, {"blocks": 2, "boards": ["b"]}]),

@@ -403,3 +403,4 @@ def test_planning_time(case: _Timing) -> None:
           f"{seconds:.3f} s -> {plan.kind}, {len(plan.stages)} stages")
     assert plan.prediction.fits
     assert seconds < 10
+

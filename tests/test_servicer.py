@@ -316,3 +316,20 @@ def test_a_version_published_again_is_served_as_published_last(coordinator, boar
 
     # Assert
     assert all(torch.equal(served[name], changed[name]) for name in changed)
+
+
+def test_an_update_with_a_report_nothing_can_use_is_refused_as_the_tickets_answer(coordinator, board, tmp_path):
+    # Prepare: a good gradient whose report says the loss was NaN (a diverged board)
+    coordinator.open({board.device_id: assignment()})
+    work = next_step(board)
+    grad = compute_gradient(board, work, tmp_path)
+    head = header(board, grad)
+    head.report.loss = float("nan")
+
+    # Execute
+    error = refused(lambda: upload(board, head, chunks(grad)))
+    outcome = coordinator.wait(work.step, work.attempt)
+
+    # Assert: refused precisely, and counted as the board's refused answer, not as a board gone missing
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "loss must be finite" in error.details()
+    assert outcome.missing == [] and "bad step report" in outcome.rejected[board.device_id]

@@ -253,3 +253,22 @@ def test_a_retry_budget_of_none_retries_until_it_works():
 
     assert transport.RetryPolicy(budget_s=None, initial_s=0.001, max_s=0.002).call(flaky, "call") == "up"
     assert len(attempts) == 5
+
+
+def test_a_policy_with_a_most_tries_count_gives_up_after_that_many_however_quick():
+    calls = []
+
+    class Down(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "down"
+
+    def down():
+        calls.append(1)
+        raise Down()
+
+    with pytest.raises(transport.Unreachable):
+        transport.RetryPolicy(budget_s=None, max_tries=3, initial_s=0.001).call(down, "send")
+    assert len(calls) == 3

@@ -91,11 +91,13 @@ class LivePlanner:
             if measured_step_s and self.current.prediction is not None:
                 current_cost *= measured_step_s / self.current.prediction.step_s
         switch = current_cost is None or cost < (1 - self.cfg.min_gain) * current_cost
+        active = () if switch else tuple(n for n in self.current.dp_boards if now.share.get(n, 0.0) > 0)
+        if not switch and not self.current.stages and not active:
+            switch = True  # a data-parallel plan that would give none of its boards work cannot be kept
         self._reference = {b.name: b for b in boards}
         if switch:
             self.current = candidate
         else:  # keep the plan, with its prediction on today's fleet (shards it gives no work are out)
-            active = tuple(n for n in self.current.dp_boards if now.share.get(n, 0.0) > 0)
             idle = tuple((n, "no gain") for n in self.current.dp_boards if n not in active)
             kept = replace(self.current, dp_boards=active, dp_share=self.current.dp_share if active else 0.0,
                            left_out=self.current.left_out + idle)

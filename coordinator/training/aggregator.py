@@ -78,27 +78,32 @@ class Screening:
 
 def screen(contributions: Sequence[Contribution], *, clip_norm: float = 0.0,
            outlier_factor: float = 0.0) -> Screening:
-    """Clip and reject updates by norm (see the module docstring). Clipping scales in place."""
-    norms = {c.device_id: update_norm(c) for c in contributions}
+    """Clip and reject updates by norm (see the module docstring). Clipping scales in place.
+
+    Each update is judged on its own norm, even when one board sent two in a step (a late one
+    and a fresh one under the staleness rule)."""
+    each = [update_norm(c) for c in contributions]
+    refused: set[int] = set()
     rejected: dict[str, str] = {}
     if outlier_factor and len(contributions) >= 3:
-        median = statistics.median(norms.values())
-        for c in contributions:
-            if median > 0 and norms[c.device_id] > outlier_factor * median:
-                rejected[c.device_id] = (f"outlier: update norm {norms[c.device_id]:.4g} is "
-                                         f"{norms[c.device_id] / median:.1f}x the step's median {median:.4g} "
-                                         f"(limit {outlier_factor:g}x)")
+        median = statistics.median(each)
+        for i, c in enumerate(contributions):
+            if median > 0 and each[i] > outlier_factor * median:
+                refused.add(i)
+                rejected[c.device_id] = (f"outlier: update norm {each[i]:.4g} is {each[i] / median:.1f}x the "
+                                         f"step's median {median:.4g} (limit {outlier_factor:g}x)")
     kept, clipped = [], {}
-    for c in contributions:
-        if c.device_id in rejected:
+    for i, c in enumerate(contributions):
+        if i in refused:
             continue
-        if clip_norm and norms[c.device_id] > clip_norm:
-            scale = clip_norm / norms[c.device_id]
+        if clip_norm and each[i] > clip_norm:
+            scale = clip_norm / each[i]
             for name, tensor in c.tensors.items():
                 if name.startswith(GRAD_PREFIX):
                     c.tensors[name] = tensor * scale
-            clipped[c.device_id] = norms[c.device_id]
+            clipped[c.device_id] = each[i]
         kept.append(c)
+    norms = {c.device_id: n for c, n in zip(contributions, each)}
     return Screening(kept, rejected, clipped, norms)
 
 
@@ -211,13 +216,12 @@ class Aggregator:
         late, self._late = self._late, []
         rejected = {**refused, **self._late_rejected}
         self._late_rejected = {}
-        usable, stale = list(fresh), set()
+        usable, stale = list(fresh), {}
         for c in late:
             tau = step - c.param_version
             if tau > self.cfg.staleness_bound:
-                stale.add(c.device_id)
-                rejected[c.device_id] = f"stale: computed on version {c.param_version}, {tau} steps old " \
-                                        f"(bound {self.cfg.staleness_bound})"
+                stale[c.device_id] = rejected[c.device_id] = f"stale: computed on version {c.param_version}, " \
+                                                             f"{tau} steps old (bound {self.cfg.staleness_bound})"
             else:
                 usable.append(c)
         screening = screen(usable, clip_norm=self.cfg.clip_norm, outlier_factor=self.cfg.outlier_factor) if usable \
@@ -236,7 +240,7 @@ class Aggregator:
         for item in used:
             c = item.contribution
             self.registry.observe_step(c.device_id, c.samples, c.compute_s, c.comm_s, c.energy_j)
-        misbehaved = {d: r for d, r in rejected.items() if d not in stale}  # slowness is not misbehaviour
+        misbehaved = {d: r for d, r in rejected.items() if r is not stale.get(d)}  # slowness is not misbehaviour
         return Aggregate(used, rejected, screening.clipped, self._quarantine(step, misbehaved))
 
     def _quarantine(self, step: int, rejected: Mapping[str, str]) -> list[str]:

@@ -74,7 +74,8 @@ class DataParallelRound(RoundPolicy):
         return self.configure_on(step, attempt, indices)
 
     def configure_on(self, step: int, attempt: int, indices: list[int], names: tuple[str, ...] = ()) -> Round:
-        """`configure`, on the boards named `names` only (all available ones when empty)."""
+        """`configure`, on the boards named `names` only (every available board when `names` is empty
+        or none of them is available)."""
         speeds, fleet = self._available(step)
         if names:
             speeds = {d: s for d, s in speeds.items() if fleet.name(d) in names} or speeds
@@ -114,7 +115,6 @@ class DataParallelRound(RoundPolicy):
         ticket), waiting until there is one; and the fleet snapshot they come from."""
         ctx = self.ctx
         while True:
-            ctx.registry.release_quarantine(step)
             ctx.wait_for_boards(1)
             fleet = Fleet.snapshot(ctx.registry)
             busy = ctx.board.busy()

@@ -51,8 +51,11 @@ logger = logging.getLogger(__name__)
 class PlanSource(Protocol):
     """Where the plan in force comes from."""
 
+    def prepare(self) -> None:
+        """Called before each attempt looks at the fleet (the planner may wait for measurements)."""
+
     def current(self, step: int, fleet: Fleet) -> Plan:
-        """The plan for `step` (JobAborted when there is none and cannot be one)."""
+        """The plan for `step` on `fleet` (JobAborted when there is none and cannot be one)."""
 
 
 class FixedPlan:
@@ -60,6 +63,9 @@ class FixedPlan:
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
+
+    def prepare(self) -> None:
+        pass
 
     def current(self, step: int, fleet: Fleet) -> Plan:
         return self.plan
@@ -74,6 +80,9 @@ class PlanFile:
         self.block_names = block_names
         self._cached: tuple[float, Plan] | None = None
         self._error = ""
+
+    def prepare(self) -> None:
+        pass
 
     def current(self, step: int, fleet: Fleet) -> Plan:
         try:
@@ -106,17 +115,16 @@ class LivePlans:
         self.history: list[dict] = []
         """Every plan put in force (step, kind, predicted step seconds), for the run's summary."""
 
-    def current(self, step: int, fleet: Fleet) -> Plan:
+    def prepare(self) -> None:
         if self.planner.current is None:
             self._wait_for_links()
-            fleet = Fleet.snapshot(self.ctx.registry)
+
+    def current(self, step: int, fleet: Fleet) -> Plan:
         boards = [board_from_record(r, self.model_cost) for r in fleet.records.values() if r.ready and not r.quarantined]
         decision = self.planner.decide(step, boards, self._measured_step_s()) if boards else None
         if decision is not None:
             self._record(step, decision)
-        if self.planner.current is None:
-            raise JobAborted("no board to plan for")
-        return self.planner.current
+        return self.planner.current or Plan(dp_share=1.0)  # nobody to plan for yet: DP waits for boards
 
     def _record(self, step: int, decision) -> None:
         plan, job = decision.plan, self.ctx.job
@@ -249,6 +257,7 @@ class PipelineRound(RoundPolicy):
     def _plan_with_boards(self, step: int) -> tuple[Plan, dict[str, Host]]:
         """The plan in force once every board it names is ready (or a plan without stages)."""
         while True:
+            self.plans_from.prepare()
             fleet = Fleet.snapshot(self.ctx.registry)
             plan = self.plans_from.current(step, fleet)
             hosts = {r.name: Host(r.device_id, r.stage_address, r.speed) for r in fleet.records.values() if r.ready}

@@ -13,8 +13,8 @@ whether it counts (`complete`, else the step is redone), and hand the policy's c
 - `PipelineRound` (pipeline_round.py): the plan in force (a hand plan, a plan file, or the live
   planner's) as pipeline stages and DP shards, all or nothing.
 
-A policy reads the fleet once per attempt (`Fleet.snapshot`), so one attempt is built from one
-consistent view of the boards.
+A policy builds each attempt from one snapshot of the fleet (`Fleet.snapshot`), so an attempt's
+assignments come from one consistent view of the boards.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def make_round_policy(ctx: RoundContext) -> RoundPolicy:
     deadline = Deadline(agg, keep_late=ctx.aggregator.keeps_late) \
         if agg.deadline == "predicted" or ctx.aggregator.keeps_late else None
     if job.pipeline.enabled or job.planner.enabled:
-        return PipelineRound(ctx, plan_source(ctx), DataParallelRound(ctx))
+        return PipelineRound(ctx, plan_source(ctx), DataParallelRound(ctx, deadline))
     if agg.federated:
         return FederatedRound(ctx, deadline)
     return DataParallelRound(ctx, deadline)

@@ -113,7 +113,7 @@ class AttemptOutcome:
 class StepBoard:
     """Thread-safe state shared by the training driver and the RPC handlers."""
 
-    def __init__(self, formats: Callable[..., UpdateFormat], block_names: Sequence[str] = (),
+    def __init__(self, formats: Callable[..., UpdateFormat], block_names: Sequence[str],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._formats = formats
         self._block_names = list(block_names)
@@ -268,6 +268,11 @@ class StepBoard:
             ticket.accepted, ticket.upload = contribution, None
             self._cond.notify_all()
         return contribution
+
+    def refuse(self, device_id: str, step: int, attempt: int, reason: str) -> None:
+        """The device's answer to its ticket is refused before its upload began (e.g. a bad report)."""
+        with self._cond:
+            self._reject(device_id, self._ticket_for(device_id, step, attempt), reason)
 
     def fail(self, device_id: str, step: int, attempt: int, kind: FailureKind, reason: str) -> None:
         """The device reports it cannot complete its ticket; recorded as its answer."""

@@ -120,6 +120,7 @@ class Trainer:
 
     def _run_step(self, step: int) -> StepRecord:
         cfg = self.job.training
+        self.registry.release_quarantine(step)  # boards whose term is over work again, in every mode
         self.store.publish(step, state_tensors(self.model))
         indices = batch_indices(step, cfg.global_batch, self.train_size, self.job.seed)
         started = time.monotonic()
