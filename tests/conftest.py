@@ -139,12 +139,12 @@ def client_factory(tmp_path: Path) -> Iterator:
         proc.wait(10)
 
 
-def wait_for(predicate, timeout_s: float, what: str):
-    """Poll `predicate` every 0.5 s until it returns something truthy; fail naming `what`."""
+def wait_for(predicate, timeout_s: float, what: str, *, interval_s: float = 0.5):
+    """Poll `predicate` every `interval_s` until it returns something truthy; fail naming `what`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.5)
+        time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
