@@ -112,14 +112,16 @@ def test_a_link_rate_drop_re_plans_live_and_training_goes_on_without_the_board(
 
 @pytest.mark.timeout(420)
 def test_on_slow_links_the_planner_chooses_a_pipeline_and_it_trains(coordinator_factory, client_factory, tmp_path):
-    # Prepare: MobileNetV2 on three boards whose links make data parallelism move 18 MB per step
+    # Prepare: MobileNetV2 on three boards at 40 Mbit/s, where data parallelism moves 18 MB per
+    # board and step (3.6 s; `edgetrain plan` predicts 4x the throughput for a pipeline), and
+    # the owned stage's 18 MB go back to the coordinator in seconds at the end
     job = small_job(model="mobilenet_v2", training={"steps": 4, "min_clients": 3, "global_batch": 24,
                                                     "heartbeat_timeout_s": 30},
-                    dataset={"train_size": 96}, planner={"enabled": True, "link_wait_s": 60},
+                    dataset={"train_size": 96, "test_size": 24}, planner={"enabled": True, "link_wait_s": 60},
                     pipeline={"stage_timeout_s": 120})
     coordinator = coordinator_factory(job)
     for name in ("a", "b", "c"):
-        path = _board(tmp_path / f"{name}.yaml", name, 0.4, 8)
+        path = _board(tmp_path / f"{name}.yaml", name, 0.4, 40)
         client_factory(coordinator.address, name, extra=("--emulate", str(path), "--probe-interval", "2"))
 
     # Execute
