@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import subprocess
 import threading
@@ -118,8 +119,10 @@ channel must not cross a fork."""
 
 
 def _forks() -> multiprocessing.context.ForkServerContext:
+    """The fork server's context; the server starts (and imports FORK_PRELOAD) in the background."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(FORK_PRELOAD)
+    multiprocessing.forkserver.ensure_running()
     return context
 
 
@@ -170,6 +173,7 @@ def spawn_client(address: str, name: str, *, speed: float | None = None, log_dir
 @pytest.fixture
 def client_factory(tmp_path: Path) -> Iterator:
     """Start client processes for a test; they are killed afterwards."""
+    _forks()  # while the test starts its coordinator
     procs: list[ClientProcess] = []
 
     def factory(address: str, name: str, speed: float | None = None, extra: tuple[str, ...] = ()) -> ClientProcess:
