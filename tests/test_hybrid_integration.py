@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -76,10 +75,7 @@ def test_a_link_rate_drop_re_plans_live_and_training_goes_on_without_the_board(
     files = {n: _board(tmp_path / f"{n}.yaml", n, 0.3, 400) for n in ("a", "b", "c")}
     for name, path in files.items():
         client_factory(coordinator.address, name, extra=("--emulate", str(path), "--probe-interval", "1"))
-    deadline = time.monotonic() + 120
-    while len(_records(coordinator.run_dir)) < 5:
-        assert time.monotonic() < deadline, "training did not start"
-        time.sleep(0.2)
+    wait_for(lambda: len(_records(coordinator.run_dir)) >= 5, 120, "training to start", interval_s=0.2)
     first = _records(coordinator.run_dir, "plan")
     assert first and first[0]["reasons"] == ["first plan"]
     assert any(d.startswith("b-") for d in _records(coordinator.run_dir)[-1]["shares"])
@@ -87,27 +83,21 @@ def test_a_link_rate_drop_re_plans_live_and_training_goes_on_without_the_board(
     # Execute: b's link drops to 2 Mbit/s (its board file changes, as `edgetrain fleet` scripts it)
     before = len(_records(coordinator.run_dir, "plan"))
     _board(files["b"], "b", 0.3, 2)
-    dropped = time.monotonic()
-    replanned = None
-    while replanned is None and time.monotonic() < dropped + 90:  # (earlier re-plans on noise keep the plan)
-        replanned = next((p for p in _records(coordinator.run_dir, "plan")[before:]
-                          if any(r.startswith("b link") for r in p["reasons"]) and "b" in p["left_out"]), None)
-        time.sleep(0.2)
-    assert replanned is not None, "no re-plan within 90 s of the link drop"
-    seen = time.monotonic() - dropped
+    replanned = wait_for(  # (earlier re-plans on noise keep the plan)
+        lambda: next((p for p in _records(coordinator.run_dir, "plan")[before:]
+                      if any(r.startswith("b link") for r in p["reasons"]) and "b" in p["left_out"]), None),
+        90, "a re-plan leaving b out after its link drop", interval_s=0.2)
     after = replanned["step"]
-    deadline = time.monotonic() + 60
-    while len([s for s in _records(coordinator.run_dir) if s["step"] > after]) < 5:
-        assert time.monotonic() < deadline, "training did not go on after the re-plan"
-        time.sleep(0.2)
+    wait_for(lambda: len([s for s in _records(coordinator.run_dir) if s["step"] > after]) >= 5, 60,
+             "training to go on after the re-plan", interval_s=0.2)
     coordinator.stop.set()
+    coordinator.thread.join(60)
 
     # Assert: the plan now leaves b out (a new plan, or the old one with b's share gone to zero),
     # and the steps after it ran without b
     assert replanned["plan_kind"] in ("dp", "pipeline", "hybrid")
     later = [s for s in _records(coordinator.run_dir) if s["step"] > after]
     assert all(not any(d.startswith("b-") for d in s["shares"]) for s in later)
-    assert seen < 90
 
 
 @pytest.mark.timeout(420)
