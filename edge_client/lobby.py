@@ -99,6 +99,10 @@ class Lobby:
                     return reason
             except CoordinatorUnreachable:
                 logger.warning("[Client] job %s's coordinator went away; back to the lobby", offer.job_name)
+            except grpc.RpcError as e:  # a call cut off as the coordinator stopped (the job was cancelled)
+                if e.code() != grpc.StatusCode.CANCELLED:
+                    raise
+                logger.warning("[Client] job %s's coordinator stopped mid-call; back to the lobby", offer.job_name)
             finally:
                 conn.close()
                 if worker.endpoint is not None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -118,24 +119,72 @@ def coordinator_factory(tmp_path: Path) -> Iterator:
         running.thread.join(30)
 
 
+FORK_PRELOAD = ["torch", "torch._dynamo", "torchvision", "edgetrain.cli"]
+"""What the server that forks client processes imports once. Importing torch costs a process
+~3 s of CPU, and torch._dynamo (imported when a board first builds an optimizer: an owned
+stage, a federated round) ~3 s more, 10 s at 0.3 of a core. grpc is not imported there: a
+channel must not cross a fork."""
+
+
+def _forks() -> multiprocessing.context.ForkServerContext:
+    """The fork server's context; the server starts (and imports FORK_PRELOAD) in the background."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(FORK_PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+    return context
+
+
+def _client_main(argv: list[str], log_path: str) -> None:
+    """`edgetrain client ARGV` in a forked process, its output going to `log_path`."""
+    from edgetrain.cli import main
+
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    raise SystemExit(main(argv))
+
+
+class ClientProcess:
+    """An edge client process, with the part of `subprocess.Popen` the tests use."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self._process = process
+        self.pid = process.pid
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"edgetrain client (pid {self.pid})", timeout)
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        self._process.kill()
+
+
 def spawn_client(address: str, name: str, *, speed: float | None = None, log_dir: Path,
-                 extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    """An edge client as a separate process (`python -m edgetrain client`)."""
-    args = [sys.executable, "-m", "edgetrain", "client", "--coordinator", address, "--name", name,
-            "--threads", "1"]
+                 extra: tuple[str, ...] = ()) -> ClientProcess:
+    """An edge client as a separate process: `edgetrain client` forked from a process that has
+    already imported torch (FORK_PRELOAD), which `python -m edgetrain client` would do again."""
+    args = ["client", "--coordinator", address, "--name", name, "--threads", "1"]
     if speed:
         args += ["--speed", str(speed)]
     args += list(extra)
-    log = (log_dir / f"{name}.log").open("w")
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    process = _forks().Process(target=_client_main, args=(args, str(log_dir / f"{name}.log")), name=name)
+    process.start()
+    return ClientProcess(process)
 
 
 @pytest.fixture
 def client_factory(tmp_path: Path) -> Iterator:
     """Start client processes for a test; they are killed afterwards."""
-    procs: list[subprocess.Popen] = []
+    _forks()  # while the test starts its coordinator
+    procs: list[ClientProcess] = []
 
-    def factory(address: str, name: str, speed: float | None = None, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    def factory(address: str, name: str, speed: float | None = None, extra: tuple[str, ...] = ()) -> ClientProcess:
         proc = spawn_client(address, name, speed=speed, log_dir=tmp_path, extra=extra)
         procs.append(proc)
         return proc
@@ -147,12 +196,12 @@ def client_factory(tmp_path: Path) -> Iterator:
         proc.wait(10)
 
 
-def wait_for(predicate, timeout_s: float, what: str):
-    """Poll `predicate` every 0.5 s until it returns something truthy; fail naming `what`."""
+def wait_for(predicate, timeout_s: float, what: str, *, interval_s: float = 0.5):
+    """Poll `predicate` every `interval_s` until it returns something truthy; fail naming `what`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.5)
+        time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import small_job
+from conftest import small_job, wait_for
 from rawboard import (
     compute_gradient,
     gradient_of,
@@ -128,8 +128,8 @@ def test_fedavg_over_three_boards_matches_the_reference_computation(coordinator_
                     optimizer={"lr": 0.05, "momentum": 0.0, "weight_decay": 0.0, "schedule": "constant",
                                "warmup_steps": 0})
     coordinator = coordinator_factory(job)
-    for name, speed in (("a", 0.5), ("b", 0.3), ("c", 0.2)):
-        client_factory(coordinator.address, name, speed)
+    for name in ("a", "b", "c"):  # at full speed: a board's first local round imports torch._dynamo
+        client_factory(coordinator.address, name)  # (torch.optim, ~3 s of CPU), 13 s at 0.2 of a core
 
     # Execute
     coordinator.wait(timeout=200)
@@ -189,10 +189,11 @@ def test_a_slow_board_is_not_waited_for_and_its_late_updates_count_down_weighted
 @pytest.mark.timeout(180)
 def test_nan_outlier_and_wrong_shape_updates_are_refused_then_the_board_is_quarantined(
         coordinator_factory, client_factory, tmp_path):
-    # Prepare: two honest client processes and a raw board that sends bad updates
+    # Prepare: two honest client processes and a raw board that sends bad updates; the job is
+    # longer than the test, which stops it once training went on without the quarantined board
     job = small_job(aggregation={"outlier_factor": 5.0, "quarantine_after": 3, "quarantine_window": 20,
                                  "quarantine_steps": 1000},
-                    training={"steps": 300, "min_clients": 3, "global_batch": 24, "split": "equal",
+                    training={"steps": 10000, "min_clients": 3, "global_batch": 24, "split": "equal",
                               "step_timeout_s": 60, "heartbeat_timeout_s": 30.0})
     coordinator = coordinator_factory(job)
     client_factory(coordinator.address, "honest-a", 0.5)
@@ -216,23 +217,26 @@ def test_nan_outlier_and_wrong_shape_updates_are_refused_then_the_board_is_quara
     wrong = gradient_of(work, {**grad.tensors, name: first.reshape(-1)[1:]}, grad.report)
     shape_error = refused(lambda: upload(rogue, header(rogue, wrong),
                                          iter_chunks(wrong.payload, chunk_bytes=4096)))
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        view = next(d for d in coordinator.stub().ListDevices(pb.ListDevicesRequest(), timeout=10).devices
-                    if d.device_id == rogue.device_id)
-        if view.state == "quarantined":
-            break
-        time.sleep(0.2)
-    coordinator.wait(timeout=150)
+    stub = coordinator.stub()
+    view = wait_for(lambda: next((d for d in stub.ListDevices(pb.ListDevicesRequest(), timeout=10).devices
+                                  if d.device_id == rogue.device_id and d.state == "quarantined"), None),
+                    30, "the rogue to be quarantined", interval_s=0.2)
+    quarantined_at = wait_for(lambda: [s["step"] for s in records(coordinator.run_dir)
+                                       if rogue.device_id in s["quarantined"]], 30, "a step to log the quarantine",
+                              interval_s=0.2)[0]
+    wait_for(lambda: len(records(coordinator.run_dir)) > quarantined_at + 5, 60,
+             "five more steps after the quarantine", interval_s=0.2)
+    coordinator.stop.set()
+    coordinator.thread.join(60)
 
-    # Assert: each refusal says why; the rogue got no more work; training went on to the end
+    # Assert: each refusal says why; the rogue got no more work; training went on without it
     assert nan_error.code().name == "INVALID_ARGUMENT" and "non-finite (NaN/Inf)" in nan_error.details()
     assert shape_error.code().name == "INVALID_ARGUMENT" and f"tensor {name!r} shape" in shape_error.details()
     steps = records(coordinator.run_dir)
     reasons = [s["rejected"][rogue.device_id] for s in steps if rogue.device_id in s["rejected"]]
     assert len(reasons) == 3
     assert "non-finite" in reasons[0] and reasons[1].startswith("outlier: update norm") and "shape" in reasons[2]
-    quarantined_at = next(s["step"] for s in steps if rogue.device_id in s["quarantined"])
-    assert all(rogue.device_id not in s["shares"] for s in steps if s["step"] > quarantined_at)
-    assert len(steps) == 300 and all(s["samples"] > 0 for s in steps)
+    after = [s for s in steps if s["step"] > quarantined_at]
+    assert len(after) >= 5 and all(rogue.device_id not in s["shares"] for s in after)
+    assert [s["step"] for s in steps] == list(range(len(steps))) and all(s["samples"] > 0 for s in steps)
     assert view.state == "quarantined" and view.rejected_updates == 3

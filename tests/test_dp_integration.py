@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
-from conftest import small_job
+from conftest import small_job, wait_for
 from reference import checkpoint_state, max_abs_difference, reference_state
 
 pytestmark = pytest.mark.slow
 
 TOLERANCE = 2e-5
-"""float32: the distributed sum of shard gradients differs from the batched one only in rounding."""
+"""float32: the distributed sum of shard gradients differs from the batched one only in rounding.
+
+Rounding differences grow with the steps (momentum carries them, and the small CNN amplifies
+them): simulated in one process with the shard sums of these tests, they stay near 1e-7 up to
+16 steps of 96 but reach 2e-5 after 40. A lost 16-sample shard or a step applied twice moves the
+parameters by 5e-5 (in the last, smallest-lr step of the cosine schedule) to 7e-3 (early on), so
+runs of at most 12 steps are checked with this tolerance."""
 
 
 def read_metrics(run_dir, kind="train") -> list[dict]:
@@ -51,17 +56,16 @@ def test_three_client_dp_equals_single_process_sgd(coordinator_factory, client_f
 
 @pytest.mark.timeout(240)
 def test_killed_client_step_is_redone_without_loss_or_double_update(coordinator_factory, client_factory):
-    # Prepare: the slowest board will be killed while training runs
-    job = small_job(training={"steps": 40, "min_clients": 3, "step_timeout_s": 20.0, "global_batch": 96,
+    # Prepare: the slowest board will be killed while training runs, right after the first step
+    # it took part in (the other 11 or so steps leave ample time for the kill to land mid-run)
+    job = small_job(training={"steps": 12, "min_clients": 3, "step_timeout_s": 20.0, "global_batch": 96,
                               "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0})
     coordinator = coordinator_factory(job)
     client_factory(coordinator.address, "a", 0.6)
     client_factory(coordinator.address, "b", 0.4)
     victim = client_factory(coordinator.address, "victim", 0.2)
-    deadline = time.monotonic() + 150
-    while not any(any(d.startswith("victim") for d in s["devices"]) for s in read_metrics(coordinator.run_dir)):
-        assert time.monotonic() < deadline, "the victim never took part in a step"
-        time.sleep(0.02)
+    wait_for(lambda: any(any(d.startswith("victim") for d in s["devices"]) for s in read_metrics(coordinator.run_dir)),
+             150, "the victim to take part in a step", interval_s=0.02)
 
     # Execute
     victim.kill()

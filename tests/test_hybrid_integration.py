@@ -10,12 +10,11 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import small_job
+from conftest import small_job, wait_for
 from reference import checkpoint_state, max_abs_difference, reference_state
 
 pytestmark = pytest.mark.slow
@@ -40,15 +39,12 @@ def test_switching_plans_mid_training_keeps_the_parameters_of_single_process_sgd
     plan_file = tmp_path / "plan.yaml"
     plan_file.write_text(yaml.safe_dump({"stages": [{"blocks": 2, "boards": ["a"]}, {"blocks": 2, "boards": ["b"]}],
                                          "microbatches": 2}))
-    job = small_job(training={"steps": 40, "min_clients": 4, "global_batch": 16},
+    job = small_job(training={"steps": 20, "min_clients": 4, "global_batch": 16},
                     pipeline={"plan_file": str(plan_file), "sync_every": 1000, "stage_timeout_s": 60})
     coordinator = coordinator_factory(job)
-    for name in "abcd":
-        client_factory(coordinator.address, name, 0.3)
-    deadline = time.monotonic() + 120
-    while len(_records(coordinator.run_dir)) < 4:
-        assert time.monotonic() < deadline, "the pipeline did not start"
-        time.sleep(0.05)
+    for name in "abcd":  # at full speed: a board's first stage takeover imports torch._dynamo (~3 s
+        client_factory(coordinator.address, name)  # of CPU for torch.optim), 9 s at 0.3 of a core
+    wait_for(lambda: len(_records(coordinator.run_dir)) >= 4, 120, "the pipeline to start", interval_s=0.05)
 
     # Execute: switch plans while it trains
     plan_file.write_text(yaml.safe_dump({"stages": [{"blocks": 1, "boards": ["c"]},
@@ -72,17 +68,18 @@ def test_switching_plans_mid_training_keeps_the_parameters_of_single_process_sgd
 @pytest.mark.timeout(300)
 def test_a_link_rate_drop_re_plans_live_and_training_goes_on_without_the_board(
         coordinator_factory, client_factory, tmp_path):
-    # Prepare: hybrid mode, three boards on fast emulated links
-    job = small_job(training={"steps": 5000, "min_clients": 3, "global_batch": 24, "log_every": 100},
+    # Prepare: hybrid mode, three boards on fast emulated links. Batches of 96 keep compute the
+    # larger part of a step, so spreading it over the boards beats the whole model on one board
+    # (which needs no link) by 2-3x, however the probes measure under load; with batches of 24,
+    # per-call costs measured on a busy machine made the planner put the model on one board,
+    # sometimes b, and keep it there after b's link dropped
+    job = small_job(training={"steps": 5000, "min_clients": 3, "global_batch": 96, "log_every": 100},
                     planner={"enabled": True, "link_wait_s": 30})
     coordinator = coordinator_factory(job)
     files = {n: _board(tmp_path / f"{n}.yaml", n, 0.3, 400) for n in ("a", "b", "c")}
     for name, path in files.items():
         client_factory(coordinator.address, name, extra=("--emulate", str(path), "--probe-interval", "1"))
-    deadline = time.monotonic() + 120
-    while len(_records(coordinator.run_dir)) < 5:
-        assert time.monotonic() < deadline, "training did not start"
-        time.sleep(0.2)
+    wait_for(lambda: len(_records(coordinator.run_dir)) >= 5, 120, "training to start", interval_s=0.2)
     first = _records(coordinator.run_dir, "plan")
     assert first and first[0]["reasons"] == ["first plan"]
     assert any(d.startswith("b-") for d in _records(coordinator.run_dir)[-1]["shares"])
@@ -90,39 +87,35 @@ def test_a_link_rate_drop_re_plans_live_and_training_goes_on_without_the_board(
     # Execute: b's link drops to 2 Mbit/s (its board file changes, as `edgetrain fleet` scripts it)
     before = len(_records(coordinator.run_dir, "plan"))
     _board(files["b"], "b", 0.3, 2)
-    dropped = time.monotonic()
-    replanned = None
-    while replanned is None and time.monotonic() < dropped + 90:  # (earlier re-plans on noise keep the plan)
-        replanned = next((p for p in _records(coordinator.run_dir, "plan")[before:]
-                          if any(r.startswith("b link") for r in p["reasons"]) and "b" in p["left_out"]), None)
-        time.sleep(0.2)
-    assert replanned is not None, "no re-plan within 90 s of the link drop"
-    seen = time.monotonic() - dropped
+    replanned = wait_for(  # (earlier re-plans on noise keep the plan)
+        lambda: next((p for p in _records(coordinator.run_dir, "plan")[before:]
+                      if any(r.startswith("b link") for r in p["reasons"]) and "b" in p["left_out"]), None),
+        90, "a re-plan leaving b out after its link drop", interval_s=0.2)
     after = replanned["step"]
-    deadline = time.monotonic() + 60
-    while len([s for s in _records(coordinator.run_dir) if s["step"] > after]) < 5:
-        assert time.monotonic() < deadline, "training did not go on after the re-plan"
-        time.sleep(0.2)
+    wait_for(lambda: len([s for s in _records(coordinator.run_dir) if s["step"] > after]) >= 5, 60,
+             "training to go on after the re-plan", interval_s=0.2)
     coordinator.stop.set()
+    coordinator.thread.join(60)
 
     # Assert: the plan now leaves b out (a new plan, or the old one with b's share gone to zero),
     # and the steps after it ran without b
     assert replanned["plan_kind"] in ("dp", "pipeline", "hybrid")
     later = [s for s in _records(coordinator.run_dir) if s["step"] > after]
     assert all(not any(d.startswith("b-") for d in s["shares"]) for s in later)
-    assert seen < 90
 
 
 @pytest.mark.timeout(420)
 def test_on_slow_links_the_planner_chooses_a_pipeline_and_it_trains(coordinator_factory, client_factory, tmp_path):
-    # Prepare: MobileNetV2 on three boards whose links make data parallelism move 18 MB per step
+    # Prepare: MobileNetV2 on three boards at 40 Mbit/s, where data parallelism moves 18 MB per
+    # board and step (3.6 s; `edgetrain plan` predicts 4x the throughput for a pipeline), and
+    # the owned stage's 18 MB go back to the coordinator in seconds at the end
     job = small_job(model="mobilenet_v2", training={"steps": 4, "min_clients": 3, "global_batch": 24,
                                                     "heartbeat_timeout_s": 30},
-                    dataset={"train_size": 96}, planner={"enabled": True, "link_wait_s": 60},
+                    dataset={"train_size": 96, "test_size": 24}, planner={"enabled": True, "link_wait_s": 60},
                     pipeline={"stage_timeout_s": 120})
     coordinator = coordinator_factory(job)
     for name in ("a", "b", "c"):
-        path = _board(tmp_path / f"{name}.yaml", name, 0.4, 8)
+        path = _board(tmp_path / f"{name}.yaml", name, 0.4, 40)
         client_factory(coordinator.address, name, extra=("--emulate", str(path), "--probe-interval", "2"))
 
     # Execute

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import subprocess
-import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 
 from coordinator.planning.command import spread
 from coordinator.planning.live import LivePlanner
+from edgetrain.cli import main
 from edgetrain.config import PlannerConfig
 from edgetrain.plan import BlockCost, BoardCost, ModelCost
 
@@ -85,9 +86,24 @@ def test_a_board_that_left_forces_a_new_plan_and_a_low_battery_takes_a_board_out
         assert "a" not in _used(low.plan) and dict(low.plan.left_out)["a"].startswith("battery 10%")
 
 
-def _run_plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edgetrain", "plan", *args], capture_output=True, text=True,
-                          timeout=300)
+@dataclass
+class Run:
+    """What `edgetrain plan` printed and returned."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _run_plan(*args: str) -> Run:
+    """`edgetrain plan ARGS` in this process (the same entry point; no second torch import)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(["plan", *args])
+        except SystemExit as e:  # argparse refuses bad arguments this way
+            code = e.code
+    return Run(code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture

@@ -2,8 +2,9 @@
 
 A 3-stage pipeline of the BN-free small CNN, its middle stage hosted by two boards, ends K steps
 with the same parameters as single-process SGD, with both schedules (and with a DP shard next
-to it); ResNet-18 and MobileNetV2 pipelines train; killing a stage host ends the step with an
-error naming it within the stage timeout, and a new plan without it lets training go on.
+to it); a MobileNetV2 pipeline (a real model, with batch norm) trains; killing a stage host ends
+the step with an error naming it within the stage timeout, and a new plan without it lets
+training go on.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import small_job
+from conftest import small_job, wait_for
 from reference import checkpoint_state, max_abs_difference, reference_state
+
+from protos import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.slow
 
@@ -96,16 +99,15 @@ def test_whole_model_host_computing_in_chunks_equals_single_process_sgd(coordina
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("model", "stages", "lr"), [
-    ("resnet18", [{"blocks": 5, "boards": ["a"]}, {"blocks": 5, "boards": ["b"]}], 0.01),
-    ("mobilenet_v2", [{"blocks": 8, "boards": ["a"]}, {"blocks": 12, "boards": ["b"]}], 0.05),
-])
-def test_resnet18_and_mobilenetv2_pipelines_train(coordinator_factory, client_factory, model, stages, lr):
-    # Prepare: 2 stages, 2 micro-batches, 16 steps of 32 on 64 synthetic samples
-    job = small_job(model=model, training={"steps": 16, "min_clients": 2, "global_batch": 32},
-                    dataset={"train_size": 64}, optimizer={"lr": lr, "momentum": 0.9, "weight_decay": 0.0,
-                                                           "schedule": "constant", "warmup_steps": 0},
-                    pipeline={"stages": stages, "microbatches": 2, "schedule": "1f1b", "stage_timeout_s": 120})
+def test_a_mobilenetv2_pipeline_trains(coordinator_factory, client_factory):
+    # Prepare: 2 stages, 2 micro-batches, 10 steps of 16 on the same 16 synthetic samples (the
+    # stage split of every real model equals its forward pass: tests/test_models.py)
+    job = small_job(model="mobilenet_v2", training={"steps": 10, "min_clients": 2, "global_batch": 16},
+                    dataset={"train_size": 16, "test_size": 16},
+                    optimizer={"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0, "schedule": "constant",
+                               "warmup_steps": 0},
+                    pipeline={"stages": [{"blocks": 8, "boards": ["a"]}, {"blocks": 12, "boards": ["b"]}],
+                              "microbatches": 2, "schedule": "1f1b", "stage_timeout_s": 120})
     coordinator = coordinator_factory(job)
     client_factory(coordinator.address, "a")
     client_factory(coordinator.address, "b")
@@ -113,10 +115,10 @@ def test_resnet18_and_mobilenetv2_pipelines_train(coordinator_factory, client_fa
     # Execute
     coordinator.wait(timeout=280)
 
-    # Assert: the loss falls (64 samples seen again and again; single-process training with the same
-    # micro-batches goes 2.39 -> 0.17 for ResNet-18 at lr 0.01 and 2.38 -> 0.70 for MobileNetV2 at 0.05)
+    # Assert: the loss falls (single-process training with the same micro-batches goes from a
+    # mean of 2.30 over the first 3 steps to 0.88 over the last 3)
     losses = [s["loss"] for s in records(coordinator.run_dir)]
-    assert len(losses) == 16
+    assert len(losses) == 10
     assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
 
 
@@ -133,22 +135,22 @@ def test_killed_stage_host_ends_the_step_with_a_clear_error_and_a_new_plan_conti
     client_factory(coordinator.address, "a", 0.3)
     victim = client_factory(coordinator.address, "b", 0.3)
     client_factory(coordinator.address, "c", 0.3)
-    deadline = time.monotonic() + 120
-    while len(records(coordinator.run_dir)) < 3:
-        assert time.monotonic() < deadline, "the pipeline did not start"
-        time.sleep(0.2)
+    wait_for(lambda: len(records(coordinator.run_dir)) >= 3, 120, "the pipeline to start", interval_s=0.2)
+    stub = coordinator.stub()
 
-    # Execute: kill stage 1's host, then re-plan by hand with board c in its place
+    # Execute: kill stage 1's host; once the coordinator has given it up (missed heartbeats),
+    # training stalls on the plan that names it: re-plan by hand with board c in its place
     victim.kill()
-    killed_at, killed_wall = time.monotonic(), time.time()
+    killed_wall = time.time()
     steps_before = len(records(coordinator.run_dir))
-    time.sleep(12)
+    wait_for(lambda: any(d.info.name == "b" and d.state == "gone"
+                         for d in stub.ListDevices(pb.ListDevicesRequest(), timeout=10).devices),
+             60, "the coordinator to give up the killed host", interval_s=0.2)
     stalled = len(records(coordinator.run_dir))
     plan_file.write_text(yaml.safe_dump({"stages": [{"blocks": 2, "boards": ["a"]}, {"blocks": 2, "boards": ["c"]}],
                                          "microbatches": 2}))
-    while len(records(coordinator.run_dir)) < stalled + 5:
-        assert time.monotonic() < killed_at + 150, "training did not continue after the re-plan"
-        time.sleep(0.2)
+    wait_for(lambda: len(records(coordinator.run_dir)) >= stalled + 5, 150,
+             "training to continue after the re-plan", interval_s=0.2)
     coordinator.stop.set()
 
     # Assert: the step in flight failed within the stage timeout, naming the board; it was redone
