@@ -6,7 +6,6 @@ test uses its own cluster names, so tests running in parallel ignore each other'
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -17,7 +16,6 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -44,21 +42,6 @@ def _advertiser(cluster: str, port: int, *, proto: int = 1, token: bool = False,
     ad = Advertisement(cluster=cluster, host=host, port=port, protocol_version=proto,
                        token_required=token, instance=instance)
     return DiscoveryAdvertiser(ad, interfaces=[host])
-
-
-@contextlib.contextmanager
-def _advertising(*advertisers: DiscoveryAdvertiser) -> Iterator[None]:
-    """Start the advertisers at the same time (each spends ~1.7 s probing its name first) and
-    close them on the way out."""
-    with contextlib.ExitStack() as stack:
-        with ThreadPoolExecutor(len(advertisers)) as pool:
-            started = [pool.submit(advertiser.start) for advertiser in advertisers]
-        for advertiser, start in zip(advertisers, started):
-            if start.exception() is None:
-                stack.callback(advertiser.close)
-        for start in started:
-            start.result()
-        yield
 
 
 def _ours(records: list[CoordinatorRecord], *clusters: str) -> list[CoordinatorRecord]:
@@ -113,7 +96,7 @@ def test_browse_finds_the_advert_and_forgets_it_after_close() -> None:
 def test_find_coordinator_picks_the_requested_cluster() -> None:
     # Prepare
     lab, field = _cluster("lab"), _cluster("field")
-    with _advertising(_advertiser(lab, 50201), _advertiser(field, 50202)):
+    with _advertiser(lab, 50201), _advertiser(field, 50202):
         # Execute
         picked = find_coordinator(interfaces=LOOPBACK, cluster=field, timeout_s=10.0)
         with pytest.raises(CoordinatorNotFound) as ambiguous:
@@ -135,9 +118,9 @@ def test_find_coordinator_picks_the_requested_cluster() -> None:
 def test_find_coordinator_skips_other_protocol_versions() -> None:
     # Prepare
     cluster, old_only = _cluster("proto"), _cluster("old")
-    with _advertising(_advertiser(cluster, 50301, proto=2, instance=f"a-{cluster}"),
-                      _advertiser(cluster, 50302, proto=3, instance=f"b-{cluster}"),
-                      _advertiser(old_only, 50303, proto=2)):
+    with (_advertiser(cluster, 50301, proto=2, instance=f"a-{cluster}"),
+          _advertiser(cluster, 50302, proto=3, instance=f"b-{cluster}"),
+          _advertiser(old_only, 50303, proto=2)):
         # Execute
         picked = find_coordinator(interfaces=LOOPBACK, cluster=cluster, protocol_version=3)
         with pytest.raises(CoordinatorNotFound) as mismatch:
@@ -155,8 +138,8 @@ def test_find_coordinator_skips_other_protocol_versions() -> None:
 def test_several_instances_of_one_cluster_first_instance_name_wins() -> None:
     # Prepare
     cluster = _cluster("dup")
-    with _advertising(_advertiser(cluster, 50401, instance=f"b-{cluster}"),
-                      _advertiser(cluster, 50402, instance=f"a-{cluster}")):
+    with (_advertiser(cluster, 50401, instance=f"b-{cluster}"),
+          _advertiser(cluster, 50402, instance=f"a-{cluster}")):
         # Execute
         picked = find_coordinator(interfaces=LOOPBACK, cluster=cluster)
         seen = _ours(browse(interfaces=LOOPBACK), cluster)
