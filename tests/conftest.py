@@ -122,7 +122,7 @@ def coordinator_factory(tmp_path: Path) -> Iterator:
 FORK_PRELOAD = ["torch", "torch._dynamo", "torchvision", "edgetrain.cli"]
 """What the server that forks client processes imports once. Importing torch costs a process
 ~3 s of CPU, and torch._dynamo (imported when a board first builds an optimizer: an owned
-stage, a federated round) ~3 s more, 10 s at 0.3 of a core. grpc is not imported there: a
+stage, a federated round) ~3 s more, ~9 s at 0.3 of a core. grpc is not imported there: a
 channel must not cross a fork."""
 
 
@@ -135,7 +135,7 @@ def _forks() -> multiprocessing.context.ForkServerContext:
 
 
 def _client_main(argv: list[str], log_path: str) -> None:
-    """`edgetrain client ARGV` in a forked process, its output going to `log_path`."""
+    """`edgetrain ARGV` (a client) in a forked process, its output going to `log_path`."""
     from edgetrain.cli import main
 
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -153,15 +153,18 @@ class ClientProcess:
         self.pid = process.pid
 
     def poll(self) -> int | None:
+        """The exit code (negative: killed by that signal), or None while it runs."""
         return self._process.exitcode
 
     def wait(self, timeout: float | None = None) -> int:
+        """The exit code once it exited; subprocess.TimeoutExpired after `timeout` seconds."""
         self._process.join(timeout)
         if self._process.exitcode is None:
             raise subprocess.TimeoutExpired(f"edgetrain client (pid {self.pid})", timeout)
         return self._process.exitcode
 
     def kill(self) -> None:
+        """SIGKILL."""
         self._process.kill()
 
 
