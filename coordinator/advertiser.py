@@ -41,9 +41,10 @@ class Advertisement:
     """The coordinator's gRPC port."""
     protocol_version: int
     """Wire protocol version; boards skip coordinators that speak another one."""
-    token_required: bool = False
-    """Whether the coordinator admits only boards presenting a join token (reserved: join tokens
-    are not implemented yet, so EdgeTrain always advertises False)."""
+    ca_fingerprint: str = ""
+    """SHA-256 of the fleet CA certificate (hex) when the coordinator serves mutual TLS; empty for
+    an `--insecure` coordinator. Boards pick the fleet whose CA their token or certificate names.
+    The join token itself is never advertised."""
     instance: str | None = None
     """DNS-SD instance name; defaults to "<cluster>-<hostname>-<port>" reduced to a DNS label."""
 
@@ -67,11 +68,12 @@ class Advertisement:
             raise ValueError(f"instance must be 1..63 bytes, got {self.instance!r}")
 
     def txt(self) -> dict[str, str]:
-        """The TXT record: protocol version, cluster and whether a token is required."""
+        """The TXT record: protocol version, cluster, whether it serves TLS and its CA's fingerprint."""
         return {
             "proto": str(self.protocol_version),
             "cluster": self.cluster,
-            "token": "1" if self.token_required else "0",
+            "tls": "1" if self.ca_fingerprint else "0",
+            "ca": self.ca_fingerprint,
         }
 
 
@@ -147,11 +149,13 @@ class DiscoveryAdvertiser:
         self.close()
 
 
-def advertise_on(cluster: str, host: str, port: int, interfaces: list[str]) -> DiscoveryAdvertiser:
+def advertise_on(cluster: str, host: str, port: int, interfaces: list[str], *,
+                 ca_fingerprint: str = "") -> DiscoveryAdvertiser:
     """Announce the coordinator over mDNS; a wildcard bind advertises the first interface's address."""
     address = interfaces[0] if host in ("0.0.0.0", "", "[::]") else host
     advertiser = DiscoveryAdvertiser(Advertisement(cluster=cluster, host=address, port=port,
-                                                   protocol_version=PROTOCOL_VERSION),
+                                                   protocol_version=PROTOCOL_VERSION,
+                                                   ca_fingerprint=ca_fingerprint),
                                      interfaces=interfaces)
     advertiser.start()
     return advertiser

@@ -66,8 +66,10 @@ class CoordinatorRecord:
     """gRPC address to dial, "ip:port"."""
     protocol_version: int
     """Wire protocol version the coordinator speaks."""
-    token_required: bool
-    """Whether the coordinator admits only boards presenting a join token."""
+    tls: bool = False
+    """Whether the coordinator serves mutual TLS (False: an `--insecure` coordinator)."""
+    ca_fingerprint: str = ""
+    """SHA-256 (hex) of its fleet CA certificate; empty when it serves plaintext."""
 
 
 def browse(*, interfaces: list[str], timeout_s: float = 3.0) -> list[CoordinatorRecord]:
@@ -84,18 +86,20 @@ def find_coordinator(
     cluster: str | None = None,
     timeout_s: float = 10.0,
     protocol_version: int | None = None,
+    ca_fingerprint: str | None = None,
 ) -> CoordinatorRecord:
     """The coordinator of ``cluster`` (or the only cluster advertised), speaking ``protocol_version``.
 
     Among several instances of the chosen cluster the first by instance name wins. Raises
     ``CoordinatorNotFound`` when none matches, or when ``cluster`` is None and several
-    clusters are advertised.
+    clusters are advertised. With ``ca_fingerprint``, only coordinators of that fleet (its CA)
+    count: a board looks for its own fleet, not any coordinator on the LAN.
     """
 
     def usable(record: CoordinatorRecord) -> bool:
         return (cluster is None or record.cluster == cluster) and (
             protocol_version is None or record.protocol_version == protocol_version
-        )
+        ) and (ca_fingerprint is None or record.ca_fingerprint == ca_fingerprint)
 
     records = _browse(interfaces, timeout_s, enough=lambda seen: any(map(usable, seen)))
     candidates = [r for r in records if usable(r)]
@@ -110,6 +114,8 @@ def find_coordinator(
     wanted = "any cluster" if cluster is None else f"cluster {cluster!r}"
     if protocol_version is not None:
         wanted += f" speaking protocol {protocol_version}"
+    if ca_fingerprint is not None:
+        wanted += f" of the fleet whose CA is {ca_fingerprint[:16]}…"
     seen = ", ".join(_describe(r, protocol_version) for r in records)
     raise CoordinatorNotFound(f"no coordinator for {wanted} {where}; saw: [{seen}]")
 
@@ -216,7 +222,8 @@ def _record_from_info(info: ServiceInfo) -> CoordinatorRecord | None:
     try:
         protocol_version = int(txt["proto"])
         cluster = txt["cluster"]
-        token_required = txt["token"] == "1"
+        tls = txt.get("tls") == "1"
+        ca_fingerprint = txt.get("ca", "") if tls else ""
     except (KeyError, ValueError):
         logger.debug("[Client.Discovery] %s has a malformed TXT record %s", info.name, txt)
         return None
@@ -228,7 +235,8 @@ def _record_from_info(info: ServiceInfo) -> CoordinatorRecord | None:
         cluster=cluster,
         address=f"{addresses[0]}:{info.port}",
         protocol_version=protocol_version,
-        token_required=token_required,
+        tls=tls,
+        ca_fingerprint=ca_fingerprint,
     )
 
 

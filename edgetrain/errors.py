@@ -31,6 +31,14 @@ class Refusal(enum.IntEnum):
     """The peer speaks another wire protocol version."""
     STAGE_STATE_MISMATCH = 9
     """A pipeline stage's state does not match what the request names (job, blocks, version)."""
+    NOT_AUTHENTICATED = 10
+    """The call needs a fleet certificate and came without one: pair with a join token first."""
+    CREDENTIAL_REVOKED = 11
+    """The caller's certificate was revoked: it needs a new join token."""
+    NOT_PERMITTED = 12
+    """The caller is authenticated but may not do this (wrong role, or another member's name)."""
+    TOKEN_REFUSED = 13
+    """The join token is unknown, wrong, used up or expired."""
 
 
 class FailureKind(enum.IntEnum):

@@ -90,16 +90,216 @@ class Security:
         """Credentials a channel dials with (None: plaintext)."""
         return None
 
+    def channel_options(self) -> list[tuple[str, Any]]:
+        """Extra channel options (the name the server must prove)."""
+        return []
+
+    @property
+    def generation(self) -> int:
+        """Changes when the credentials were renewed: channels made before are reopened."""
+        return 0
+
+    @property
+    def secure(self) -> bool:
+        return False
+
 
 INSECURE = Security()
-"""Plaintext, unauthenticated transport."""
+"""Plaintext, unauthenticated transport: only for `--insecure` runs and loopback baselines."""
+
+
+class Credentials:
+    """A member's current identity (key, certificate, CA), replaced in place when it renews."""
+
+    def __init__(self, identity) -> None:
+        self._lock = threading.Lock()
+        self._identity = identity
+        self.generation = 0
+
+    @property
+    def identity(self):
+        with self._lock:
+            return self._identity
+
+    def replace(self, identity) -> None:
+        """Use `identity` from now on (new channels and new handshakes of servers)."""
+        with self._lock:
+            self._identity = identity
+            self.generation += 1
+
+
+@dataclass(frozen=True)
+class MutualTLS(Security):
+    """Mutual TLS inside the fleet: both sides show a certificate signed by the fleet CA.
+
+    A server made with it verifies client certificates against the CA; with
+    `require_client_auth` False it also lets callers without one finish the handshake (the
+    pairing call needs that), and ``Guard`` then refuses every other call of theirs. A channel
+    verifies that the server holds a fleet certificate for `server_name`."""
+
+    credentials: Any  # Credentials or an edgetrain.trust.Identity
+    server_name: str = "gateway.edgetrain"
+    require_client_auth: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.credentials, Credentials):
+            object.__setattr__(self, "credentials", Credentials(self.credentials))
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        seen = [self.credentials.generation]
+
+        def config(identity):
+            return grpc.ssl_server_certificate_configuration([(identity.key, identity.cert + identity.ca)],
+                                                             root_certificates=identity.ca)
+
+        def fetch():  # called at each handshake: a renewed certificate is served from then on
+            if self.credentials.generation == seen[0]:
+                return None
+            seen[0] = self.credentials.generation
+            return config(self.credentials.identity)
+
+        return grpc.dynamic_ssl_server_credentials(config(self.credentials.identity), fetch,
+                                                   require_client_authentication=self.require_client_auth)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        identity = self.credentials.identity
+        return grpc.ssl_channel_credentials(root_certificates=identity.ca, private_key=identity.key,
+                                            certificate_chain=identity.cert)
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        return [("grpc.ssl_target_name_override", self.server_name)]
+
+    @property
+    def generation(self) -> int:
+        return self.credentials.generation
+
+    @property
+    def secure(self) -> bool:
+        return True
+
+    def dialing(self, server_name: str) -> MutualTLS:
+        """The same credentials, dialing servers that must prove `server_name`."""
+        return MutualTLS(self.credentials, server_name=server_name, require_client_auth=self.require_client_auth)
+
+
+# --- who is calling -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Peer:
+    """The fleet member on the other end of a call, from its verified certificate."""
+
+    name: str
+    role: str
+    serial: int
+
+
+_PEERS: dict[bytes, Peer | None] = {}
+_PEERS_LOCK = threading.Lock()
+
+
+def peer_of(context: grpc.ServicerContext) -> Peer | None:
+    """The verified fleet member calling (None: no certificate, or a plaintext server)."""
+    pems = (context.auth_context() or {}).get("x509_pem_cert")
+    if not pems:
+        return None
+    pem = pems[0]
+    with _PEERS_LOCK:
+        if pem in _PEERS:
+            return _PEERS[pem]
+    from cryptography import x509  # imported on the first secure call only
+
+    from edgetrain.trust import holder_of
+
+    try:
+        holder = holder_of(x509.load_pem_x509_certificate(pem))
+        peer: Peer | None = Peer(holder.name, holder.role, holder.serial)
+    except ValueError:
+        peer = None
+    with _PEERS_LOCK:
+        if len(_PEERS) > 4096:
+            _PEERS.clear()
+        _PEERS[pem] = peer
+    return peer
+
+
+OPEN = frozenset({"*"})
+"""Access rule of a method anyone may call (still over TLS): pairing."""
+
+
+class Guard(grpc.ServerInterceptor):
+    """Refuses, before the handler runs, a call without a fleet certificate (UNAUTHENTICATED), with
+    a revoked one or from a role the method does not admit (PERMISSION_DENIED).
+
+    `access` maps "Service/Method" (e.g. "Coordinator/Register") to the roles that may call it
+    (``OPEN``: anyone); a method not in it admits every fleet role. `revoked(serial)` says whether a certificate was revoked."""
+
+    def __init__(self, access: dict[str, frozenset[str]], revoked: Callable[[int], bool] = lambda serial: False,
+                 default: frozenset[str] = frozenset({"gateway", "board", "operator"})) -> None:
+        self.access = access
+        self.revoked = revoked
+        self.default = default
+
+    def check(self, method: str, context: grpc.ServicerContext) -> Peer | None:
+        roles = self.access.get(method, self.default)
+        if roles is OPEN:
+            return None
+        peer = peer_of(context)
+        if peer is None:
+            abort(context, grpc.StatusCode.UNAUTHENTICATED,
+                  f"{method} needs a fleet certificate (pair this machine with a join token first)",
+                  epb.NOT_AUTHENTICATED)
+        if self.revoked(peer.serial):
+            abort(context, grpc.StatusCode.PERMISSION_DENIED,
+                  f"the certificate of {peer.role} {peer.name} was revoked; it needs a new join token",
+                  epb.CREDENTIAL_REVOKED)
+        if peer.role not in roles:
+            abort(context, grpc.StatusCode.PERMISSION_DENIED,
+                  f"{method} is not for a {peer.role} ({peer.name}); it needs a {' or '.join(sorted(roles))} "
+                  "credential", epb.NOT_PERMITTED)
+        return peer
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        service, _, name = handler_call_details.method.lstrip("/").partition("/")
+        method = f"{service.rsplit('.', 1)[-1]}/{name}"  # "/edgetrain.v1.Coordinator/Register" -> "Coordinator/Register"
+        for kind, make in (("unary_unary", grpc.unary_unary_rpc_method_handler),
+                           ("unary_stream", grpc.unary_stream_rpc_method_handler),
+                           ("stream_unary", grpc.stream_unary_rpc_method_handler),
+                           ("stream_stream", grpc.stream_stream_rpc_method_handler)):
+            behaviour = getattr(handler, kind)
+            if behaviour is not None:
+                return make(self._guarded(method, behaviour), request_deserializer=handler.request_deserializer,
+                            response_serializer=handler.response_serializer)
+        return handler
+
+    def _guarded(self, method: str, behaviour):
+        def run(request, context):
+            self.check(method, context)
+            return behaviour(request, context)
+        return run
+
+
+def require_peer(context: grpc.ServicerContext, name: str, what: str) -> None:
+    """PERMISSION_DENIED unless the caller is fleet member `name` (nothing to check on a plaintext
+    server, where the operator chose --insecure)."""
+    peer = peer_of(context)
+    if peer is not None and peer.name != name:
+        abort(context, grpc.StatusCode.PERMISSION_DENIED,
+              f"{peer.role} {peer.name} cannot {what} of {name}", epb.NOT_PERMITTED)
 
 
 def create_server(address: str, services: Sequence[tuple[Callable[[Any, grpc.Server], None], Any]], *,
-                  max_workers: int = 64, security: Security = INSECURE) -> tuple[grpc.Server, int]:
+                  max_workers: int = 64, security: Security = INSECURE,
+                  guard: Guard | None = None) -> tuple[grpc.Server, int]:
     """A started gRPC server for `services` ((add_XServicer_to_server, servicer) pairs) bound to
-    `address` ("host:0" picks a free port); returns it with the bound port."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
+    `address` ("host:0" picks a free port); returns it with the bound port. With a secure
+    `security`, every call passes `guard` (default: any fleet certificate, none revoked)."""
+    if security.secure and guard is None:
+        guard = Guard({})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS,
+                         interceptors=[guard] if security.secure and guard else None)
     for add, servicer in services:
         add(servicer, server)
     credentials = security.server_credentials()
@@ -117,7 +317,7 @@ def open_channel(address: str, security: Security = INSECURE) -> grpc.Channel:
     """A channel to `address` with EdgeTrain's options."""
     credentials = security.channel_credentials()
     if credentials is not None:
-        return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+        return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS + security.channel_options())
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
@@ -128,10 +328,16 @@ class ChannelCache:
         self.security = security
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
+        self._generation = security.generation
 
     def get(self, address: str) -> grpc.Channel:
-        """The channel to `address`, opened on first use."""
+        """The channel to `address`, opened on first use (and again after the credentials renewed)."""
         with self._lock:
+            if self._generation != self.security.generation:
+                for channel in self._channels.values():
+                    channel.close()
+                self._channels.clear()
+                self._generation = self.security.generation
             if address not in self._channels:
                 self._channels[address] = open_channel(address, self.security)
             return self._channels[address]

@@ -17,6 +17,10 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DELTAS_NOT_KEPT: _ClassVar[ErrorReason]
     PROTOCOL_MISMATCH: _ClassVar[ErrorReason]
     STAGE_STATE_MISMATCH: _ClassVar[ErrorReason]
+    NOT_AUTHENTICATED: _ClassVar[ErrorReason]
+    CREDENTIAL_REVOKED: _ClassVar[ErrorReason]
+    NOT_PERMITTED: _ClassVar[ErrorReason]
+    TOKEN_REFUSED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 UNKNOWN_DEVICE: ErrorReason
 UNKNOWN_STEP: ErrorReason
@@ -27,6 +31,10 @@ VERSION_NOT_SERVED: ErrorReason
 DELTAS_NOT_KEPT: ErrorReason
 PROTOCOL_MISMATCH: ErrorReason
 STAGE_STATE_MISMATCH: ErrorReason
+NOT_AUTHENTICATED: ErrorReason
+CREDENTIAL_REVOKED: ErrorReason
+NOT_PERMITTED: ErrorReason
+TOKEN_REFUSED: ErrorReason
 
 class ErrorDetail(_message.Message):
     __slots__ = ("reason",)

@@ -37,10 +37,10 @@ def _cluster(label: str) -> str:
     return f"{label}-{secrets.token_hex(4)}"
 
 
-def _advertiser(cluster: str, port: int, *, proto: int = 1, token: bool = False,
+def _advertiser(cluster: str, port: int, *, proto: int = 1, ca: str = "",
                 instance: str | None = None, host: str = "127.0.0.1") -> DiscoveryAdvertiser:
     ad = Advertisement(cluster=cluster, host=host, port=port, protocol_version=proto,
-                       token_required=token, instance=instance)
+                       ca_fingerprint=ca, instance=instance)
     return DiscoveryAdvertiser(ad, interfaces=[host])
 
 
@@ -81,7 +81,7 @@ def test_advertisement_defaults_to_a_dns_safe_instance_name() -> None:
     assert ad.instance is not None and ad.instance.startswith("my-lab-1-")
     assert ad.instance.endswith("-5000")
     assert all(c.isalnum() or c == "-" for c in ad.instance)
-    assert ad.txt() == {"proto": "1", "cluster": "my lab_1", "token": "0"}
+    assert ad.txt() == {"proto": "1", "cluster": "my lab_1", "tls": "0", "ca": ""}
 
 
 @pytest.mark.parametrize("field, value", [("host", "lab.local"), ("port", 0), ("cluster", ""),
@@ -97,7 +97,7 @@ def test_advertisement_rejects_bad_values(field: str, value: object) -> None:
 def test_browse_finds_the_advert_and_forgets_it_after_close() -> None:
     # Prepare
     cluster = _cluster("basic")
-    advertiser = _advertiser(cluster, 50101, proto=7, token=True)
+    advertiser = _advertiser(cluster, 50101, proto=7, ca="ab" * 32)
     started = time.monotonic()
     advertiser.start()
     print(f"advertise took {time.monotonic() - started:.2f} s")
@@ -113,7 +113,7 @@ def test_browse_finds_the_advert_and_forgets_it_after_close() -> None:
     # Assert
     assert found == [CoordinatorRecord(instance=advertiser.instance, cluster=cluster,
                                        address="127.0.0.1:50101", protocol_version=7,
-                                       token_required=True)]
+                                       tls=True, ca_fingerprint="ab" * 32)]
     deadline = time.monotonic() + 10.0
     while _ours(browse(interfaces=LOOPBACK, timeout_s=1.5), cluster):
         assert time.monotonic() < deadline, "advert still visible 10 s after close()"
