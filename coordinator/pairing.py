@@ -89,11 +89,10 @@ def pairing_service(authority: trust.Authority | None) -> list:
     return [(ppb_grpc.add_PairingServicer_to_server, PairingServicer(authority))] if authority else []
 
 
-def default_pair_bind(bind: str) -> str:
-    """Where pairing is served by default: the next port after a fixed one (50051 -> 50052), any
-    free port after port 0."""
-    host, _, port = bind.rpartition(":")
-    return f"{host}:{int(port) + 1 if int(port) else 0}"
+def pairing_address(address: str) -> str:
+    """The pairing address of the gateway whose fleet port is `address`: the next port."""
+    host, _, port = address.rpartition(":")
+    return f"{host}:{int(port) + 1}"
 
 
 @dataclass
@@ -115,20 +114,29 @@ class GatewayServer:
 
 def serve_gateway(bind: str, services: list, *, authority: trust.Authority | None, pair_bind: str | None = None,
                   max_workers: int = 128) -> GatewayServer:
-    """Serve `services` ((add_to_server, servicer) pairs) and, with an authority, Pairing on
-    `bind` (mutual TLS, Renew) and `pair_bind` (server TLS, Pair only)."""
+    """Serve `services` ((add_to_server, servicer) pairs) on `bind`: plaintext without an
+    authority (`--insecure`), else mutual TLS with Renew, plus Pair on the pairing port — by
+    default the next port (with port 0, a free pair of ports is found), "none" for no pairing
+    port (a job server's per-job coordinators: boards pair with the job server)."""
     if authority is None:
         server, port = transport.create_server(bind, services, max_workers=max_workers)
         return GatewayServer(server, port)
     guard = trust_guard(authority)
-    server, port = transport.create_server(bind, [*services, *pairing_service(authority)], max_workers=max_workers,
-                                           security=gateway_security(authority), guard=guard)
-    try:
-        pairing, pairing_port = transport.create_server(pair_bind or default_pair_bind(bind),
-                                                        pairing_service(authority), max_workers=8,
-                                                        security=gateway_security(authority, pairing=True),
-                                                        guard=guard)
-    except OSError:
-        server.stop(None)
-        raise
-    return GatewayServer(server, port, pairing, pairing_port)
+    host, _, wanted = bind.rpartition(":")
+    for _ in range(50):
+        server, port = transport.create_server(bind, [*services, *pairing_service(authority)],
+                                               max_workers=max_workers, security=gateway_security(authority),
+                                               guard=guard)
+        if pair_bind == "none":
+            return GatewayServer(server, port)
+        try:
+            pairing, pairing_port = transport.create_server(pair_bind or f"{host}:{port + 1}",
+                                                            pairing_service(authority), max_workers=8,
+                                                            security=gateway_security(authority, pairing=True),
+                                                            guard=guard)
+            return GatewayServer(server, port, pairing, pairing_port)
+        except OSError:
+            server.stop(None)
+            if pair_bind or int(wanted):  # the ports were asked for: say so
+                raise
+    raise OSError(f"no two consecutive free ports on {host} for the fleet and pairing ports")

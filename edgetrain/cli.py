@@ -9,6 +9,10 @@
   edgetrain plan FLEET.yaml [--model M]        the hybrid plan for a fleet, explained
   edgetrain coordinator --jobs                 a job server: several jobs share the fleet
   edgetrain submit JOB.yaml | jobs | cancel ID its jobs: queue one, list them, cancel one
+  edgetrain init                               make the fleet authority on the gateway (CA, first token)
+  edgetrain token new | list | revoke ID       join tokens for boards
+  edgetrain boards list | revoke NAME          paired boards; a revoked board is refused from its next call
+  edgetrain operator add NAME --out FILE       an operator credential for another machine
 
 Role modules and torch are imported by the handler that needs them, never at the top: `--help`,
 `devices`, `submit`, `jobs`, `cancel` and `fleet down` start without torch.
@@ -24,6 +28,7 @@ from pathlib import Path
 
 from edgetrain.config import ConfigError, load_job, parse_override
 from edgetrain.emulator.launch import DEMO_JOB, DEMO_SPEEDS, LocalRun, run_local
+from edgetrain.trust import TrustError
 
 
 def _speeds(text: str) -> tuple[float, ...]:
@@ -31,6 +36,24 @@ def _speeds(text: str) -> tuple[float, ...]:
         return tuple(float(s) for s in text.split(",") if s.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated fractions, e.g. 0.5,0.3, got {text!r}") from None
+
+
+def _duration(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        return float(text[:-1]) * units[text[-1]] if text[-1:] in units else float(text)
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"expected a duration such as 30m, 24h or 7d, got {text!r}") from None
+
+
+def _authority_arg(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--authority", type=Path, default=None, metavar="DIR",
+                     help="the fleet authority's directory (default: $EDGETRAIN_HOME/authority, ~/.edgetrain)")
+
+
+def _insecure_arg(cmd: argparse.ArgumentParser, who: str) -> None:
+    cmd.add_argument("--insecure", action="store_true",
+                     help=f"{who} without TLS or authentication (loopback experiments only; prints a warning)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="advertise over mDNS on this interface address (repeatable; default: the bind "
                             "address, or every LAN interface for a wildcard bind)")
     coord.add_argument("--no-advertise", action="store_true", help="do not advertise over mDNS")
+    coord.add_argument("--pair-bind", default=None, metavar="HOST:PORT",
+                       help="where boards pair with a join token (default: the next port, or any with port 0)")
+    _authority_arg(coord)
+    _insecure_arg(coord, "serve")
 
     client = sub.add_parser("client", help="run this board's part of a job")
     client.add_argument("--coordinator", metavar="HOST:PORT",
@@ -78,6 +105,14 @@ def _parser() -> argparse.ArgumentParser:
     client.add_argument("--threads", type=int, default=None, help="torch threads (default: all, or per --speed)")
     client.add_argument("--data-dir", default="data", help="dataset directory")
     client.add_argument("--download", action="store_true", help="download CIFAR-10 if missing (needs internet)")
+    client.add_argument("--join", metavar="TOKEN", default=os.environ.get("EDGETRAIN_JOIN_TOKEN"),
+                        help="pair with the gateway using this join token (or @FILE, or $EDGETRAIN_JOIN_TOKEN); "
+                             "needed once, later starts use the stored certificate")
+    client.add_argument("--identity", type=Path, default=None, metavar="DIR",
+                        help="where this board keeps its key and certificate (default: $EDGETRAIN_HOME/boards/NAME)")
+    client.add_argument("--pair-address", metavar="HOST:PORT", default=None,
+                        help="the gateway's pairing address (default: the coordinator's port + 1)")
+    _insecure_arg(client, "talk to an --insecure coordinator")
 
     submit = sub.add_parser("submit", help="queue a job at a job server")
     submit.add_argument("config", type=Path, help="job YAML (its schedule section says what it asks for)")
@@ -95,6 +130,37 @@ def _parser() -> argparse.ArgumentParser:
     devices.add_argument("--coordinator", metavar="HOST:PORT", help="ask this coordinator (default: all found)")
     devices.add_argument("--interface", action="append", default=None, metavar="IP", help="mDNS interface")
     devices.add_argument("--json", action="store_true", help="machine-readable output")
+    for cmd in (submit, jobs, cancel, devices):
+        cmd.add_argument("--identity", type=Path, default=None, metavar="FILE",
+                         help="operator credential (default: $EDGETRAIN_HOME/operator.pem, or the gateway's own)")
+        _authority_arg(cmd)
+        _insecure_arg(cmd, "call an --insecure server")
+
+    init = sub.add_parser("init", help="make the fleet authority on the gateway: CA, certificates, a join token")
+    init.add_argument("--fleet", default="edgetrain", help="fleet name (in the CA's name)")
+    token = sub.add_parser("token", help="join tokens: new, list, revoke")
+    token_sub = token.add_subparsers(dest="token_command", required=True)
+    token_new = token_sub.add_parser("new", help="a join token (printed once; only its hash is kept)")
+    token_new.add_argument("--ttl", type=_duration, default=24 * 3600.0, help="lifetime (default 24h; 30m, 7d, ...)")
+    token_new.add_argument("--uses", type=int, default=1, help="how many boards may pair with it (default 1)")
+    token_new.add_argument("--note", default="", help="what the token is for")
+    token_sub.add_parser("list", help="tokens with their expiry and uses left")
+    token_revoke = token_sub.add_parser("revoke", help="revoke a token before it is used")
+    token_revoke.add_argument("id", help="token id (its first 6 characters)")
+    boards = sub.add_parser("boards", help="paired boards: list, revoke")
+    boards_sub = boards.add_subparsers(dest="boards_command", required=True)
+    boards_sub.add_parser("list", help="certificates issued, with role, expiry and revocation")
+    boards_revoke = boards_sub.add_parser("revoke", help="refuse a board from its next call on")
+    boards_revoke.add_argument("name", help="board name")
+    operator = sub.add_parser("operator", help="operator credentials: add")
+    operator_sub = operator.add_subparsers(dest="operator_command", required=True)
+    operator_add = operator_sub.add_parser("add", help="issue an operator credential (key, certificate, CA) file")
+    operator_add.add_argument("name", help="operator name, e.g. alice-laptop")
+    operator_add.add_argument("--out", type=Path, required=True, help="where to write it (0600; keep it secret)")
+    for cmd in (init, token_new, token_revoke, boards_revoke, operator_add, *token_sub.choices.values(),
+                *boards_sub.choices.values()):
+        if not any(a.dest == "authority" for a in cmd._actions):
+            _authority_arg(cmd)
 
     fleet = sub.add_parser("fleet", help="emulated fleets on this machine")
     fleet_sub = fleet.add_subparsers(dest="fleet_command", required=True)
@@ -104,6 +170,7 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--state-dir", type=Path, default=Path(".fleet"), help="where fleet state is kept")
         cmd.add_argument("--runs-dir", type=Path, default=Path("runs"), help="results directory")
         cmd.add_argument("--data-dir", type=Path, default=Path("data"), help="dataset directory")
+        _insecure_arg(cmd, "run the fleet")
 
     plan = sub.add_parser("plan", help="the plan the coordinator would choose for a fleet file, explained")
     plan.add_argument("fleet", type=Path, help="fleet YAML (its boards: speed, link, battery)")
@@ -127,6 +194,7 @@ def _parser() -> argparse.ArgumentParser:
         local.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="job override")
         local.add_argument("--data-dir", type=Path, default=Path("data"), help="dataset directory")
         local.add_argument("--runs-dir", type=Path, default=Path("runs"), help="results directory")
+        _insecure_arg(local, "run the coordinator and boards")
     return parser
 
 
@@ -137,7 +205,9 @@ def _coordinator(args: argparse.Namespace) -> int:
     from coordinator.main import run_coordinator
     from coordinator.training.rounds import JobAborted
     from edgetrain.discovery import default_interfaces
+    from edgetrain.trust import gateway_authority
 
+    authority = gateway_authority(args.authority, insecure=args.insecure)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # end the job cleanly: boards are told it ended
     host = args.bind.rsplit(":", 1)[0]
@@ -148,29 +218,43 @@ def _coordinator(args: argparse.Namespace) -> int:
 
         serve_jobs(bind=args.bind, state_dir=args.state_dir, runs_dir=args.runs_dir, data_dir=args.data_dir,
                    scheduler=args.scheduler, port_file=args.port_file, stop=stop, cluster=args.cluster,
-                   advertise=advertise)
+                   advertise=advertise, authority=authority, pair_bind=args.pair_bind)
         return 0
     job = load_job(args.config, dict(parse_override(o) for o in args.set))
     try:
         run_coordinator(job, bind=args.bind, data_dir=args.data_dir, runs_dir=args.runs_dir, port_file=args.port_file,
-                        resume=args.resume, stop=stop, cluster=args.cluster, advertise=advertise)
+                        resume=args.resume, stop=stop, cluster=args.cluster, advertise=advertise,
+                        authority=authority, pair_bind=args.pair_bind)
     except JobAborted as e:
         print(f"edgetrain coordinator: job {job.name} stopped: {e}", file=sys.stderr)
         return 4
     return 0
 
 
+def _operator_security(args: argparse.Namespace):
+    """What `submit`, `jobs`, `cancel` and `devices` dial with: an operator credential, or nothing
+    with --insecure."""
+    from edgetrain import transport, trust
+
+    if args.insecure:
+        return transport.INSECURE
+    return trust.operator_identity(args.identity, args.authority).security(trust.GATEWAY_SERVER_NAME)
+
+
 def _jobs(args: argparse.Namespace) -> int:
     from coordinator.jobs.command import JobsCommandError, cancel_job, jobs_report, submit_job
 
+    security = _operator_security(args)
     try:
         if args.command == "submit":
             print(submit_job(args.config, [parse_override(o) for o in args.set], server=args.server,
-                             cluster=args.cluster, interfaces=args.interface))
+                             cluster=args.cluster, interfaces=args.interface, security=security))
         elif args.command == "cancel":
-            print(cancel_job(args.id, server=args.server, cluster=args.cluster, interfaces=args.interface))
+            print(cancel_job(args.id, server=args.server, cluster=args.cluster, interfaces=args.interface,
+                             security=security))
         else:
-            print(jobs_report(server=args.server, cluster=args.cluster, interfaces=args.interface, as_json=args.json))
+            print(jobs_report(server=args.server, cluster=args.cluster, interfaces=args.interface, as_json=args.json,
+                              security=security))
     except JobsCommandError as e:
         print(f"edgetrain {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -183,7 +267,12 @@ def _client(args: argparse.Namespace) -> int:
     from edge_client.main import BATTERY_EMPTY, run_client
     from edge_client.worker import ClientOptions
 
+    join = args.join
+    if join and join.startswith("@"):
+        join = Path(join[1:]).read_text().strip()
     options = ClientOptions(name=args.name or socket.gethostname(), data_dir=args.data_dir,
+                            identity=args.identity, join_token=join, insecure=args.insecure,
+                            pair_address=args.pair_address,
                             download=args.download, emulated_speed=args.speed,
                             board_file=str(args.emulate) if args.emulate else None,
                             probe_interval_s=args.probe_interval, stage_bind=args.stage_bind,
@@ -197,7 +286,7 @@ def _local(args: argparse.Namespace) -> int:
     job_file = getattr(args, "config", DEMO_JOB)
     job = load_job(job_file, dict(parse_override(o) for o in args.set))
     run = LocalRun(job_file=job_file, speeds=args.speeds, overrides=tuple(args.set), runs_dir=args.runs_dir,
-                   data_dir=args.data_dir)
+                   data_dir=args.data_dir, insecure=args.insecure)
     code = run_local(run, job_name=job.name)
     if code == 0:
         print(f"results: {args.runs_dir / job.name}/ (metrics.jsonl, summary.json, checkpoint)")
@@ -207,7 +296,8 @@ def _local(args: argparse.Namespace) -> int:
 def _devices(args: argparse.Namespace) -> int:
     from coordinator.devices import devices_report
 
-    print(devices_report(coordinator=args.coordinator, interfaces=args.interface, as_json=args.json))
+    print(devices_report(coordinator=args.coordinator, interfaces=args.interface, as_json=args.json,
+                         security=_operator_security(args)))
     return 0
 
 
@@ -232,7 +322,7 @@ def _fleet(args: argparse.Namespace) -> int:
                          args.runs_dir, args.data_dir)
     if args.fleet_command == "up":
         state = fleet_up(Path(args.fleet), state_dir=args.state_dir, runs_dir=args.runs_dir,
-                         data_dir=args.data_dir)
+                         data_dir=args.data_dir, insecure=args.insecure)
         if load_fleet(args.fleet).jobs:
             print(f"fleet {state['name']} is up ({state['mode']} network): job server {state['coordinator']}, "
                   f"{len(state['pids']) - 1} boards; `edgetrain submit JOB.yaml --server {state['coordinator']}` "
@@ -249,18 +339,71 @@ def _fleet(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trust(args: argparse.Namespace) -> int:
+    """init, token, boards, operator: the fleet authority's records (no torch, no network)."""
+    import datetime as dt
+    import time
+
+    from edgetrain import trust
+
+    directory = args.authority or trust.default_authority_dir()
+    if args.command == "init":
+        authority = trust.Authority.create(directory, fleet=args.fleet)
+        token = authority.new_token(note="made by edgetrain init")
+        print(f"fleet authority made in {authority.directory}\nCA fingerprint (sha256): {authority.fingerprint}\n"
+              f"on each board:  edgetrain client --join {token}\n"
+              f"(that token pairs one board within 24 h; `edgetrain token new` makes more)")
+        return 0
+    authority = trust.Authority(directory)
+    if args.command == "token":
+        if args.token_command == "new":
+            print(authority.new_token(ttl_s=args.ttl, uses=args.uses, note=args.note))
+        elif args.token_command == "revoke":
+            authority.revoke_token(args.id)
+            print(f"token {args.id} revoked")
+        else:
+            now = time.time()
+            for token_id, record in sorted(authority.tokens().items(), key=lambda kv: kv[1]["created"]):
+                state = "expired" if record["expires"] < now else (
+                    "used up" if record["uses_left"] < 1 else f"{(record['expires'] - now) / 3600:.1f} h left")
+                print(f"{token_id}  {state:>12}  uses left {record['uses_left']}  "
+                      f"paired {', '.join(record['used_by']) or '-'}  {record['note']}")
+        return 0
+    if args.command == "boards":
+        if args.boards_command == "revoke":
+            serials = authority.revoke(args.name)
+            print(f"{args.name}: {len(serials)} certificate(s) revoked; it is refused from its next call on "
+                  "(a new join token lets it pair again)")
+            return 0
+        revoked = authority.revoked_names()
+        for serial, record in sorted(authority.certificates().items(), key=lambda kv: kv[1]["issued"]):
+            until = dt.datetime.fromtimestamp(record["not_after"], dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+            state = "revoked" if authority.is_revoked(serial) or record["name"] in revoked else (
+                "expired" if record["not_after"] < time.time() else "valid")
+            print(f"{record['name']:<24} {record['role']:<9} until {until} UTC  {state}")
+        return 0
+    path = authority.issue_identity(args.name, trust.OPERATOR).save(args.out)
+    print(f"operator credential for {args.name} written to {path}; on that machine save it as "
+          f"~/.edgetrain/operator.pem (or pass --identity {path.name})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `edgetrain` console script."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
     handlers = {"coordinator": _coordinator, "client": _client, "local": _local, "demo": _local,
-                "devices": _devices, "fleet": _fleet, "plan": _plan, "submit": _jobs, "jobs": _jobs, "cancel": _jobs}
+                "devices": _devices, "fleet": _fleet, "plan": _plan, "submit": _jobs, "jobs": _jobs, "cancel": _jobs,
+                "init": _trust, "token": _trust, "boards": _trust, "operator": _trust}
     try:
         return handlers[args.command](args)
     except (ConfigError, FileNotFoundError) as e:
         print(f"edgetrain: error: {e}", file=sys.stderr)
         return 2
+    except (TrustError, PermissionError) as e:
+        print(f"edgetrain {args.command}: {e}", file=sys.stderr)
+        return 5
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # the reader stopped early (`edgetrain plan ... | head`): not an error to report

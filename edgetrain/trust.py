@@ -269,8 +269,10 @@ def default_authority_dir() -> Path:
     return default_home() / "authority"
 
 
-def default_identity_path() -> Path:
-    return default_home() / "identity"
+def default_identity_path(name: str) -> Path:
+    """Where board `name` keeps its key and certificate by default (one directory per name, so
+    emulated boards on one machine keep theirs apart)."""
+    return default_home() / "boards" / name
 
 
 def _validity(days: float) -> tuple[dt.datetime, dt.datetime]:
@@ -470,3 +472,43 @@ def verify_issued_by(cert_pem_bytes: bytes, ca: x509.Certificate) -> None:
         x509.load_pem_x509_certificate(cert_pem_bytes).verify_directly_issued_by(ca)
     except (ValueError, TypeError, InvalidSignature):
         raise TrustError("the certificate was not issued by the fleet CA") from None
+
+
+# --- what each command authenticates with ---------------------------------------------------------
+
+INSECURE_WARNING = ("WARNING: --insecure: no authentication and no encryption; anyone who can reach "
+                    "this port can join, read and change the training. Use it only on loopback or a "
+                    "network you made for the experiment.")
+
+
+def gateway_authority(directory: Path | None, *, insecure: bool = False) -> Authority | None:
+    """The authority a coordinator or job server serves under: the one at `directory` (default
+    ~/.edgetrain/authority), made on first start; None with `insecure` (after the warning)."""
+    import logging
+    import sys
+
+    if insecure:
+        print(INSECURE_WARNING, file=sys.stderr, flush=True)
+        return None
+    authority, made = Authority.open_or_create(directory or default_authority_dir())
+    if made:
+        token = authority.new_token(note="made by the first start")
+        logging.getLogger(__name__).info(
+            "[Gateway] made a fleet authority in %s (CA %s…); pair a board with `edgetrain client --join %s`",
+            authority.directory, authority.fingerprint[:16], token)
+    return authority
+
+
+def operator_identity(identity: Path | None, authority_dir: Path | None) -> Identity:
+    """An operator's credential: `identity` (a bundle from `edgetrain operator add`) or, on the
+    gateway, the authority's own operator certificate (TrustError with what to do when neither)."""
+    if identity is not None:
+        return Identity.load(identity)
+    default = default_home() / "operator.pem"
+    if default.exists():
+        return Identity.load(default)
+    directory = authority_dir or default_authority_dir()
+    if (directory / "operator").exists():
+        return Authority(directory).operator_identity()
+    raise TrustError("no operator credential: on the gateway run `edgetrain init`; elsewhere ask the gateway "
+                     f"for one (`edgetrain operator add NAME --out FILE`) and save it as {default} or pass --identity")

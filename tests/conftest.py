@@ -17,6 +17,7 @@ import psutil
 import pytest
 import torch
 
+from edgetrain import transport, trust
 from edgetrain.config import JobConfig, job_from_dict
 from protos import coordinator_pb2_grpc as pb_grpc
 
@@ -29,6 +30,34 @@ def _kill_leftover_children() -> Iterator[None]:
     yield
     for child in psutil.Process(os.getpid()).children(recursive=True):
         child.kill()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def fleet_authority(tmp_path_factory) -> Iterator[trust.Authority]:
+    """The session's fleet authority in a private EDGETRAIN_HOME: coordinators started by tests
+    serve under it (mutual TLS, as users run them), and client processes pair themselves through
+    the same join-token path as a real board ($EDGETRAIN_JOIN_TOKEN, a many-use token)."""
+    home = tmp_path_factory.mktemp("edgetrain-home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EDGETRAIN_HOME", str(home))
+        authority = trust.Authority.create(home / "authority")
+        patch.setenv("EDGETRAIN_JOIN_TOKEN", str(authority.new_token(uses=1_000_000, note="test session")))
+        yield authority
+
+
+_IDENTITIES: dict[str, trust.Identity] = {}
+
+
+def board_identity(name: str) -> trust.Identity:
+    """A board certificate for `name` from the session's authority (for raw, hand-driven boards)."""
+    if name not in _IDENTITIES:
+        _IDENTITIES[name] = trust.Authority(trust.default_authority_dir()).issue_identity(name, trust.BOARD)
+    return _IDENTITIES[name]
+
+
+def board_channel(address: str, name: str) -> grpc.Channel:
+    """A mutual-TLS channel to a gateway at `address` as board `name`."""
+    return transport.open_channel(address, board_identity(name).security(trust.GATEWAY_SERVER_NAME))
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -64,11 +93,12 @@ class RunningCoordinator:
     stop: threading.Event
     result: dict = field(default_factory=dict)
 
-    def channel(self) -> grpc.Channel:
-        return grpc.insecure_channel(self.address)
+    def channel(self, name: str = "raw-board") -> grpc.Channel:
+        """A channel as board `name` (its certificate from the session's authority)."""
+        return board_channel(self.address, name)
 
-    def stub(self) -> pb_grpc.CoordinatorStub:
-        return pb_grpc.CoordinatorStub(self.channel())
+    def stub(self, name: str = "raw-board") -> pb_grpc.CoordinatorStub:
+        return pb_grpc.CoordinatorStub(self.channel(name))
 
     def wait(self, timeout: float) -> dict:
         self.thread.join(timeout)
@@ -90,7 +120,8 @@ def start_coordinator(job: JobConfig, tmp_path: Path, *, resume: bool = False) -
     def serve() -> None:
         try:
             result["summary"] = run_coordinator(job, bind="127.0.0.1:0", runs_dir=str(tmp_path / "runs"),
-                                                port_file=str(port_file), stop=stop, resume=resume)
+                                                port_file=str(port_file), stop=stop, resume=resume,
+                                                authority=trust.Authority(trust.default_authority_dir()))
         except BaseException as e:  # surfaced by RunningCoordinator.wait
             result["error"] = e
 
@@ -100,7 +131,7 @@ def start_coordinator(job: JobConfig, tmp_path: Path, *, resume: bool = False) -
     while not (port_file.exists() and port_file.read_text().strip()):
         assert time.monotonic() < deadline and thread.is_alive(), f"coordinator did not start: {result}"
         time.sleep(0.05)
-    return RunningCoordinator(port_file.read_text().strip(), tmp_path / "runs" / job.name, thread, stop, result)
+    return RunningCoordinator(port_file.read_text().splitlines()[0].strip(), tmp_path / "runs" / job.name, thread, stop, result)
 
 
 @pytest.fixture
@@ -134,10 +165,12 @@ def _forks() -> multiprocessing.context.ForkServerContext:
     return context
 
 
-def _client_main(argv: list[str], log_path: str) -> None:
-    """`edgetrain ARGV` (a client) in a forked process, its output going to `log_path`."""
+def _client_main(argv: list[str], log_path: str, env: dict[str, str]) -> None:
+    """`edgetrain ARGV` (a client) in a forked process with `env` added to its environment, its
+    output going to `log_path`."""
     from edgetrain.cli import main
 
+    os.environ.update(env)
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -176,7 +209,8 @@ def spawn_client(address: str, name: str, *, speed: float | None = None, log_dir
     if speed:
         args += ["--speed", str(speed)]
     args += list(extra)
-    process = _forks().Process(target=_client_main, args=(args, str(log_dir / f"{name}.log")), name=name)
+    env = {key: os.environ[key] for key in ("EDGETRAIN_HOME", "EDGETRAIN_JOIN_TOKEN") if key in os.environ}
+    process = _forks().Process(target=_client_main, args=(args, str(log_dir / f"{name}.log"), env), name=name)
     process.start()
     return ClientProcess(process)
 

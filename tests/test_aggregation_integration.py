@@ -198,7 +198,7 @@ def test_nan_outlier_and_wrong_shape_updates_are_refused_then_the_board_is_quara
     coordinator = coordinator_factory(job)
     client_factory(coordinator.address, "honest-a", 0.5)
     client_factory(coordinator.address, "honest-b", 0.5)
-    rogue = join(coordinator.stub(), "rogue")
+    rogue = join(coordinator.stub("rogue"), "rogue")
 
     # Execute: NaN, then 1000x, then a truncated tensor
     work = next_step(rogue, timeout_s=60)

@@ -332,7 +332,7 @@ def test_upload_for_a_closed_step_is_failed_precondition(coordinator, board, tmp
 def test_second_upload_while_step_still_open_is_already_exists(coordinator_factory, tmp_path):
     # Prepare: two boards share step 0; the first answers twice before the second answers
     running = coordinator_factory(bad_input_job(min_clients=2))
-    first, second = join(running.stub(), "raw-a"), join(running.stub(), "raw-b")
+    first, second = join(running.stub("raw-a"), "raw-a"), join(running.stub("raw-b"), "raw-b")
     try:
         work_a, work_b = next_step(first), next_step(second)
         grad_a = compute_gradient(first, work_a, tmp_path)

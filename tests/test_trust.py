@@ -27,6 +27,7 @@ class Gateway:
         self.servers = serve_gateway("127.0.0.1:0", [], authority=authority)
         self.address = f"127.0.0.1:{self.servers.port}"
         self.pairing = f"127.0.0.1:{self.servers.pairing_port}"
+        assert self.servers.pairing_port == self.servers.port + 1
 
 
 @pytest.fixture
