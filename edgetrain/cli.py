@@ -319,18 +319,20 @@ def _fleet(args: argparse.Namespace) -> int:
 
     if args.fleet_command == "supervise":
         return supervise(Path(args.fleet), args.state_dir / f"{load_fleet(args.fleet).name}.json",
-                         args.runs_dir, args.data_dir)
+                         args.runs_dir, args.data_dir, insecure=args.insecure)
     if args.fleet_command == "up":
         state = fleet_up(Path(args.fleet), state_dir=args.state_dir, runs_dir=args.runs_dir,
                          data_dir=args.data_dir, insecure=args.insecure)
         if load_fleet(args.fleet).jobs:
+            server = f"--server {state['coordinator']} {' '.join(state['operator_args'])}"
             print(f"fleet {state['name']} is up ({state['mode']} network): job server {state['coordinator']}, "
-                  f"{len(state['pids']) - 1} boards; `edgetrain submit JOB.yaml --server {state['coordinator']}` "
-                  f"queues a job, `edgetrain jobs --server {state['coordinator']}` shows them, "
+                  f"{len(state['pids']) - 1} boards; `edgetrain submit JOB.yaml {server}` "
+                  f"queues a job, `edgetrain jobs {server}` shows them, "
                   f"`edgetrain fleet down {state['name']}` stops it")
             return 0
         print(f"fleet {state['name']} is up ({state['mode']} network): coordinator {state['coordinator']}, "
-              f"{len(state['pids']) - 1} boards; `edgetrain devices` shows them, "
+              f"{len(state['pids']) - 1} boards; `edgetrain devices --coordinator {state['coordinator']} "
+              f"{' '.join(state['operator_args'])}` shows them, "
               f"`edgetrain fleet down {state['name']}` stops it")
         return 0
     name = load_fleet(args.fleet).name if args.fleet.endswith((".yaml", ".yml")) else args.fleet

@@ -10,10 +10,10 @@ import threading
 import uuid
 from pathlib import Path
 
-import grpc
 import pytest
 from conftest import wait_for
 
+from edgetrain import transport, trust
 from edgetrain.emulator.fleet import fleet_down, fleet_up
 from edgetrain.emulator.netns import netns_available
 from protos import coordinator_pb2 as pb
@@ -49,14 +49,16 @@ events:
     return path
 
 
-def devices(address: str) -> dict[str, pb.DeviceView]:
-    with grpc.insecure_channel(address) as channel:
+def devices(address: str, authority: Path) -> dict[str, pb.DeviceView]:
+    """The fleet's boards, asked as the fleet's operator (its authority is the fleet's own)."""
+    security = trust.Authority(authority).operator_identity().security(trust.GATEWAY_SERVER_NAME)
+    with transport.open_channel(address, security) as channel:
         reply = pb_grpc.CoordinatorStub(channel).ListDevices(pb.ListDevicesRequest(), timeout=10)
     return {d.info.name: d for d in reply.devices if d.state != "gone"}
 
 
-def link_rate(address: str) -> float | None:
-    view = devices(address).get("wifi")
+def link_rate(address: str, authority: Path) -> float | None:
+    view = devices(address, authority).get("wifi")
     return view.telemetry.link_mbit_per_s if view and view.telemetry.HasField("link_mbit_per_s") else None
 
 
@@ -101,20 +103,22 @@ def test_fleet_up_shows_live_telemetry_and_down_leaves_nothing(tmp_path: Path, n
     try:
         address = state["coordinator"]
         assert state["mode"] == network
+        assert state["operator_args"][0] == "--authority"  # the fleet has its own authority: mTLS
+        authority = Path(state["operator_args"][1])
 
         # Execute + Assert: every board reports telemetry; the battery drains; the link is measured
-        boards = wait_for(lambda: (d := devices(address)) and len(d) == 2 and all(
+        boards = wait_for(lambda: (d := devices(address, authority)) and len(d) == 2 and all(
             v.telemetry.HasField("battery_percent") or v.info.name == "wifi" for v in d.values()) and d,
             120, "both boards with telemetry")
         first = boards["battery"].telemetry.battery_percent
         assert not boards["wifi"].telemetry.HasField("battery_percent")  # no battery: unknown, not 0
-        wait_for(lambda: devices(address)["battery"].telemetry.battery_percent < first - 0.5, 60,
+        wait_for(lambda: devices(address, authority)["battery"].telemetry.battery_percent < first - 0.5, 60,
                  "the emulated battery to drain")
-        assert wait_for(lambda: within(link_rate(address), RATE_MBIT), 60, f"a probe near {RATE_MBIT} Mbit/s")
+        assert wait_for(lambda: within(link_rate(address, authority), RATE_MBIT), 60, f"a probe near {RATE_MBIT} Mbit/s")
         os.kill(supervisor, signal.SIGCONT)
-        assert wait_for(lambda: within(link_rate(address), NEW_RATE_MBIT), 90,
+        assert wait_for(lambda: within(link_rate(address, authority), NEW_RATE_MBIT), 90,
                         f"the probe to follow the scripted change to {NEW_RATE_MBIT} Mbit/s")
-        energy = devices(address)["battery"].energy_per_sample_j
+        energy = devices(address, authority)["battery"].energy_per_sample_j
         assert energy > 0
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -32,7 +32,7 @@ from edgetrain.emulator.fleet_config import (
     board_to_dict,
     load_fleet,
 )
-from edgetrain.emulator.launch import edgetrain_command
+from edgetrain.emulator.launch import EmulatedTrust, edgetrain_command
 from edgetrain.emulator.netns import HostNetwork, VirtualLan, destroy_resources, netns_available
 from edgetrain.emulator.throttle import remove_stale_cgroups
 
@@ -56,10 +56,12 @@ def _write_state(path: Path, state: dict) -> None:
 class Supervisor:
     """Owns one running fleet: its network, coordinator, boards and events."""
 
-    def __init__(self, spec: FleetSpec, state_file: Path, runs_dir: Path, data_dir: Path) -> None:
+    def __init__(self, spec: FleetSpec, state_file: Path, runs_dir: Path, data_dir: Path, *,
+                 insecure: bool = False) -> None:
         self.spec = spec
         self.state_file = state_file
         self.work_dir = state_file.with_suffix("")
+        self.trust = EmulatedTrust(self.work_dir / "trust", insecure=insecure)
         self.log_dir = runs_dir / spec.name / "fleet-logs"
         self.runs_dir = runs_dir
         self.data_dir = data_dir
@@ -89,6 +91,7 @@ class Supervisor:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.state["work_dir"] = str(self.work_dir)
+        self.state["operator_args"] = self.trust.operator_args()
         self.state["mode"] = "namespaces" if self._use_namespaces() else "loopback"
         gateway = "127.0.0.1"
         if self.state["mode"] == "namespaces":
@@ -120,14 +123,15 @@ class Supervisor:
         self.procs["coordinator"] = subprocess.Popen(edgetrain_command(
             "coordinator", *role, "--bind", f"{self.gateway}:0", "--port-file",
             str(address_file), "--cluster", self.spec.cluster, "--advertise", self.gateway, "--runs-dir",
-            str(self.runs_dir), "--data-dir", str(self.data_dir)), stdout=log, stderr=subprocess.STDOUT)
+            str(self.runs_dir), "--data-dir", str(self.data_dir), *self.trust.gateway_args()),
+            stdout=log, stderr=subprocess.STDOUT)
         self._save()
         deadline = time.monotonic() + 120
         while not (address_file.exists() and address_file.read_text().strip()):
             if self.procs["coordinator"].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the coordinator did not start; see {self.log_dir / 'coordinator.log'}")
             time.sleep(0.1)
-        self.state["coordinator"] = address_file.read_text().strip()
+        self.state["coordinator"] = address_file.read_text().splitlines()[0].strip()  # line 2: pairing
 
     def _board_file(self, board: BoardSpec) -> Path:
         path = self.work_dir / f"{board.name}.yaml"
@@ -142,11 +146,12 @@ class Supervisor:
         prefix, interface = ([], "127.0.0.1") if self.lan is None else (
             self.lan.exec_args(board.name), self.hosts[board.name].ip)
         log = (self.log_dir / f"{board.name}.log").open("a")
+        credentials, env = self.trust.board(board.name)  # pairs through mDNS + a one-use token
         self.procs[board.name] = subprocess.Popen([*prefix, *edgetrain_command(
             "client", "--name", board.name, "--emulate", str(self._board_file(board)), "--cluster",
             self.spec.cluster, "--interface", interface, "--data-dir", str(self.data_dir), "--threads", "1",
-            "--probe-interval", str(self.spec.probe_interval_s))],
-            stdout=log, stderr=subprocess.STDOUT)
+            "--probe-interval", str(self.spec.probe_interval_s), *credentials)],
+            stdout=log, stderr=subprocess.STDOUT, env=env)
         self._save()
 
     def apply(self, event: FleetEvent) -> None:
@@ -202,9 +207,9 @@ class Supervisor:
         self.state_file.unlink(missing_ok=True)
 
 
-def supervise(spec_file: Path, state_file: Path, runs_dir: Path, data_dir: Path) -> int:
+def supervise(spec_file: Path, state_file: Path, runs_dir: Path, data_dir: Path, *, insecure: bool = False) -> int:
     """Entry point of the supervisor process."""
-    supervisor = Supervisor(load_fleet(spec_file), state_file, runs_dir, data_dir)
+    supervisor = Supervisor(load_fleet(spec_file), state_file, runs_dir, data_dir, insecure=insecure)
     signal.signal(signal.SIGTERM, supervisor.stop)
     signal.signal(signal.SIGINT, supervisor.stop)
     try:
@@ -224,7 +229,8 @@ def supervise(spec_file: Path, state_file: Path, runs_dir: Path, data_dir: Path)
             _write_state(state_file.with_suffix(".error.json"), supervisor.state)
 
 
-def fleet_up(spec_file: Path, *, state_dir: Path, runs_dir: Path, data_dir: Path, timeout_s: float = 180) -> dict:
+def fleet_up(spec_file: Path, *, state_dir: Path, runs_dir: Path, data_dir: Path, timeout_s: float = 180,
+             insecure: bool = False) -> dict:
     """Start the fleet's supervisor in the background; returns its state once the coordinator serves."""
     spec = load_fleet(spec_file)
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -235,7 +241,7 @@ def fleet_up(spec_file: Path, *, state_dir: Path, runs_dir: Path, data_dir: Path
     log = (runs_dir / spec.name / "fleet-supervisor.log").open("a")
     proc = subprocess.Popen(edgetrain_command("fleet", "supervise", str(spec_file.resolve()), "--state-dir",
                                        str(state_dir.resolve()), "--runs-dir", str(runs_dir.resolve()),
-                                       "--data-dir", str(data_dir.resolve())),
+                                       "--data-dir", str(data_dir.resolve()), *(["--insecure"] if insecure else [])),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

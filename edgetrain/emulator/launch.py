@@ -1,12 +1,16 @@
 """Run a coordinator and N emulated boards as separate processes on this machine (loopback).
 
 The roles are started as `python -m edgetrain coordinator|client` processes, never imported, so
-a local run exercises exactly what a real deployment does: separate processes talking gRPC.
+a local run exercises exactly what a real deployment does: separate processes talking gRPC,
+with mutual TLS. The run has its own fleet authority (``EmulatedTrust``, under the run's
+directory, never the user's own ~/.edgetrain), and each board pairs through the same join-token
+path a real board uses: a one-use token in its environment, its key made on the board.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -38,10 +42,53 @@ class LocalRun:
     """Board files (speed, link, battery) to emulate; when given they replace `speeds`."""
     client_args: tuple[str, ...] = ()
     """Extra arguments for every client (e.g. --probe-interval 5)."""
+    insecure: bool = False
+    """Run without TLS or authentication (loopback experiments; the coordinator warns)."""
 
     def __post_init__(self) -> None:
         if not self.board_files and (not self.speeds or any(s <= 0 for s in self.speeds)):
             raise ValueError(f"speeds must be a non-empty list of positive fractions, got {self.speeds}")
+
+
+@dataclass(frozen=True)
+class EmulatedTrust:
+    """The credentials of an emulated run: a fleet authority in `directory`/authority and each
+    board's identity in `directory`/boards/NAME; or nothing at all when `insecure`."""
+
+    directory: Path
+    insecure: bool = False
+
+    @property
+    def authority_dir(self) -> Path:
+        return self.directory / "authority"
+
+    def gateway_args(self) -> list[str]:
+        """Arguments of the coordinator (or job server): serve under the run's authority."""
+        if self.insecure:
+            return ["--insecure"]
+        from edgetrain.trust import Authority
+
+        Authority.open_or_create(self.authority_dir)
+        return ["--authority", str(self.authority_dir)]
+
+    def operator_args(self) -> list[str]:
+        """Arguments of `edgetrain devices|jobs|submit` against this run."""
+        return ["--insecure"] if self.insecure else ["--authority", str(self.authority_dir)]
+
+    def board(self, name: str) -> tuple[list[str], dict[str, str]]:
+        """Arguments and environment of board `name`'s client: its identity directory and, until it
+        has paired, a one-use join token (in the environment: a command line is visible to all)."""
+        if self.insecure:
+            return ["--insecure"], dict(os.environ)
+        from edgetrain.trust import Authority, Identity
+
+        identity = self.directory / "boards" / name
+        env = dict(os.environ)
+        env.pop("EDGETRAIN_JOIN_TOKEN", None)
+        if not Identity.exists(identity):
+            token = Authority(self.authority_dir).new_token(ttl_s=600, note=f"emulated board {name}")
+            env["EDGETRAIN_JOIN_TOKEN"] = str(token)
+        return ["--identity", str(identity)], env
 
 
 def edgetrain_command(*args: str) -> list[str]:
@@ -53,7 +100,7 @@ def _wait_for_address(port_file: Path, coordinator: subprocess.Popen, timeout_s:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if port_file.exists() and port_file.read_text().strip():
-            return port_file.read_text().strip()
+            return port_file.read_text().splitlines()[0].strip()  # line 2: the pairing address
         if coordinator.poll() is not None:
             raise RuntimeError(f"the coordinator exited with code {coordinator.returncode} before serving")
         time.sleep(0.1)
@@ -101,19 +148,22 @@ def run_local(run: LocalRun, *, job_name: str) -> int:
     port_file = run.runs_dir / job_name / "coordinator.address"
     port_file.unlink(missing_ok=True)
     overrides = [arg for o in run.overrides for arg in ("--set", o)]
+    trust = EmulatedTrust(run.runs_dir / job_name / "trust", insecure=run.insecure)
     coordinator = subprocess.Popen(edgetrain_command(
         "coordinator", "--config", str(run.job_file), *overrides, "--bind", "127.0.0.1:0",
-        "--port-file", str(port_file), "--runs-dir", str(run.runs_dir), "--data-dir", str(run.data_dir)))
+        "--port-file", str(port_file), "--runs-dir", str(run.runs_dir), "--data-dir", str(run.data_dir),
+        *trust.gateway_args()))
     clients: list[subprocess.Popen] = []
     try:
         address = _wait_for_address(port_file, coordinator)
         boards = [(path.stem, ("--emulate", str(path))) for path in run.board_files] or [
             (f"board{i}-{speed:g}", ("--speed", f"{speed:g}")) for i, speed in enumerate(run.speeds)]
         for name, emulation in boards:
+            credentials, env = trust.board(name)
             with (log_dir / f"{name}.log").open("w") as log:
                 clients.append(subprocess.Popen(edgetrain_command(
                     "client", "--coordinator", address, "--name", name, *emulation, "--data-dir", str(run.data_dir),
-                    *run.client_args), stdout=log, stderr=subprocess.STDOUT))
+                    *credentials, *run.client_args), stdout=log, stderr=subprocess.STDOUT, env=env))
         logger.info("started %d emulated boards (%s); their logs are in %s", len(clients),
                     ", ".join(name for name, _ in boards), log_dir)
         code = coordinator.wait()
