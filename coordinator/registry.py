@@ -1,9 +1,19 @@
-"""Admitted devices: their description, profile, speed estimate and liveness (in memory)."""
+"""Admitted devices: their description, profile, speed estimate and liveness (in memory).
+
+A board's profile is a claim: the speed it says it trains at. Each step it trains refines the
+estimate from what was measured — its compute time, bounded by the coordinator's own clock (from
+taking the work to the upload being complete, less the transfers). When, after its first steps,
+the measured step times are far off what the claim predicts (CLAIM_TOLERANCE either way), the
+board is flagged (`claim_note`, a warning on the log) and its speed estimate is replaced by the
+measurement: it is planned by what it does, not by what it says.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -18,6 +28,16 @@ TELEMETRY_WINDOW = 120
 GONE_KEPT = 64
 """Records of departed devices kept for reports; older ones are forgotten (a crash-looping board
 must not grow the coordinator's memory without bound)."""
+
+CLAIM_CHECK_STEPS = 3
+"""Steps measured before a board's claimed speed is judged (its first step, which carries the
+warm-up of a fresh process, is not one of them)."""
+CLAIM_TOLERANCE = 3.0
+"""A claim is far off when the measured step compute time is more than this factor above or below
+what the claimed speed predicts for the same samples..."""
+CLAIM_SLACK_S = 0.25
+"""...and off by more than this many seconds too (tiny steps are dominated by fixed costs that a
+profile of the bare forward and backward pass does not include)."""
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +76,12 @@ class DeviceRecord:
     """(step, reason) of every update the coordinator refused from this board."""
     quarantined_until: int = -1
     """The board gets no work before this step (a board that kept sending bad updates)."""
+    claimed: SpeedEstimate | None = None
+    """The speed its profile claims (fitted from its join-time timings)."""
+    measured: deque = field(default_factory=lambda: deque(maxlen=2 * CLAIM_CHECK_STEPS))
+    """(samples, compute seconds) of its latest measured steps."""
+    claim_note: str = ""
+    """Set when its measured speed was far off its claim: what it claimed and what was measured."""
 
     @property
     def latest_telemetry(self) -> TelemetrySample | None:
@@ -117,7 +143,9 @@ class DeviceRegistry:
         speed = fit_speed(profile.timings)
         with self._lock:
             record = self._live(device_id)
-            record.profile, record.speed = profile, speed
+            record.profile, record.speed, record.claimed = profile, speed, speed
+            record.measured.clear()
+            record.claim_note = ""
             self.changed.notify_all()
         return speed
 
@@ -137,20 +165,50 @@ class DeviceRegistry:
             return list(self._devices[device_id].telemetry)
 
     def observe_step(self, device_id: str, samples: int, compute_s: float, comm_s: float,
-                     energy_j: float | None = None) -> None:
-        """Refine the device's speed from one step's timings and accumulate its stats."""
+                     energy_j: float | None = None, *, turnaround_s: float | None = None) -> None:
+        """Refine the device's speed from one step's timings and accumulate its stats.
+
+        `compute_s` and `comm_s` are what the board reported; `turnaround_s`, the coordinator's
+        own clock from the board taking its work to its upload being complete, bounds them: the
+        compute time used is at least the turnaround less the reported transfers, and at most
+        the turnaround. Then the board's claimed speed is checked against its measured steps."""
+        if turnaround_s is not None and math.isfinite(turnaround_s) and turnaround_s >= 0:
+            compute_s = min(max(compute_s, turnaround_s - comm_s), turnaround_s)
         with self._lock:
             record = self._devices.get(device_id)
             if record is None:  # long gone and forgotten
                 return
             if record.speed is not None:
                 record.speed = refine_speed(record.speed, samples, compute_s, comm_s)
+                if samples > 0 and record.stats["steps"] > 0:  # its first step carries the warm-up
+                    record.measured.append((samples, compute_s))
+                    self._check_claim(record)
             if energy_j is not None:
                 record.stats["energy_j"] += energy_j
                 record.stats["energy_samples"] += samples
             for key, value in (("samples", samples), ("compute_s", compute_s), ("comm_s", comm_s),
                                ("steps", 1)):
                 record.stats[key] += value
+
+    def _check_claim(self, record: DeviceRecord) -> None:
+        """Flag a board whose measured steps are far off its claimed speed, and plan it by the
+        measurement from then on (see the module docstring)."""
+        claimed = record.claimed
+        if claimed is None or record.claim_note or len(record.measured) < CLAIM_CHECK_STEPS:
+            return
+        points = list(record.measured)
+        took = statistics.median(t for _, t in points)
+        predicted = statistics.median(claimed.seconds(n) for n, _ in points)
+        if took <= CLAIM_TOLERANCE * predicted + CLAIM_SLACK_S and predicted <= CLAIM_TOLERANCE * took + CLAIM_SLACK_S:
+            return
+        measured = fit_speed(points)
+        record.speed = SpeedEstimate(measured.overhead_s, measured.samples_per_s, record.speed.comm_s)
+        median_samples = statistics.median(n for n, _ in points)
+        record.claim_note = (f"claimed {median_samples / predicted:.1f} samples/s, measured {median_samples / took:.1f} "
+                             f"over {len(points)} steps")
+        logger.warning("[Coordinator.Registry] device %s: %s (%.1fx %s than its profile claims); planning it by "
+                       "the measurement", record.device_id, record.claim_note, max(took / predicted, predicted / took),
+                       "slower" if took > predicted else "faster")
 
     def note_rejection(self, device_id: str, step: int, reason: str, *, limit: int, window: int,
                        quarantine_steps: int) -> bool:
@@ -250,7 +308,8 @@ class DeviceRegistry:
         """Copies of all records, live and gone."""
         with self._lock:
             return [replace(r, stats=dict(r.stats), telemetry=deque(r.telemetry, maxlen=TELEMETRY_WINDOW),
-                            rejections=list(r.rejections)) for r in self._devices.values()]
+                            rejections=list(r.rejections), measured=deque(r.measured, maxlen=r.measured.maxlen))
+                    for r in self._devices.values()]
 
     def _live(self, device_id: str) -> DeviceRecord:
         record = self._devices.get(device_id)

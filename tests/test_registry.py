@@ -1,11 +1,20 @@
-"""The device registry: liveness, telemetry window, and bounded memory for departed devices."""
+"""The device registry: liveness, telemetry window, bounded memory for departed devices, and a
+board's claimed speed checked against its measured steps."""
 
 from __future__ import annotations
 
 import pytest
 
-from coordinator.registry import GONE_KEPT, TELEMETRY_WINDOW, DeviceRegistry, UnknownDevice
+from coordinator.registry import (
+    CLAIM_CHECK_STEPS,
+    GONE_KEPT,
+    TELEMETRY_WINDOW,
+    DeviceRegistry,
+    UnknownDevice,
+)
+from edgetrain.split import split_proportional
 from edgetrain.telemetry import TelemetrySample
+from edgetrain.work import BoardProfile
 
 
 def test_departed_devices_are_forgotten_beyond_a_bound() -> None:
@@ -42,3 +51,52 @@ def test_expiry_and_telemetry_window() -> None:
     window = registry.telemetry_window(device_id)
     assert len(window) == TELEMETRY_WINDOW and window[-1][1].timestamp == TELEMETRY_WINDOW + 4
     assert expired == [device_id] and not registry.is_alive(device_id)
+
+
+def _claiming(registry: DeviceRegistry, name: str, samples_per_s: float) -> str:
+    """A registered board whose profile claims `samples_per_s` (no fixed cost)."""
+    device_id = registry.register(name, {}, {}).device_id
+    registry.set_profile(device_id, BoardProfile(((4, 4 / samples_per_s), (16, 16 / samples_per_s)), 2**30, 2**29, 2**28))
+    return device_id
+
+
+@pytest.mark.parametrize(("claimed", "real"), [(1000.0, 10.0), (5.0, 100.0)], ids=["boasts", "sandbags"])
+def test_a_board_whose_steps_are_far_off_its_claim_is_flagged_and_planned_by_the_measurement(caplog, claimed, real):
+    # Prepare: a board whose steps take what `real` samples/s would (on the coordinator's clock,
+    # whatever it reports), and an honest one claiming and training at 50 samples/s
+    registry = DeviceRegistry()
+    board, honest = _claiming(registry, "board", claimed), _claiming(registry, "honest", 50.0)
+
+    def step(samples: int = 24) -> None:
+        registry.observe_step(board, samples, samples / claimed, 0.0, turnaround_s=samples / real)
+        registry.observe_step(honest, samples, samples / 50.0, 0.0, turnaround_s=samples / 50.0)
+
+    # Execute: a first step (the warm-up, not judged), then CLAIM_CHECK_STEPS measured ones
+    for _ in range(CLAIM_CHECK_STEPS):
+        step()
+    before = registry.get(board).claim_note
+    step()
+
+    # Assert
+    record = registry.get(board)
+    assert before == ""
+    assert record.claim_note == f"claimed {claimed:.1f} samples/s, measured {real:.1f} over 3 steps"
+    assert record.speed.samples_per_s == pytest.approx(real, rel=1e-6)
+    assert registry.get(honest).claim_note == "" and registry.get(honest).speed.samples_per_s == pytest.approx(50.0)
+    shares = split_proportional(100, {d: registry.get(d).speed for d in (board, honest)})
+    assert shares[board] / shares[honest] == pytest.approx(real / 50.0, rel=0.1)
+    assert f"device {record.device_id}: claimed" in caplog.text and "planning it by the measurement" in caplog.text
+
+
+def test_a_tiny_step_slowed_by_fixed_costs_is_not_a_false_claim() -> None:
+    # Prepare: 1000 samples/s claimed; 24-sample steps take 0.2 s (8x the claim, all fixed costs)
+    registry = DeviceRegistry()
+    board = _claiming(registry, "board", 1000.0)
+
+    # Execute
+    for _ in range(2 * CLAIM_CHECK_STEPS):
+        registry.observe_step(board, 24, 0.024, 0.0, turnaround_s=0.2)
+
+    # Assert: under the slack, not flagged; the speed still follows the measured steps
+    assert registry.get(board).claim_note == ""
+    assert registry.get(board).speed.samples_per_s < 1000 / 3

@@ -175,11 +175,14 @@ def test_heartbeat_keeps_telemetry_and_tells_the_newest_attempt(coordinator, boa
 def test_an_upload_is_accepted_once_and_a_second_one_is_already_answered(coordinator, board, tmp_path):
     # Prepare
     coordinator.open({board.device_id: assignment()})
+    taking = time.monotonic()
     work = next_step(board)
     grad = compute_gradient(board, work, tmp_path)
+    computed = time.monotonic()
 
     # Execute
     reply = upload_good(board, grad)
+    uploaded = time.monotonic()
     again = refused(lambda: upload_good(board, grad))
     status = refused(lambda: board.stub.GetUploadStatus(pb.UploadStatusRequest(
         device_id=board.device_id, step=work.step, attempt=work.attempt), timeout=RPC_TIMEOUT_S))
@@ -193,6 +196,8 @@ def test_an_upload_is_accepted_once_and_a_second_one_is_already_answered(coordin
     assert list(outcome.accepted) == [board.device_id] and outcome.rejected == {} and outcome.missing == []
     contribution = outcome.accepted[board.device_id]
     assert contribution.samples == len(SAMPLES)
+    # the coordinator's own clock: from the board taking the work to the upload being complete
+    assert computed - taking - 0.5 < contribution.turnaround_s <= uploaded - taking
     for name, tensor in grad.tensors.items():
         assert torch.equal(contribution.tensors[name], tensor), name
 

@@ -211,7 +211,9 @@ class Aggregator:
             self._late_rejected.update(rejected)
 
     def apply(self, step: int, board: StepBoard, fresh: Sequence[Contribution], refused: Mapping[str, str]) -> Aggregate:
-        """Combine this step's updates (and late ones) and take one optimizer step."""
+        """Combine this step's updates (and late ones) and take one optimizer step. When none is
+        usable, nothing is applied (`used` is empty, the parameters and optimizer state stay as
+        they were) and the step loop redoes the step; refusals still count towards quarantine."""
         self.collect_late(board, step)
         late, self._late = self._late, []
         rejected = {**refused, **self._late_rejected}
@@ -236,10 +238,11 @@ class Aggregator:
         if used:
             apply_update(self.model, self.optimizer, combine(used))
         else:
-            logger.error("[Coordinator.Aggregator] step %d: no usable update; parameters unchanged", step)
+            logger.warning("[Coordinator.Aggregator] step %d: no usable update; nothing applied", step)
         for item in used:
             c = item.contribution
-            self.registry.observe_step(c.device_id, c.samples, c.compute_s, c.comm_s, c.energy_j)
+            self.registry.observe_step(c.device_id, c.samples, c.compute_s, c.comm_s, c.energy_j,
+                                       turnaround_s=c.turnaround_s)
         misbehaved = {d: r for d, r in rejected.items() if r is not stale.get(d)}  # slowness is not misbehaviour
         return Aggregate(used, rejected, screening.clipped, self._quarantine(step, misbehaved))
 

@@ -70,6 +70,9 @@ class Contribution:
     peak_activation_bytes: int = 0
     peer_bytes: int = 0
     """Pipeline stages: activation bytes sent to neighbours this step."""
+    turnaround_s: float | None = None
+    """Seconds from the board taking its work (GetWork) to its upload being complete, on the
+    coordinator's own clock (None: the work was never taken through GetWork)."""
 
     @property
     def comm_s(self) -> float:
@@ -92,6 +95,8 @@ class _Ticket:
     accepted: Contribution | None = None
     rejected: str | None = None
     collected: bool = False
+    taken_at: float | None = None
+    """When the board first took this work (GetWork), on the coordinator's clock."""
 
     @property
     def answered(self) -> bool:
@@ -212,7 +217,10 @@ class StepBoard:
                     return self._finished
                 mine = [t for k, t in self._tickets.items() if k[0] == device_id and not t.answered]
                 if mine:
-                    return max(mine, key=lambda t: (t.assignment.step, t.assignment.attempt)).assignment
+                    ticket = max(mine, key=lambda t: (t.assignment.step, t.assignment.attempt))
+                    if ticket.taken_at is None:
+                        ticket.taken_at = self._clock()
+                    return ticket.assignment
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     return None
@@ -260,9 +268,12 @@ class StepBoard:
             with self._cond:
                 self._reject(device_id, self._ticket_for(device_id, step, attempt), str(e))
             raise
-        contribution = Contribution(device_id=device_id, tensors=tensors, upload_s=self._clock() - upload.started,
+        now = self._clock()
+        contribution = Contribution(device_id=device_id, tensors=tensors, upload_s=now - upload.started,
                                     step=a.step, param_version=a.param_version, codec=str(ticket.fmt.spec),
-                                    wire_bytes=len(payload), stage=a.stage, **vars(upload.report))
+                                    wire_bytes=len(payload), stage=a.stage,
+                                    turnaround_s=None if ticket.taken_at is None else now - ticket.taken_at,
+                                    **vars(upload.report))
         with self._cond:
             ticket = self._ticket_for(device_id, step, attempt)
             ticket.accepted, ticket.upload = contribution, None
