@@ -11,13 +11,16 @@ from pathlib import Path
 import torch
 
 from coordinator.advertiser import advertise_on
+from coordinator.pairing import serve_gateway
 from coordinator.registry import DeviceRegistry
-from coordinator.servicer import CoordinatorServicer, create_server
+from coordinator.servicer import CoordinatorServicer, coordinator_service
 from coordinator.training.aggregator import Aggregator
 from coordinator.training.parameters import ParameterStore
 from coordinator.training.report import summarize, summary_table
+from coordinator.training.rounds import JobAborted
 from coordinator.training.steps import StepBoard
 from coordinator.training.trainer import Trainer
+from edgetrain import transport, trust
 from edgetrain.config import JobConfig, job_to_dict
 from edgetrain.data import dataset_is_synthetic, load_dataset
 from edgetrain.models import build_model
@@ -51,14 +54,27 @@ def _watch_heartbeats(registry: DeviceRegistry, board: StepBoard, timeout_s: flo
     board.finish("coordinator stopped")
 
 
+def board_security(authority: trust.Authority | None) -> transport.Security:
+    """How the coordinator dials boards' StagePeer endpoints: as the gateway, verifying that the
+    endpoint holds a board certificate of the fleet (plaintext without an authority)."""
+    if authority is None:
+        return transport.INSECURE
+    return authority.gateway_identity().security(trust.BOARD_SERVER_NAME)
+
+
 def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str = "data",
                     runs_dir: str = "runs", port_file: str | None = None, resume: bool = False,
                     stop: threading.Event | None = None, cluster: str = "edgetrain",
-                    advertise: list[str] | None = None) -> dict:
+                    advertise: list[str] | None = None, authority: trust.Authority | None = None,
+                    pair_bind: str | None = None) -> dict:
     """Serve and train `job` to completion; returns the run summary (also under runs/<name>/).
 
-    With `advertise` (IPv4 addresses of interfaces), the coordinator announces itself over mDNS
-    on those interfaces, so boards find it without an address.
+    With an `authority` the fleet port takes mutual TLS under the fleet CA and boards pair on the
+    pairing port (coordinator.pairing.serve_gateway; `pair_bind` "none": no pairing port);
+    without one (`--insecure`) it serves plaintext. With `advertise` (IPv4 addresses of
+    interfaces), the coordinator announces itself over mDNS on those interfaces, so boards find
+    it without an address. A job that stops before its last step (JobAborted) still writes its
+    summary, saying how many steps were applied, then raises.
     """
     stop = stop or threading.Event()
     job = replace(job, dataset=replace(job.dataset, data_dir=data_dir))
@@ -77,29 +93,45 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
     store = ParameterStore(job.compression.downlink, keep_full=aggregator.versions_kept)
     servicer = CoordinatorServicer(job, board_job(job, aggregator), registry, board, store, cluster=cluster)
     trainer = Trainer(job, registry, board, model, train_size, test_set, run_dir, stop, store=store,
-                      aggregator=aggregator)
-    server, port = create_server(bind, servicer)
+                      aggregator=aggregator, board_security=board_security(authority))
+    servers = serve_gateway(bind, coordinator_service(servicer), authority=authority, pair_bind=pair_bind)
     freeze_heap()
     advertiser = None
     try:
         host = bind.rsplit(":", 1)[0]
-        logger.info("[Coordinator] serving job %r on %s:%d", job.name, host, port)
-        advertiser = advertise_on(cluster, host, port, advertise) if advertise else None
+        if authority is None:
+            logger.warning("[Coordinator] serving job %r on %s:%d WITHOUT TLS (--insecure): any host that "
+                           "reaches the port can join and change the training", job.name, host, servers.port)
+        else:
+            logger.info("[Coordinator] serving job %r on %s:%d with mutual TLS (fleet CA %s…)%s", job.name, host,
+                        servers.port, authority.fingerprint[:16],
+                        f"; boards pair on port {servers.pairing_port}" if servers.pairing_server else "")
+        advertiser = advertise_on(cluster, host, servers.port, advertise,
+                                  ca_fingerprint=authority.fingerprint if authority else "") if advertise else None
         if port_file:
-            Path(port_file).write_text(f"{host}:{port}\n")
+            lines = [f"{host}:{servers.port}"] + ([f"{host}:{servers.pairing_port}"] if servers.pairing_server else [])
+            Path(port_file).write_text("".join(line + "\n" for line in lines))
         threading.Thread(target=_watch_heartbeats, daemon=True,
                          args=(registry, board, job.training.heartbeat_timeout_s, stop)).start()
         if resume:
             trainer.resume_if_possible()
-        final = trainer.run()
-        summary = summarize(job, final, trainer, registry.snapshot())
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(summary_table(summary), flush=True)
-        return summary
+        try:
+            final = trainer.run()
+        except JobAborted as e:
+            _write_summary(run_dir, summarize(job, trainer.metrics.last_eval, trainer, registry.snapshot(),
+                                              stopped=str(e)))
+            raise
+        return _write_summary(run_dir, summarize(job, final, trainer, registry.snapshot()))
     finally:
         stop.set()
         trainer.metrics.close()
         if advertiser:
             advertiser.close()
-        server.stop(grace=2.0).wait()
+        servers.stop(grace=2.0)
 
+
+def _write_summary(run_dir: Path, summary: dict) -> dict:
+    """Save the run's summary as summary.json and print its table."""
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(summary_table(summary), flush=True)
+    return summary

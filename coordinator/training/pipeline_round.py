@@ -185,7 +185,7 @@ class PipelineRound(RoundPolicy):
         self.owners = StageOwners(ctx.job.name, ctx.model, ctx.aggregator.optimizer,
                                   chunk_bytes=ctx.job.training.chunk_bytes,
                                   timeout_s=max(60.0, self.settings.stage_timeout_s),
-                                  count_bytes=ctx.registry.count_bytes)
+                                  count_bytes=ctx.registry.count_bytes, security=ctx.board_security)
         self.plans = plans.history if isinstance(plans, LivePlans) else []
         self._committed = (-1, 0)
         """The last committed step and the attempt that counted (hosts owning a stage apply it)."""

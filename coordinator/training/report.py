@@ -20,8 +20,9 @@ def plan_accuracy(plans: list[dict], step_seconds: list[tuple[int, float]]) -> d
             "error": (last["predicted_step_s"] - median) / median}
 
 
-def summarize(job: JobConfig, final_eval: dict, trainer, devices) -> dict:
-    """Plain-data summary of a finished run (`trainer` is a Trainer)."""
+def summarize(job: JobConfig, final_eval: dict, trainer, devices, *, stopped: str | None = None) -> dict:
+    """Plain-data summary of a finished run (`trainer` is a Trainer); `stopped`: why the job
+    stopped before its last step (JobAborted), None when it completed."""
     total = sum(r.stats["samples"] for r in devices) or 1
     rows = []
     for record in devices:
@@ -39,12 +40,14 @@ def summarize(job: JobConfig, final_eval: dict, trainer, devices) -> dict:
             "download_bytes": stats["download_bytes"], "upload_bytes": stats["upload_bytes"],
             "codec": record.codec or "none", "rejected_updates": len(record.rejections),
             "alive_at_end": record.alive,
+            "speed_claim": record.claim_note or None,
         })
     return {
         "job": job.name, "model": job.model, "dataset": job.dataset.name,
         "synthetic_data": dataset_is_synthetic(job.dataset), "split": job.training.split,
         "global_batch": job.training.global_batch,
-        "steps": final_eval["step"] + 1 if "step" in final_eval else job.training.steps,
+        "steps": final_eval["step"] + 1 if "step" in final_eval else trainer.steps_applied,
+        "steps_applied": trainer.steps_applied, "steps_attempted": trainer.steps_attempted, "stopped": stopped,
         "target_accuracy": job.training.target_accuracy or None,
         "test_accuracy": final_eval.get("test_accuracy"), "test_loss": final_eval.get("test_loss"),
         "train_samples": trainer.samples_done, "train_seconds": round(trainer.train_seconds, 2),
@@ -65,8 +68,10 @@ def summary_table(summary: dict) -> str:
     acc = summary["test_accuracy"]
     lines = [
         f"== EdgeTrain run '{summary['job']}': {summary['model']} on {data}, split {summary['split']} ==",
+        *([f"STOPPED: {summary['stopped']}"] if summary.get("stopped") else []),
         f"test accuracy {acc:.3f} (chance 0.100) after {summary['steps']} steps of {summary['global_batch']}"
         if acc is not None else "no evaluation",
+        f"steps applied {summary['steps_applied']} of {summary['steps_attempted']} attempted",
         f"throughput {summary['samples_per_s']:.1f} samples/s ({summary['train_samples']} samples in "
         f"{summary['train_seconds']:.1f} s of training)",
         f"aggregation {summary['aggregation']}, uplink {summary['uplink']}, downlink {summary['downlink']}: "
@@ -85,5 +90,6 @@ def summary_table(summary: dict) -> str:
         lines.append(f"{row['device']:<18}{speed:>7}{est if est is not None else '-':>16}{row['samples']:>9}"
                      f"{row['share']:>8.1%}{row['compute_s']:>11.1f}{row['comm_s']:>9.1f}"
                      f"{row['energy_j'] if row['energy_j'] is not None else '?':>10}"
-                     f"{row['download_bytes'] / 1e6:>9.1f}{row['upload_bytes'] / 1e6:>8.1f}  {row['codec']}")
+                     f"{row['download_bytes'] / 1e6:>9.1f}{row['upload_bytes'] / 1e6:>8.1f}  {row['codec']}"
+                     + (f"  (speed claim: {row['speed_claim']})" if row.get("speed_claim") else ""))
     return "\n".join(lines)

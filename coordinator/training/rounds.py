@@ -30,6 +30,7 @@ from coordinator.registry import DeviceRecord, DeviceRegistry
 from coordinator.training.metrics import MetricsLog
 from coordinator.training.parameters import ParameterStore
 from coordinator.training.steps import AttemptOutcome, Contribution, StepBoard
+from edgetrain import transport
 from edgetrain.config import JobConfig
 from edgetrain.split import SpeedEstimate
 from edgetrain.work import Assignment
@@ -41,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 
 class JobAborted(RuntimeError):
-    """The job cannot go on (a step failed on every attempt, or it was stopped)."""
+    """The job cannot go on (a step failed or brought no usable update on every attempt, or it
+    was stopped)."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,9 @@ class RoundContext:
     train_size: int
     step_seconds: list[tuple[int, float]] = field(default_factory=list)
     """(step, seconds) of every step trained so far (the live planner judges its plan by them)."""
+    board_security: transport.Security = transport.INSECURE
+    """How the coordinator dials boards (their StagePeer endpoints): as the gateway, under mutual
+    TLS, unless the coordinator serves --insecure."""
 
     def wait_for_boards(self, count: int) -> dict[str, SpeedEstimate]:
         """Block until `count` boards are ready (JobAborted when stopped first)."""

@@ -4,8 +4,11 @@ Each step: publish the parameters (version = step), take the step's global batch
 per-epoch permutation, and run attempts until one counts: the job's round policy says what each
 board does and when the attempt counts (rounds.py), the step board hands the work out and
 collects the updates (steps.py), and the aggregator combines them and takes the optimizer step
-(aggregator.py). Then it records the step, evaluates and checkpoints on schedule, and stops at
-the last step or at the first evaluation reaching `training.target_accuracy`.
+(aggregator.py). An attempt that brought no usable update (every one refused, failed or screened
+out) changed nothing and does not count either: the step is redone. After
+`training.max_attempts` attempts without one the job stops (JobAborted) — a step is never counted
+as trained without an update. Then it records the step, evaluates and checkpoints on schedule,
+and stops at the last step or at the first evaluation reaching `training.target_accuracy`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from coordinator.training.metrics import MetricsLog
 from coordinator.training.parameters import ParameterStore
 from coordinator.training.rounds import JobAborted, RoundContext, make_round_policy
 from coordinator.training.steps import AttemptOutcome, StepBoard
+from edgetrain import transport
 from edgetrain.config import JobConfig
 from edgetrain.data import make_batch
 from edgetrain.sampling import batch_indices, epoch_of
@@ -51,7 +55,8 @@ class StepRecord:
     stages: dict[str, dict] = field(default_factory=dict)
     """Pipeline hosts: stage, compute and wait seconds, peak activation bytes."""
     failures: list[dict] = field(default_factory=list)
-    """Failed attempts of a pipeline step: when, and which board failed how."""
+    """Failed attempts of the step: when, and which board failed how (a pipeline's), or which
+    updates were refused when none was usable."""
 
 
 class Trainer:
@@ -59,7 +64,8 @@ class Trainer:
 
     def __init__(self, job: JobConfig, registry: DeviceRegistry, board: StepBoard, model: torch.nn.Module,
                  train_size: int, test_set, run_dir: Path, stop: threading.Event | None = None, *,
-                 store: ParameterStore, aggregator: Aggregator) -> None:
+                 store: ParameterStore, aggregator: Aggregator,
+                 board_security: transport.Security = transport.INSECURE) -> None:
         self.job = job
         self.registry = registry
         self.board = board
@@ -74,8 +80,13 @@ class Trainer:
         self.start_step = 0
         self.train_seconds = 0.0
         self.samples_done = 0
+        self.steps_applied = 0
+        """Steps whose update was applied (including those of a run resumed from)."""
+        self.steps_attempted = 0
+        """Steps begun: the applied ones, and the one the job stopped in, if it stopped."""
         self.ctx = RoundContext(job=job, registry=registry, board=board, store=store, model=model,
-                                aggregator=aggregator, metrics=self.metrics, stop=self.stop, train_size=train_size)
+                                aggregator=aggregator, metrics=self.metrics, stop=self.stop, train_size=train_size,
+                                board_security=board_security)
         self.policy = make_round_policy(self.ctx)
 
     @property
@@ -93,7 +104,7 @@ class Trainer:
         if not has_checkpoint(self.run_dir):
             return
         state = load_checkpoint(self.run_dir, self.model, self.aggregator.optimizer)
-        self.start_step = state["next_step"]
+        self.start_step = self.steps_applied = self.steps_attempted = state["next_step"]
         self.train_seconds, self.samples_done = state["train_seconds"], state["samples_done"]
         self.policy.load_state_dict(state)
         logger.info("[Coordinator.Trainer] resumed from checkpoint at step %d", self.start_step)
@@ -120,11 +131,15 @@ class Trainer:
 
     def _run_step(self, step: int) -> StepRecord:
         cfg = self.job.training
+        self.steps_attempted = step + 1
         self.registry.release_quarantine(step)  # boards whose term is over work again, in every mode
         self.store.publish(step, state_tensors(self.model))
         indices = batch_indices(step, cfg.global_batch, self.train_size, self.job.seed)
         started = time.monotonic()
+        refused: dict[str, str] = {}  # updates refused in attempts that brought no usable one: in the record too
+        quarantined: list[str] = []
         for attempt in range(cfg.max_attempts):
+            last_void = ""
             round_ = self.policy.configure(step, attempt, indices)
             if round_ is None:
                 continue
@@ -135,20 +150,34 @@ class Trainer:
             if self.stop.is_set():
                 raise JobAborted(f"stopped during step {step}")
             if self.policy.complete(round_, outcome, time.monotonic() - opened):
-                break
+                collected = self.policy.collect(round_, outcome)
+                result = self.aggregator.apply(step, self.board, collected.contributions, outcome.rejected)
+                quarantined += result.quarantined
+                if result.used:
+                    break
+                last_void = self._void(step, attempt, result.rejected, redo=attempt + 1 < cfg.max_attempts)
+                refused.update(result.rejected)
             if round_.keep_late:  # the redo covers these samples: late answers for them must not count too
                 self.board.cancel_step(step)
         else:
-            raise JobAborted(f"step {step} failed on all {cfg.max_attempts} attempts")
-        collected = self.policy.collect(round_, outcome)
-        result = self.aggregator.apply(step, self.board, collected.contributions, outcome.rejected)
+            reason = f"; the last brought no usable update ({last_void})" if last_void else ""
+            raise JobAborted(f"step {step} failed on all {cfg.max_attempts} attempts{reason}")
         self.policy.committed(round_)
         failures, self.policy.failures = self.policy.failures, []
         return StepRecord(step, attempt + 1, time.monotonic() - started, outcome,
                           shares={d: len(a.indices) for d, a in round_.assignments.items()},
-                          used=result.used, rejected=result.rejected, clipped=result.clipped,
+                          used=result.used, rejected={**refused, **result.rejected}, clipped=result.clipped,
                           codecs={d: a.codec for d, a in round_.assignments.items()},
-                          quarantined=result.quarantined, stages=collected.stages, failures=failures)
+                          quarantined=quarantined, stages=collected.stages, failures=failures)
+
+    def _void(self, step: int, attempt: int, rejected: dict[str, str], *, redo: bool) -> str:
+        """An attempt counted but none of its updates was usable: nothing was applied; say so, and
+        keep it for the step's record. Returns the refusals in one line."""
+        why = "; ".join(f"{d}: {r[:200]}" for d, r in rejected.items()) or "no update arrived"
+        logger.warning("[Coordinator.Trainer] step %d attempt %d brought no usable update (%s); nothing was applied%s",
+                       step, attempt, why, ", redoing the step" if redo else "")
+        self.policy.failures.append({"attempt": attempt, "time": round(time.time(), 3), "no_usable_update": rejected})
+        return why
 
     def _after_step(self, step: int) -> bool:
         """Evaluate and checkpoint on schedule; whether the target accuracy was reached."""
@@ -170,6 +199,7 @@ class Trainer:
         return reached
 
     def _log_step(self, record: StepRecord) -> None:
+        self.steps_applied += 1
         self.ctx.step_seconds.append((record.step, record.seconds))
         self.samples_done += sum(w.contribution.samples for w in record.used)
         self.train_seconds += record.seconds
