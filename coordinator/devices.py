@@ -15,9 +15,23 @@ from protos import coordinator_pb2_grpc as pb_grpc
 UNKNOWN = "?"
 
 
-def _fetch(address: str) -> pb.ListDevicesReply:
-    with transport.open_channel(address) as channel:
+def _fetch(address: str, security: transport.Security) -> pb.ListDevicesReply:
+    with transport.open_channel(address, security) as channel:
         return pb_grpc.CoordinatorStub(channel).ListDevices(pb.ListDevicesRequest(), timeout=10)
+
+
+def _fleet_of(security: transport.Security) -> str:
+    """The CA fingerprint of the fleet `security` belongs to ("" for plaintext)."""
+    credentials = getattr(security, "credentials", None)
+    return credentials.identity.ca_fingerprint if credentials is not None else ""
+
+
+def _not_ours(record, fleet: str) -> str:
+    if not record.ca_fingerprint:
+        return "not asked: it serves without TLS (--insecure); list it with --insecure"
+    if not fleet:
+        return f"not asked: it serves mutual TLS (fleet CA {record.ca_fingerprint[:16]}…); list it without --insecure"
+    return f"not asked: another fleet (CA {record.ca_fingerprint[:16]}…) than this credential's"
 
 
 def _fmt(telemetry: pb.Telemetry, name: str, spec: str, scale: float = 1.0) -> str:
@@ -44,18 +58,23 @@ HEADER = (f"{'device':<16}{'state':<11}{'seen':>6}{'cpu%':>6}{'memory':>12}{'bat
 
 
 def devices_report(*, coordinator: str | None = None, interfaces: list[str] | None = None,
-                   as_json: bool = False) -> str:
-    """A table (or JSON) of every coordinator found and the boards it has admitted."""
+                   as_json: bool = False, security: transport.Security = transport.INSECURE) -> str:
+    """A table (or JSON) of every coordinator found and the boards it has admitted, asked with
+    `security` (a fleet credential: listing devices needs one; plaintext only for --insecure)."""
     if coordinator:
         targets = [(coordinator, None)]
     else:
         targets = [(r.address, r) for r in browse(interfaces=interfaces or default_interfaces())]
+    fleet = _fleet_of(security)
     results = []
     for address, record in targets:
+        if record is not None and record.ca_fingerprint != fleet:  # TLS to plaintext, or another CA: no handshake
+            results.append((address, record, None, _not_ours(record, fleet)))
+            continue
         try:
-            results.append((address, record, _fetch(address), None))
+            results.append((address, record, _fetch(address, security), None))
         except grpc.RpcError as e:
-            results.append((address, record, None, f"{e.code().name}: {e.details()}"))
+            results.append((address, record, None, f"unreachable ({e.code().name}: {e.details()})"))
     if as_json:
         return json.dumps([{"address": a, "cluster": reply.cluster if reply else (r.cluster if r else None),
                             "job": reply.job_id if reply else None, "error": err,
@@ -66,7 +85,7 @@ def devices_report(*, coordinator: str | None = None, interfaces: list[str] | No
     lines = []
     for address, _, reply, error in results:
         if reply is None:
-            lines += [f"coordinator {address}: unreachable ({error})", ""]
+            lines += [f"coordinator {address}: {error}", ""]
             continue
         lines += [f"coordinator {address}  cluster {reply.cluster}  job {reply.job_id}  "
                   f"({len(reply.devices)} boards; ? = the board cannot report it)", HEADER]

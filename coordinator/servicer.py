@@ -1,4 +1,12 @@
-"""The Coordinator gRPC service: thin handlers whose failures become precise status codes."""
+"""The Coordinator gRPC service: thin handlers whose failures become precise status codes.
+
+On a mutual-TLS server a board is its certificate: it registers under the certificate's name
+(an empty name takes it; another one is refused), and every call naming a device id is refused
+(PERMISSION_DENIED, NOT_PERMITTED) unless that device registered under the caller's name — so a
+board cannot heartbeat, fetch work, upload, report a failure or ask anything for another board.
+Which roles may call what is `coordinator.pairing.trust_guard`'s (before a handler runs). On a
+plaintext (`--insecure`) server there is no certificate and nothing to check.
+"""
 
 from __future__ import annotations
 
@@ -87,23 +95,41 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._cache: dict[tuple[int, int, int], list[pb.ParameterMessage]] = {}
         self._job_spec = serde.board_job_to_proto(board_job)
 
+    def _own(self, context, rpc: str, device_id: str) -> DeviceRecord:
+        """The live record of `device_id`, if the caller is the board it registered as (else
+        PERMISSION_DENIED; UnknownDevice when there is no such live device)."""
+        record = self._registry.get(device_id)
+        peer = transport.peer_of(context)
+        if peer is not None and peer.name != record.name:
+            _abort(context, rpc, grpc.StatusCode.PERMISSION_DENIED,
+                   f"{peer.role} {peer.name} cannot call {rpc} for device {device_id} of board {record.name}",
+                   Refusal.NOT_PERMITTED)
+        return record
+
     @_guarded("Register")
     def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterReply:
         if request.protocol_version != edgetrain.PROTOCOL_VERSION:
             _abort(context, "Register", grpc.StatusCode.FAILED_PRECONDITION,
                    f"protocol version {request.protocol_version} not supported; "
                    f"this coordinator speaks {edgetrain.PROTOCOL_VERSION}", Refusal.PROTOCOL_MISMATCH)
-        if not request.device.name:
+        peer = transport.peer_of(context)
+        name = request.device.name or (peer.name if peer else "")
+        if not name:
             raise ValueError("device.name is required")
-        info = {f.name: v for f, v in request.device.ListFields()}
+        if peer is not None and name != peer.name:
+            _abort(context, "Register", grpc.StatusCode.PERMISSION_DENIED,
+                   f"{peer.role} {peer.name} cannot take another board's name ({name}); a board registers "
+                   "under the name in its certificate", Refusal.NOT_PERMITTED)
+        info = {**{f.name: v for f, v in request.device.ListFields()}, "name": name}
         versions = {f.name: v for f, v in request.versions.ListFields()}
-        record = self._registry.register(request.device.name, info, versions, request.stage_address)
+        record = self._registry.register(name, info, versions, request.stage_address)
         logger.info("[Coordinator.Register] %s joined (%s, %s cores, speed %s)", record.device_id,
                     info.get("arch", "?"), info.get("cpu_count", "?"), info.get("emulated_speed", "native"))
         return pb.RegisterReply(device_id=record.device_id, job=self._job_spec)
 
     @_guarded("ReportProfile")
     def ReportProfile(self, request: pb.ProfileReport, context) -> pb.ProfileAck:
+        self._own(context, "ReportProfile", request.device_id)
         speed = self._registry.set_profile(request.device_id, serde.profile_from_proto(request))
         logger.info("[Coordinator.ReportProfile] %s: %.1f samples/s + %.3f s/step", request.device_id,
                     speed.samples_per_s, speed.overhead_s)
@@ -111,6 +137,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_guarded("Heartbeat")
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
+        self._own(context, "Heartbeat", request.device_id)
         sample = serde.telemetry_from_proto(request.telemetry) if request.HasField("telemetry") else None
         self._registry.heartbeat(request.device_id, sample)
         newest = self._board.newest()
@@ -118,7 +145,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_guarded("Probe")
     def Probe(self, request: pb.ProbeRequest, context) -> pb.ProbeReply:
-        self._registry.get(request.device_id)
+        self._own(context, "Probe", request.device_id)
         return pb.ProbeReply(received_bytes=len(request.payload))
 
     @_guarded("ListDevices")
@@ -129,6 +156,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_guarded("GetWork")
     def GetWork(self, request: pb.WorkRequest, context) -> pb.WorkAssignment:
+        self._own(context, "GetWork", request.device_id)
         self._registry.heartbeat(request.device_id)
         if not math.isfinite(request.max_wait_s):
             raise ValueError(f"max_wait_s must be a finite number of seconds, got {request.max_wait_s}")
@@ -139,7 +167,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_guarded("ReportFailure")
     def ReportFailure(self, request: pb.FailureReport, context) -> pb.FailureAck:
-        self._registry.get(request.device_id)
+        self._own(context, "ReportFailure", request.device_id)
         if not request.reason:
             raise ValueError("a failure report needs a reason")
         kind = serde.failure_kind_from_proto(request.kind)
@@ -148,7 +176,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_guarded("DownloadParameters")
     def DownloadParameters(self, request: pb.ParameterRequest, context) -> Iterator[pb.ParameterMessage]:
-        self._registry.get(request.device_id)
+        self._own(context, "DownloadParameters", request.device_id)
         base = request.base_version if request.HasField("base_version") else -1
         prefixes = tuple(request.prefixes)
         if prefixes and base >= 0:
@@ -205,7 +233,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if first is None or first.WhichOneof("kind") != "header":
             raise ValueError("an upload must start with an UploadHeader message")
         header = first.header
-        self._registry.get(header.device_id)
+        self._own(context, "UploadGradient", header.device_id)
         metas, _ = serde.header_from_proto(header.bundle)
         try:
             report = serde.step_report_from_proto(header.report)
@@ -225,13 +253,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_guarded("GetUploadStatus")
     def GetUploadStatus(self, request: pb.UploadStatusRequest, context) -> pb.UploadStatus:
-        self._registry.get(request.device_id)
+        self._own(context, "GetUploadStatus", request.device_id)
         held, total = self._board.upload_status(request.device_id, request.step, request.attempt)
         return pb.UploadStatus(received_bytes=held, total_bytes=total)
 
 
-def create_server(address: str, servicer: CoordinatorServicer, *, max_workers: int = 128,
-                  security: transport.Security = transport.INSECURE) -> tuple[grpc.Server, int]:
-    """A started gRPC server for `servicer` bound to `address` ("host:0" picks a port)."""
-    return transport.create_server(address, [(pb_grpc.add_CoordinatorServicer_to_server, servicer)],
-                                   max_workers=max_workers, security=security)
+def coordinator_service(servicer: CoordinatorServicer) -> list:
+    """The (add_to_server, servicer) pair to serve (coordinator.pairing.serve_gateway)."""
+    return [(pb_grpc.add_CoordinatorServicer_to_server, servicer)]

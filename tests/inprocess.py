@@ -1,8 +1,11 @@
 """An in-process coordinator without a trainer: a real CoordinatorServicer on 127.0.0.1:0.
 
 Wired as coordinator.main wires it (DeviceRegistry, StepBoard, ParameterStore, the Aggregator's
-view of the job); the test plays the trainer, opening step attempts on the StepBoard itself.
-test_servicer.py, test_connection.py and test_worker.py run their clients against it.
+view of the job, coordinator.pairing.serve_gateway); the test plays the trainer, opening step
+attempts on the StepBoard itself. Plaintext by default (the servicer's own checks); with an
+`authority`, mutual TLS and a pairing port exactly as a coordinator serves them.
+test_servicer.py, test_coordinator_trust.py, test_connection.py and test_worker.py run their
+clients against it.
 """
 
 from __future__ import annotations
@@ -11,15 +14,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
 from torch import nn
 
 from coordinator.main import board_job
+from coordinator.pairing import GatewayServer, serve_gateway
 from coordinator.registry import DeviceRegistry
-from coordinator.servicer import CoordinatorServicer, create_server
+from coordinator.servicer import CoordinatorServicer, coordinator_service
 from coordinator.training.aggregator import Aggregator
 from coordinator.training.parameters import ParameterStore
 from coordinator.training.steps import AttemptOutcome, StepBoard
+from edgetrain import trust
 from edgetrain.config import JobConfig
 from edgetrain.models import build_model
 from edgetrain.training import shard_tensor_names, state_tensors
@@ -40,14 +44,22 @@ class InProcessCoordinator:
     registry: DeviceRegistry
     board: StepBoard
     store: ParameterStore
-    server: grpc.Server
-    port: int
+    servers: GatewayServer
     board_job: BoardJob
     """What boards are told when they register."""
 
     @property
+    def port(self) -> int:
+        return self.servers.port
+
+    @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def pairing_address(self) -> str:
+        """Where boards pair (only with an authority)."""
+        return f"127.0.0.1:{self.servers.pairing_port}"
 
     def open(self, assignments: dict[str, Assignment]) -> None:
         """Open a step attempt: each device gets its assignment on its next poll."""
@@ -60,11 +72,12 @@ class InProcessCoordinator:
     def close(self) -> None:
         """Release every poll, then stop serving."""
         self.board.finish("coordinator stopped")
-        self.server.stop(grace=1.0).wait()
+        self.servers.stop(grace=1.0)
 
 
-def serve_coordinator(job: JobConfig, *, port: int = 0) -> InProcessCoordinator:
-    """Serve `job` on 127.0.0.1:`port` (0: any free port) with version 0 of the parameters published."""
+def serve_coordinator(job: JobConfig, *, port: int = 0, authority: trust.Authority | None = None) -> InProcessCoordinator:
+    """Serve `job` on 127.0.0.1:`port` (0: any free port) with version 0 of the parameters published:
+    plaintext, or mutual TLS under `authority` (with its pairing port)."""
     model = build_model(job.model, seed=job.seed)
     registry = DeviceRegistry()
     board = StepBoard(UpdateFormats(shard_tensor_names(model)), model.block_names)
@@ -72,8 +85,8 @@ def serve_coordinator(job: JobConfig, *, port: int = 0) -> InProcessCoordinator:
     store.publish(0, state_tensors(model))
     told = board_job(job, Aggregator(job, model, registry))
     servicer = CoordinatorServicer(job, told, registry, board, store)
-    server, bound = create_server(f"127.0.0.1:{port}", servicer)
-    return InProcessCoordinator(job, model, registry, board, store, server, bound, told)
+    servers = serve_gateway(f"127.0.0.1:{port}", coordinator_service(servicer), authority=authority)
+    return InProcessCoordinator(job, model, registry, board, store, servers, told)
 
 
 def assignment(step: int = 0, attempt: int = 0, indices: Sequence[int] = SAMPLES, **fields) -> Assignment:

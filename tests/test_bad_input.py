@@ -37,6 +37,9 @@ from rawboard import (
 )
 
 import edgetrain
+from coordinator.training.rounds import JobAborted
+from edgetrain import transport
+from edgetrain.errors import FailureKind, Refusal
 from edgetrain.streaming import RawChunk
 from edgetrain.transport import MAX_MESSAGE_BYTES
 from protos import coordinator_pb2 as pb
@@ -65,6 +68,22 @@ def board(coordinator) -> Board:
     return join(coordinator.stub())
 
 
+def redone_then_applied(board: Board, work: pb.StepWork, tmp_path, run_dir) -> dict:
+    """After the only board's update for `work` was refused: the step is redone (a new attempt
+    of the same step, nothing applied), a good upload for the redo is applied, and the step's
+    record follows. Returns that record."""
+    redo = next_step(board)
+    assert (redo.step, redo.attempt) == (work.step, work.attempt + 1), "the step was not redone"
+    assert work.step not in train_records(run_dir), "a step without a usable update was recorded as trained"
+    upload_good(board, compute_gradient(board, redo, tmp_path))
+    assert next_step(board).step == work.step + 1
+    record = train_records(run_dir)[work.step]
+    assert (record["attempts"], record["samples"]) == (work.attempt + 2, 24)
+    assert [f["attempt"] for f in record["failures"]] == [work.attempt]
+    assert board.device_id in record["failures"][0]["no_usable_update"]
+    return record
+
+
 # --- the happy path ----------------------------------------------------------------------------
 
 def test_raw_client_good_upload_is_accepted_and_training_moves_on(coordinator, board, tmp_path):
@@ -87,7 +106,7 @@ def test_raw_client_good_upload_is_accepted_and_training_moves_on(coordinator, b
     assert record["devices"][board.device_id]["samples"] == 24
 
 
-# --- refused headers: the contribution is rejected and the step goes on without it ----------------
+# --- refused updates: nothing is applied, the step is redone --------------------------------------
 
 def _wrong_shape(spec: tpb.TensorSpec) -> list[str]:
     """Reverse the first tensor's dimensions (same byte count): only the shape is wrong."""
@@ -103,7 +122,7 @@ def _wrong_dtype(spec: tpb.TensorSpec) -> list[str]:
 
 
 @pytest.mark.parametrize("corrupt", [_wrong_shape, _wrong_dtype], ids=["shape", "dtype"])
-def test_header_with_wrong_tensor_is_rejected_and_step_goes_on(coordinator, board, tmp_path, corrupt):
+def test_header_with_wrong_tensor_is_rejected_and_the_step_is_redone(coordinator, board, tmp_path, corrupt):
     # Prepare
     work = next_step(board)
     grad = compute_gradient(board, work, tmp_path)
@@ -113,22 +132,19 @@ def test_header_with_wrong_tensor_is_rejected_and_step_goes_on(coordinator, boar
 
     # Execute
     error = refused(lambda: upload(board, head, chunks(grad)))
-    following = next_step(board)
+    record = redone_then_applied(board, work, tmp_path, coordinator.run_dir)
 
     # Assert
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"tensor {name!r}" in error.details()
     for fragment in fragments:
         assert fragment in error.details()
-    assert following.step == work.step + 1
-    record = train_records(coordinator.run_dir)[work.step]
-    assert record["samples"] == 0
     assert fragments[0] in record["rejected"][board.device_id]
     assert record["failed"] == []
 
 
 @pytest.mark.parametrize("bad_value", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_non_finite_gradient_is_rejected_and_step_goes_on(coordinator, board, tmp_path, bad_value):
+def test_non_finite_gradient_is_rejected_and_the_step_is_redone(coordinator, board, tmp_path, bad_value):
     # Prepare
     work = next_step(board)
     grad = compute_gradient(board, work, tmp_path)
@@ -140,13 +156,12 @@ def test_non_finite_gradient_is_rejected_and_step_goes_on(coordinator, board, tm
 
     # Execute
     error = refused(lambda: upload_good(board, poisoned))
-    following = next_step(board)
+    record = redone_then_applied(board, work, tmp_path, coordinator.run_dir)
 
     # Assert
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"tensor {first!r} has 3 non-finite (NaN/Inf) values" in error.details()
-    assert following.step == work.step + 1
-    assert "non-finite" in train_records(coordinator.run_dir)[work.step]["rejected"][board.device_id]
+    assert "non-finite" in record["rejected"][board.device_id]
 
 
 def test_sample_count_not_matching_assignment_is_rejected(coordinator, board, tmp_path):
@@ -162,7 +177,33 @@ def test_sample_count_not_matching_assignment_is_rejected(coordinator, board, tm
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     want = len(work.indices)
     assert f"report says {want + 1} samples, assignment had {want}" in error.details()
-    assert next_step(board).step == work.step + 1
+    redone_then_applied(board, work, tmp_path, coordinator.run_dir)
+
+
+def test_a_step_without_a_usable_update_in_every_attempt_stops_the_job(coordinator_factory, tmp_path):
+    # Prepare: two attempts per step; the only board trains step 0, then gives step 1 up twice
+    running = coordinator_factory(bad_input_job(steps=3, max_attempts=2))
+    board = join(running.stub())
+    work = next_step(board)
+    upload_good(board, compute_gradient(board, work, tmp_path))
+
+    # Execute
+    for attempt in (0, 1):
+        work = next_step(board)
+        assert (work.step, work.attempt) == (1, attempt)
+        board.stub.ReportFailure(pb.FailureReport(device_id=board.device_id, step=1, attempt=attempt,
+                                                  kind=FailureKind.INTERNAL, reason="out of memory"),
+                                 timeout=RPC_TIMEOUT_S)
+    with pytest.raises(JobAborted) as stopped:
+        running.wait(timeout=30)
+
+    # Assert: the job stopped saying why; step 1 was never counted as trained
+    assert str(stopped.value) == (f"step 1 failed on all 2 attempts; the last brought no usable update "
+                                  f"({board.device_id}: failed (internal): out of memory)")
+    assert list(train_records(running.run_dir)) == [0]
+    summary = json.loads((running.run_dir / "summary.json").read_text())
+    assert (summary["steps_applied"], summary["steps_attempted"]) == (1, 2)
+    assert summary["stopped"] == str(stopped.value)
 
 
 # --- broken streams resume from the last good byte -----------------------------------------------
@@ -412,12 +453,12 @@ def test_download_of_unserved_version_or_offset_is_refused(coordinator, board):
 
 def test_protocol_version_mismatch_is_failed_precondition(coordinator):
     # Prepare
-    stub = coordinator.stub()
+    stub = coordinator.stub("old-board")
     wrong = edgetrain.PROTOCOL_VERSION + 1
 
     # Execute
-    error = refused(lambda: register(stub, "from-the-future", protocol_version=wrong))
-    reply = register(stub, "from-today")
+    error = refused(lambda: register(stub, "old-board", protocol_version=wrong))
+    reply = register(stub, "old-board")
 
     # Assert
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -426,13 +467,21 @@ def test_protocol_version_mismatch_is_failed_precondition(coordinator):
     assert reply.device_id
 
 
-def test_register_without_a_name_is_invalid_argument(coordinator):
+def test_register_without_a_name_takes_the_certificates_and_another_name_is_refused(coordinator):
+    # Prepare
+    stub = coordinator.stub("named-by-cert")
+
     # Execute
-    error = refused(lambda: register(coordinator.stub(), name=""))
+    reply = register(stub, name="")
+    error = refused(lambda: register(stub, name="someone-else"))
+    listed = stub.ListDevices(pb.ListDevicesRequest(), timeout=RPC_TIMEOUT_S).devices
 
     # Assert
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "device.name is required" in error.details()
+    assert reply.device_id.startswith("named-by-cert-")
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert transport.error_reason(error) == Refusal.NOT_PERMITTED
+    assert "cannot take another board's name (someone-else)" in error.details()
+    assert [(d.device_id, d.info.name) for d in listed] == [(reply.device_id, "named-by-cert")]
 
 
 @pytest.mark.parametrize("timings", [
@@ -515,7 +564,7 @@ def test_server_serves_concurrent_bad_and_good_calls(coordinator, board, tmp_pat
     assert reply.received_bytes == len(grad.payload)
 
 
-def test_metrics_stay_strict_json_when_every_contribution_is_rejected(coordinator, board, tmp_path):
+def test_metrics_stay_strict_json_when_an_attempt_brought_no_usable_update(coordinator, board, tmp_path):
     # Prepare
     work = next_step(board)
     grad = compute_gradient(board, work, tmp_path)
@@ -523,12 +572,13 @@ def test_metrics_stay_strict_json_when_every_contribution_is_rejected(coordinato
 
     # Execute
     refused(lambda: upload_good(board, grad))
-    next_step(board)
+    redone_then_applied(board, work, tmp_path, coordinator.run_dir)
     lines = (coordinator.run_dir / "metrics.jsonl").read_text().splitlines()
 
     # Assert
     def no_constants(token: str) -> None:
         raise ValueError(f"not JSON: {token}")
 
+    assert lines
     for line in lines:
         json.loads(line, parse_constant=no_constants)
