@@ -1,9 +1,10 @@
 """Bad input from a hand-written client: precise status codes, and the coordinator keeps serving.
 
-Each test starts a real coordinator on 127.0.0.1:0 and speaks raw gRPC to it through the
-generated stubs, computing real gradients for the samples it is assigned, so every refusal is
-the coordinator's own and every "keeps serving" check is a real accepted upload or a real next
-step.
+Each test starts a real coordinator on 127.0.0.1:0 (mutual TLS under the session's fleet
+authority) and speaks raw gRPC to it through the generated stubs, with a board certificate for
+the name it registers as, computing real gradients for the samples it is assigned, so every
+refusal is the coordinator's own and every "keeps serving" check is a real accepted upload or a
+real next step. An attempt whose only update was refused applies nothing: the step is redone.
 """
 
 from __future__ import annotations

@@ -117,15 +117,15 @@ def test_a_caller_without_a_valid_fleet_certificate_fails_the_handshake(coordina
 
 def test_a_revoked_board_is_refused_from_its_next_call_and_nothing_changes(coordinator, fleet_authority):
     # Prepare: a board registered and profiled, then revoked on the gateway
-    board = join(pb_grpc.CoordinatorStub(board_channel(coordinator.address, "revoked-board")), "revoked-board")
+    board = join(pb_grpc.CoordinatorStub(board_channel(coordinator.address, "revoked-raw-board")), "revoked-raw-board")
     board.stub.Heartbeat(pb.HeartbeatRequest(device_id=board.device_id), timeout=RPC_TIMEOUT_S)
-    fleet_authority.revoke("revoked-board")
+    fleet_authority.revoke("revoked-raw-board")
     before = _registered(coordinator)
 
     # Execute
     heartbeat = refused(lambda: board.stub.Heartbeat(pb.HeartbeatRequest(device_id=board.device_id),
                                                      timeout=RPC_TIMEOUT_S))
-    again = refused(lambda: register(board.stub, "revoked-board"))
+    again = refused(lambda: register(board.stub, "revoked-raw-board"))
     listing = refused(lambda: board.stub.ListDevices(pb.ListDevicesRequest(), timeout=RPC_TIMEOUT_S))
 
     # Assert
