@@ -1,7 +1,10 @@
 """The gateway role: admits boards, plans the training and drives it; or serves several jobs.
 
 - ``main.py``        entry point: build the job, serve, train, report, always clean up.
-- ``servicer.py``    the Coordinator gRPC service: thin handlers, exceptions -> status codes.
+- ``servicer.py``    the Coordinator gRPC service: thin handlers, exceptions -> status codes; a
+                     board acts only under its certificate's name.
+- ``pairing.py``     the Pairing service (join tokens, renewal), the access rules of gateway
+                     servers, and ``serve_gateway`` (fleet port + pairing port).
 - ``registry.py``    admitted devices: profile, speed estimate, liveness, telemetry window.
 - ``advertiser.py``  mDNS advertisement (``_edgetrain._tcp.local.``).
 - ``devices.py``     ``edgetrain devices``: advertised coordinators and their boards.
