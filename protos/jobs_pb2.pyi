@@ -13,7 +13,7 @@ class SubmitRequest(_message.Message):
     def __init__(self, job_yaml: _Optional[str] = ...) -> None: ...
 
 class JobView(_message.Message):
-    __slots__ = ("id", "name", "model", "kind", "request", "state", "boards", "priority", "submitted", "planned_start", "predicted_finish", "started", "finished", "steps", "steps_done", "predicted_samples_per_s", "message", "run_dir", "launches")
+    __slots__ = ("id", "name", "model", "kind", "request", "state", "boards", "priority", "submitted", "planned_start", "predicted_finish", "started", "finished", "steps", "steps_done", "predicted_samples_per_s", "message", "run_dir", "launches", "measured_samples_per_s")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class JobView(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RUN_DIR_FIELD_NUMBER: _ClassVar[int]
     LAUNCHES_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     model: str
@@ -52,21 +53,28 @@ class JobView(_message.Message):
     message: str
     run_dir: str
     launches: int
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., request: _Optional[str] = ..., state: _Optional[str] = ..., boards: _Optional[_Iterable[str]] = ..., priority: _Optional[float] = ..., submitted: _Optional[float] = ..., planned_start: _Optional[float] = ..., predicted_finish: _Optional[float] = ..., started: _Optional[float] = ..., finished: _Optional[float] = ..., steps: _Optional[int] = ..., steps_done: _Optional[int] = ..., predicted_samples_per_s: _Optional[float] = ..., message: _Optional[str] = ..., run_dir: _Optional[str] = ..., launches: _Optional[int] = ...) -> None: ...
+    measured_samples_per_s: float
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., request: _Optional[str] = ..., state: _Optional[str] = ..., boards: _Optional[_Iterable[str]] = ..., priority: _Optional[float] = ..., submitted: _Optional[float] = ..., planned_start: _Optional[float] = ..., predicted_finish: _Optional[float] = ..., started: _Optional[float] = ..., finished: _Optional[float] = ..., steps: _Optional[int] = ..., steps_done: _Optional[int] = ..., predicted_samples_per_s: _Optional[float] = ..., message: _Optional[str] = ..., run_dir: _Optional[str] = ..., launches: _Optional[int] = ..., measured_samples_per_s: _Optional[float] = ...) -> None: ...
 
 class BoardView(_message.Message):
-    __slots__ = ("name", "speed", "link_mbit_per_s", "job", "alive")
+    __slots__ = ("name", "speed", "link_mbit_per_s", "job", "alive", "claimed_speed", "measured_speed", "flag")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SPEED_FIELD_NUMBER: _ClassVar[int]
     LINK_MBIT_PER_S_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_SPEED_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_SPEED_FIELD_NUMBER: _ClassVar[int]
+    FLAG_FIELD_NUMBER: _ClassVar[int]
     name: str
     speed: float
     link_mbit_per_s: float
     job: str
     alive: bool
-    def __init__(self, name: _Optional[str] = ..., speed: _Optional[float] = ..., link_mbit_per_s: _Optional[float] = ..., job: _Optional[str] = ..., alive: _Optional[bool] = ...) -> None: ...
+    claimed_speed: float
+    measured_speed: float
+    flag: str
+    def __init__(self, name: _Optional[str] = ..., speed: _Optional[float] = ..., link_mbit_per_s: _Optional[float] = ..., job: _Optional[str] = ..., alive: _Optional[bool] = ..., claimed_speed: _Optional[float] = ..., measured_speed: _Optional[float] = ..., flag: _Optional[str] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
     __slots__ = ()

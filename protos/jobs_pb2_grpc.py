@@ -71,7 +71,10 @@ class JobServerServicer:
 
     def Submit(self, request, context):
         """Queue a job (its YAML text, as for `edgetrain coordinator --config`). INVALID_ARGUMENT names
-        the bad key; the job gets an id and is scheduled at once.
+        the bad key, and refuses an empty or defaulted job: the YAML must be a mapping that writes
+        the job's `name`, its `model` and its length (`training.steps` or `training.epochs`) itself;
+        other keys may take their defaults. Nothing is queued on a refusal. Otherwise the job gets
+        an id and is scheduled at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,14 +96,17 @@ class JobServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Join(self, request, context):
-        """A board enters the lobby: its name, how fast it runs the reference workload, its link.
+        """A board enters the lobby: its name (the one in its certificate), how fast it runs the
+        reference workload, its link. Its speed is a claim: the steps of the jobs it runs alone check
+        it (BoardView.measured_speed), and a claim far off them is flagged and no longer planned with.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def NextJob(self, request, context):
-        """Long poll, and the board's heartbeat while it waits: the job it serves next, if any yet.
+        """Long poll, and the board's heartbeat while it waits: the job it serves next, if any yet
+        (only the board named in the request may ask).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -157,10 +157,12 @@ def job_yaml(job: Job) -> str:
 
 def run_live(scheduler: str, specs: list, trace: tuple[Job, ...], workdir: Path) -> dict:
     """One scheduler on the live trace; returns measured and simulated JCTs."""
+    import os
+
     import yaml
 
     from coordinator.jobs.speed import PlannerSpeed, board_spec
-    from edgetrain import transport
+    from edgetrain import transport, trust
     from edgetrain.config import job_from_dict
     from edgetrain.emulator.fleet_config import board_to_dict
     from edgetrain.emulator.launch import edgetrain_command
@@ -170,22 +172,27 @@ def run_live(scheduler: str, specs: list, trace: tuple[Job, ...], workdir: Path)
     work = workdir / scheduler
     work.mkdir(parents=True)
     port_file = work / "server.address"
+    # as users run it: mutual TLS under a fleet authority of its own, boards pairing with a token
+    authority = trust.Authority.create(work / "home" / "authority")
+    env = {**os.environ, "EDGETRAIN_HOME": str(work / "home"),
+           "EDGETRAIN_JOIN_TOKEN": str(authority.new_token(uses=len(specs), note="bench_jobs"))}
     procs = [subprocess.Popen(edgetrain_command(
         "coordinator", "--jobs", "--scheduler", scheduler, "--bind", "127.0.0.1:0", "--port-file", str(port_file),
         "--state-dir", str(work / "state"), "--runs-dir", str(work / "runs"), "--data-dir", str(work / "data"),
-        "--no-advertise"), stdout=(work / "server.log").open("w"), stderr=subprocess.STDOUT)]
+        "--no-advertise"), stdout=(work / "server.log").open("w"), stderr=subprocess.STDOUT, env=env)]
     try:
         while not (port_file.exists() and port_file.read_text().strip()):
             time.sleep(0.2)
-        address = port_file.read_text().strip()
+        address = port_file.read_text().splitlines()[0].strip()  # line 2: the pairing address
         for b in specs:
             board_file = work / f"{b.name}.yaml"
             board_file.write_text(yaml.safe_dump(board_to_dict(b)))
             procs.append(subprocess.Popen(edgetrain_command(
                 "client", "--coordinator", address, "--name", b.name, "--emulate", str(board_file), "--threads", "1",
                 "--probe-interval", "15", "--data-dir", str(work / "data")),
-                stdout=(work / f"{b.name}.log").open("w"), stderr=subprocess.STDOUT))
-        stub = pb_grpc.JobServerStub(transport.open_channel(address))
+                stdout=(work / f"{b.name}.log").open("w"), stderr=subprocess.STDOUT, env=env))
+        stub = pb_grpc.JobServerStub(transport.open_channel(
+            address, authority.operator_identity().security(trust.GATEWAY_SERVER_NAME)))
         while len(stub.ListJobs(pb.ListJobsRequest()).boards) < len(specs):
             time.sleep(0.5)
         t0 = time.time()

@@ -1,4 +1,8 @@
-"""The job server: several jobs share a fleet of real client processes; bad requests; restarts."""
+"""The job server: several jobs share a fleet of real client processes; bad requests; restarts.
+
+Job servers here serve as users run them: mutual TLS under the session's fleet authority
+(conftest), boards pairing with its join token; users call with the gateway's operator credential.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +14,13 @@ import signal
 import subprocess
 import sys
 import threading
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import psutil
 import pytest
 import yaml
-from conftest import small_job, wait_for
+from conftest import board_identity, small_job, wait_for
 
 import edgetrain
 from coordinator.jobs.command import is_job_server
@@ -26,6 +29,8 @@ from coordinator.jobs.server import JobServer
 from coordinator.jobs.servicer import JobServerServicer
 from coordinator.jobs.simulator import simulate
 from coordinator.jobs.speed import PlannerSpeed, board_spec
+from coordinator.pairing import serve_gateway
+from edgetrain import transport, trust
 from edgetrain.cli import main
 from edgetrain.config import job_from_dict
 from protos import jobs_pb2 as pb
@@ -43,29 +48,59 @@ def job_yaml(name: str, steps: int, schedule: dict, model: str = "small_cnn", ba
     })
 
 
-class InProcessServer:
-    """A JobServer with its gRPC face on 127.0.0.1:0 in this process (no boards)."""
+def session_authority() -> trust.Authority:
+    """The session's fleet authority (conftest's fleet_authority, in $EDGETRAIN_HOME)."""
+    return trust.Authority(trust.default_authority_dir())
 
-    def __init__(self, state_dir: Path) -> None:
+
+def operator_security() -> transport.MutualTLS:
+    """What `edgetrain submit | jobs | cancel` on the gateway dial with: its operator credential."""
+    return session_authority().operator_identity().security(trust.GATEWAY_SERVER_NAME)
+
+
+def operator_stub(address: str) -> tuple[grpc.Channel, pb_grpc.JobServerStub]:
+    channel = transport.open_channel(address, operator_security())
+    return channel, pb_grpc.JobServerStub(channel)
+
+
+class InProcessServer:
+    """A JobServer with its gRPC face in this process, served as `serve_jobs` serves it: mutual
+    TLS under `authority` (default: the session's) on 127.0.0.1:0 and pairing on the next port,
+    or plaintext with `authority` None. No boards; `stub` calls as the gateway's operator."""
+
+    def __init__(self, state_dir: Path, *, authority: trust.Authority | None | str = "session") -> None:
+        self.authority = session_authority() if authority == "session" else authority
         self.server = JobServer(state_dir=state_dir, runs_dir=state_dir / "runs", data_dir=state_dir / "data",
-                                reference_s=0.05)
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-        pb_grpc.add_JobServerServicer_to_server(JobServerServicer(self.server), self.grpc)
-        self.port = self.grpc.add_insecure_port("127.0.0.1:0")
-        self.grpc.start()
+                                reference_s=0.05, authority=self.authority)
+        self.servers = serve_gateway("127.0.0.1:0", [(pb_grpc.add_JobServerServicer_to_server,
+                                                      JobServerServicer(self.server))], authority=self.authority)
+        self.port = self.servers.port
+        self.address = f"127.0.0.1:{self.port}"
         self.stop = threading.Event()
         self.loop = threading.Thread(target=self.server.run, args=(self.stop,), daemon=True)
         self.loop.start()
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        self.stub = pb_grpc.JobServerStub(self.channel)
+        self.channels: list[grpc.Channel] = []
+        self.stub = self.stub_as(operator_security() if self.authority else transport.INSECURE)
+
+    def stub_as(self, security: transport.Security) -> pb_grpc.JobServerStub:
+        """A stub dialing with `security` (closed with the server)."""
+        self.channels.append(transport.open_channel(self.address, security))
+        return pb_grpc.JobServerStub(self.channels[-1])
+
+    def board(self, name: str) -> pb_grpc.JobServerStub:
+        """A stub calling as board `name` (a certificate for it from the session's authority)."""
+        if self.authority is None:
+            return self.stub_as(transport.INSECURE)
+        return self.stub_as(board_identity(name).security(trust.GATEWAY_SERVER_NAME))
 
     def close(self) -> None:
         if self.stop.is_set():
             return
         self.stop.set()
         self.loop.join(5)
-        self.channel.close()
-        self.grpc.stop(0).wait()
+        for channel in self.channels:
+            channel.close()
+        self.servers.stop(0)
         self.server.shutdown()
 
 
@@ -73,8 +108,8 @@ class InProcessServer:
 def in_process(tmp_path):
     servers = []
 
-    def start():
-        servers.append(InProcessServer(tmp_path / "state"))
+    def start(**kw):
+        servers.append(InProcessServer(tmp_path / "state", **kw))
         return servers[-1]
 
     yield start
@@ -89,7 +124,8 @@ def _code(call) -> grpc.StatusCode:
 
 
 def test_bad_requests_get_precise_status_and_the_server_keeps_serving(in_process):
-    stub = in_process().stub
+    server = in_process()
+    stub, board = server.stub, server.board("b")
     cases = [
         (lambda: stub.Submit(pb.SubmitRequest(job_yaml="name: [unclosed")), grpc.StatusCode.INVALID_ARGUMENT,
          "not valid YAML"),
@@ -102,20 +138,25 @@ def test_bad_requests_get_precise_status_and_the_server_keeps_serving(in_process
          grpc.StatusCode.INVALID_ARGUMENT, "max_boards"),
         (lambda: stub.Submit(pb.SubmitRequest(job_yaml="x" * 300_000)), grpc.StatusCode.INVALID_ARGUMENT, "limit"),
         (lambda: stub.Cancel(pb.CancelRequest(id="j99")), grpc.StatusCode.NOT_FOUND, "j99"),
-        (lambda: stub.NextJob(pb.NextJobRequest(name="ghost", max_wait_s=0)), grpc.StatusCode.NOT_FOUND, "ghost"),
-        (lambda: stub.Join(pb.JoinRequest(name="b", reference_s=-1, protocol_version=edgetrain.PROTOCOL_VERSION)),
+        (lambda: server.board("ghost").NextJob(pb.NextJobRequest(name="ghost", max_wait_s=0)),
+         grpc.StatusCode.NOT_FOUND, "ghost"),
+        (lambda: board.Join(pb.JoinRequest(name="b", reference_s=-1, protocol_version=edgetrain.PROTOCOL_VERSION)),
          grpc.StatusCode.INVALID_ARGUMENT, "reference_s"),
-        (lambda: stub.Join(pb.JoinRequest(name="b", reference_s=float("nan"),
-                                          protocol_version=edgetrain.PROTOCOL_VERSION)),
+        (lambda: board.Join(pb.JoinRequest(name="b", reference_s=float("nan"),
+                                           protocol_version=edgetrain.PROTOCOL_VERSION)),
          grpc.StatusCode.INVALID_ARGUMENT, "reference_s"),
-        (lambda: stub.Join(pb.JoinRequest(name="b", reference_s=0.1, protocol_version=999)),
+        (lambda: board.Join(pb.JoinRequest(name="b", reference_s=0.1, link_mbit_per_s=float("inf"),
+                                           protocol_version=edgetrain.PROTOCOL_VERSION)),
+         grpc.StatusCode.INVALID_ARGUMENT, "link_mbit_per_s"),
+        (lambda: board.Join(pb.JoinRequest(name="b", reference_s=0.1, protocol_version=999)),
          grpc.StatusCode.FAILED_PRECONDITION, "protocol version"),
     ]
     for call, code, words in cases:
         got, details = _code(call)
         assert got == code, details
         assert words in details
-    assert list(stub.ListJobs(pb.ListJobsRequest()).jobs) == []  # nothing half-added
+    listing = stub.ListJobs(pb.ListJobsRequest())
+    assert list(listing.jobs) == [] and list(listing.boards) == []  # nothing half-added
     view = stub.Submit(pb.SubmitRequest(job_yaml=job_yaml("ok", 5, {"kind": "soft"})))
     assert (view.id, view.state) == ("j1", "waiting")
     stub.Cancel(pb.CancelRequest(id="j1"))
@@ -126,9 +167,10 @@ def test_bad_requests_get_precise_status_and_the_server_keeps_serving(in_process
 def test_the_jobs_command_tells_a_job_server_from_a_lone_coordinator(in_process, coordinator_factory):
     server, lone = in_process(), coordinator_factory(small_job())
 
-    assert is_job_server(f"127.0.0.1:{server.port}")
-    assert not is_job_server(lone.address)
-    assert not is_job_server("127.0.0.1:1", budget_s=0.5)  # nothing answers there
+    assert is_job_server(server.address, security=operator_security())
+    assert not is_job_server(lone.address, security=operator_security())
+    assert not is_job_server("127.0.0.1:1", budget_s=0.5, security=operator_security())  # nothing answers there
+    assert not is_job_server(server.address, budget_s=0.5)  # plaintext gets no answer from a TLS server
 
 
 def test_jobs_survive_a_restart_of_the_job_server(in_process):
@@ -164,6 +206,12 @@ def _cli(*args: str) -> str:
     return out.getvalue()
 
 
+def _fleet_address(port_file: Path) -> str:
+    """Line 1 of a server's port file ("" until it serves); line 2 is its pairing address."""
+    lines = port_file.read_text().splitlines() if port_file.exists() else []
+    return lines[0].strip() if lines else ""
+
+
 @pytest.fixture
 def job_server(tmp_path, client_factory):
     """`edgetrain coordinator --jobs` as a process, and three client processes at 0.3 of a core."""
@@ -173,11 +221,11 @@ def job_server(tmp_path, client_factory):
                              "--port-file", str(port_file), "--state-dir", str(tmp_path / "state"),
                              "--runs-dir", str(tmp_path / "runs"), "--data-dir", str(tmp_path / "data"),
                              "--no-advertise"], stdout=log, stderr=subprocess.STDOUT)
-    address = wait_for(lambda: port_file.exists() and port_file.read_text().strip(), 120, "the job server")
+    address = wait_for(lambda: _fleet_address(port_file), 120, "the job server")
+    assert port_file.read_text().splitlines()[1] == f"127.0.0.1:{int(address.rsplit(':', 1)[1]) + 1}"  # pairing
     for i in range(3):
         client_factory(address, f"b{i}", speed=0.3)
-    channel = grpc.insecure_channel(address)
-    stub = pb_grpc.JobServerStub(channel)
+    channel, stub = operator_stub(address)
     wait_for(lambda: len(stub.ListJobs(pb.ListJobsRequest()).boards) == 3, 120, "three boards in the lobby")
     yield address, stub, tmp_path
     channel.close()
@@ -283,8 +331,7 @@ def test_a_killed_job_server_adopts_its_running_job_when_it_comes_back(tmp_path,
     coordinators, boards = [], []
     try:
         boards = [client_factory(address, f"b{i}", speed=0.3) for i in range(2)]
-        channel = grpc.insecure_channel(address)
-        stub = pb_grpc.JobServerStub(channel)
+        channel, stub = operator_stub(address)
         wait_for(lambda: len(getattr(_listing(stub), "boards", ())) == 2, 120, "two boards")
         # b0 will be held still (SIGSTOP) while the job server is down: the job must not give it up
         stub.Submit(pb.SubmitRequest(job_yaml=job_yaml("long", 60, {"kind": "hard", "boards": ["b0"]},
@@ -339,17 +386,17 @@ def test_a_job_whose_board_never_joins_is_stopped_and_queued_again(in_process, m
 
     monkeypatch.setattr(job_server_module, "FIRST_STEP_TIMEOUT_S", 3.0)
     server = in_process()
-    stub = server.stub
-    stub.Join(pb.JoinRequest(name="silent", reference_s=0.1, protocol_version=edgetrain.PROTOCOL_VERSION))
+    stub, silent = server.stub, server.board("silent")
+    silent.Join(pb.JoinRequest(name="silent", reference_s=0.1, protocol_version=edgetrain.PROTOCOL_VERSION))
     stub.Submit(pb.SubmitRequest(job_yaml=job_yaml("stuck", 5, {"kind": "hard", "boards": ["silent"]})))
-    offer = stub.NextJob(pb.NextJobRequest(name="silent", max_wait_s=30), timeout=200)
+    offer = silent.NextJob(pb.NextJobRequest(name="silent", max_wait_s=30), timeout=200)
     assert offer.job_id == "j1" and offer.port > 0  # offered, but this board never goes there
     first_pid = server.server.store.jobs["j1"].pid
 
     job = wait_for(lambda: (j := stub.ListJobs(pb.ListJobsRequest()).jobs[0]).state == "waiting" and j, 60,
                 "the stalled job to be queued again")
     assert "silent" in job.message and job.boards == []  # the board must show up in the lobby first
-    stub.NextJob(pb.NextJobRequest(name="silent", max_wait_s=0))
+    silent.NextJob(pb.NextJobRequest(name="silent", max_wait_s=0))
     wait_for(lambda: stub.ListJobs(pb.ListJobsRequest()).jobs[0].launches == 2, 60, "a second launch")
     wait_for(lambda: not psutil.pid_exists(first_pid) or psutil.Process(first_pid).status() == psutil.STATUS_ZOMBIE,
           30, "its coordinator to stop")

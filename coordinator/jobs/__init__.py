@@ -2,7 +2,10 @@
 
 - ``server.py``      the job server: lobby of boards, one coordinator process per running job,
                      stalls, restarts.
-- ``servicer.py``    its gRPC face (service ``JobServer``) and ``serve_jobs``, the entry point.
+- ``servicer.py``    its gRPC face (service ``JobServer``, mutual TLS under the fleet authority) and
+                     ``serve_jobs``, the entry point.
+- ``submission.py``  what a submitted job must say (no empty or defaulted jobs).
+- ``lobby.py``       lobby boards: their claimed speed against what their jobs measured.
 - ``store.py``       jobs persisted in ``<state-dir>/jobs.json``.
 - ``scheduler.py``   rolling-horizon scheduling (branch and bound, greedy) and the FIFO,
                      first-fit and static baselines, all pure.

@@ -1,7 +1,10 @@
 """`edgetrain submit | jobs | cancel`: a user's view of a job server (`edgetrain coordinator --jobs`).
 
 A job file is validated here before any server is looked for, so its error names file, key and
-value at once. Nothing here imports torch.
+value at once (including the job server's rule that a job writes its name, model and length
+itself: ``coordinator.jobs.submission``). Every call dials with the `security` the CLI gives: an
+operator's certificate (mutual TLS, dialing the gateway's name), or plaintext with --insecure.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from typing import Any
 import grpc
 import yaml
 
+from coordinator.jobs.lobby import far_off
+from coordinator.jobs.submission import require_written
 from edgetrain import transport
 from edgetrain.config import ConfigError, apply_overrides, job_from_dict
 from edgetrain.discovery import browse, default_interfaces, serves_jobs
@@ -28,40 +33,57 @@ class JobsCommandError(RuntimeError):
     """What the user should read: no server found, or the server's precise answer."""
 
 
-def find_server(server: str | None, cluster: str | None, interfaces: list[str] | None) -> str:
-    """`server`, else $EDGETRAIN_SERVER, else the job server advertised over mDNS."""
+def find_server(server: str | None, cluster: str | None, interfaces: list[str] | None,
+                security: transport.Security = transport.INSECURE) -> str:
+    """`server`, else $EDGETRAIN_SERVER, else the job server advertised over mDNS (one of the
+    operator's fleet when `security` holds a certificate: its CA's fingerprint is advertised)."""
     if server or os.environ.get(SERVER_ENV):
         return server or os.environ[SERVER_ENV]
 
+    fleet = _fleet_fingerprint(security)
     records = [r for r in browse(interfaces=interfaces or default_interfaces(), timeout_s=5.0)
-               if cluster is None or r.cluster == cluster]
-    servers = [r.address for r in records if is_job_server(r.address)]
+               if (cluster is None or r.cluster == cluster) and (fleet is None or r.ca_fingerprint == fleet)]
+    servers = [r.address for r in records if is_job_server(r.address, security=security)]
     if not servers:
         seen = ", ".join(f"{r.cluster} at {r.address}" for r in records) or "nothing"
         raise JobsCommandError(f"no job server found over mDNS (saw {seen}); pass --server HOST:PORT")
     return servers[0]
 
 
-def is_job_server(address: str, budget_s: float = 3.0) -> bool:
+def _fleet_fingerprint(security: transport.Security) -> str | None:
+    """The fleet CA fingerprint of `security`'s certificate (None: plaintext)."""
+    if not isinstance(security, transport.MutualTLS):
+        return None
+    return security.credentials.identity.ca_fingerprint
+
+
+def is_job_server(address: str, budget_s: float = 3.0, *,
+                  security: transport.Security = transport.INSECURE) -> bool:
     """Whether `address` answers as a job server within `budget_s`. A lone job's coordinator
     answers UNIMPLEMENTED (it serves no JobServer service); an address where nothing answers is
     not one either."""
     try:
-        return serves_jobs(address, retry=transport.RetryPolicy(budget_s=budget_s))
+        return serves_jobs(address, retry=transport.RetryPolicy(budget_s=budget_s), security=security)
     except (transport.Unreachable, grpc.RpcError):
         return False
 
 
-def _call(address: str, method: str, request) -> Any:
-    with transport.open_channel(address) as channel:
+def _call(address: str, method: str, request, security: transport.Security) -> Any:
+    with transport.open_channel(address, security) as channel:
         try:
             return getattr(pb_grpc.JobServerStub(channel), method)(request, timeout=60)
         except grpc.RpcError as e:
-            raise JobsCommandError(f"{e.code().name}: {e.details()}") from None
+            detail = f"{e.code().name}: {e.details()}"
+            if e.code() == grpc.StatusCode.UNAVAILABLE:  # nothing there, or the handshake failed
+                detail += (f" (is {address} a job server of this fleet, serving mutual TLS?)" if security.secure
+                           else f" (is {address} a job server started with --insecure?)")
+            raise JobsCommandError(detail) from None
 
 
 def submit_job(path: Path, overrides: list[tuple[str, Any]], *, server: str | None = None,
-               cluster: str | None = None, interfaces: list[str] | None = None) -> str:
+               cluster: str | None = None, interfaces: list[str] | None = None,
+               security: transport.Security = transport.INSECURE) -> str:
+    """Queue the job in `path` (with `overrides`) at the job server; a line saying so."""
     try:
         data = yaml.safe_load(Path(path).read_text())
     except OSError as e:
@@ -74,16 +96,18 @@ def submit_job(path: Path, overrides: list[tuple[str, Any]], *, server: str | No
         raise JobsCommandError(f"{path}: {e}") from None
     try:
         job_from_dict(data, source=str(path))
+        require_written(data, source=str(path))
     except ConfigError as e:
         raise JobsCommandError(str(e)) from None
-    address = find_server(server, cluster, interfaces)
-    view = _call(address, "Submit", pb.SubmitRequest(job_yaml=yaml.safe_dump(data)))
+    address = find_server(server, cluster, interfaces, security)
+    view = _call(address, "Submit", pb.SubmitRequest(job_yaml=yaml.safe_dump(data)), security)
     return f"job {view.id} ({view.name}, {view.model}, {view.kind}: {view.request}) submitted to {address}"
 
 
 def cancel_job(job_id: str, *, server: str | None = None, cluster: str | None = None,
-               interfaces: list[str] | None = None) -> str:
-    view = _call(find_server(server, cluster, interfaces), "Cancel", pb.CancelRequest(id=job_id))
+               interfaces: list[str] | None = None, security: transport.Security = transport.INSECURE) -> str:
+    """Cancel job `job_id` at the job server; a line saying so."""
+    view = _call(find_server(server, cluster, interfaces, security), "Cancel", pb.CancelRequest(id=job_id), security)
     return f"job {view.id} ({view.name}) cancelled"
 
 
@@ -95,9 +119,11 @@ def _when(t: float, now: float) -> str:
 
 
 def jobs_report(*, server: str | None = None, cluster: str | None = None, interfaces: list[str] | None = None,
-                as_json: bool = False) -> str:
-    address = find_server(server, cluster, interfaces)
-    reply: pb.ListJobsReply = _call(address, "ListJobs", pb.ListJobsRequest())
+                as_json: bool = False, security: transport.Security = transport.INSECURE) -> str:
+    """The job server's jobs and boards as a table (or JSON); a board whose claimed speed its
+    steps contradict, and a job far slower than predicted, are flagged."""
+    address = find_server(server, cluster, interfaces, security)
+    reply: pb.ListJobsReply = _call(address, "ListJobs", pb.ListJobsRequest(), security)
     from google.protobuf.json_format import MessageToDict
 
     if as_json:
@@ -112,7 +138,7 @@ def jobs_report(*, server: str | None = None, cluster: str | None = None, interf
         overdue = j.state == "waiting" and start and start < now - 1  # its boards' jobs overran their prediction
         rows.append((j.id, j.name, j.model, f"{j.kind}: {j.request}", j.state, ",".join(j.boards) or "-",
                      "when its boards free" if overdue else _when(start, now), ("predicted " if not j.finished and finish else "") + _when(finish, now),
-                     f"{j.steps_done}/{j.steps}", j.message + (f" (launch {j.launches})" if j.launches > 1 else "")))
+                     f"{j.steps_done}/{j.steps}", _note(j)))
     widths = [max(len(str(r[i])) for r in (head, *rows)) for i in range(len(head) - 1)]
     lines = [f"job server {address}: scheduler {reply.scheduler}"
              + (" (last plan proven optimal)" if reply.plan_exact else "")]
@@ -121,4 +147,15 @@ def jobs_report(*, server: str | None = None, cluster: str | None = None, interf
     lines.append("boards: " + (", ".join(
         f"{b.name} ({b.speed:.2f} core, {b.link_mbit_per_s:.0f} Mbit/s, "
         f"{'job ' + b.job if b.job else 'free' if b.alive else 'gone'})" for b in reply.boards) or "none"))
+    lines += [f"flagged: {b.name} {b.flag}; planned at {b.speed:.2f}" for b in reply.boards if b.flag]
     return "\n".join(lines)
+
+
+def _note(job: pb.JobView) -> str:
+    """Why it failed or waits, how often it was launched, and its measured speed when that is
+    far off the prediction (its boards' claims were)."""
+    notes = [job.message + (f" (launch {job.launches})" if job.launches > 1 else "")]
+    measured, predicted = job.measured_samples_per_s, job.predicted_samples_per_s
+    if far_off(predicted, measured):
+        notes.append(f"measured {measured:.1f} samples/s, predicted {predicted:.1f}")
+    return "; ".join(n for n in notes if n)

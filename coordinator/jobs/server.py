@@ -8,7 +8,12 @@ each job's speed on a set of boards predicted by the hybrid planner (``coordinat
 Jobs planned to start now are launched: each gets its own coordinator process (the ordinary
 ``edgetrain coordinator``, on a free port of this host, not advertised), and its boards are
 told that port on their next ``NextJob``. They work for it until it finishes, then come back.
-Running jobs are never preempted, migrated or reconfigured.
+Running jobs are never preempted, migrated or reconfigured. Job coordinators serve under the job
+server's fleet authority (mutual TLS; boards pair with the job server only), or plaintext when
+the job server runs ``--insecure``.
+
+A board's claimed speed is checked against the steps of the jobs it ran alone
+(``coordinator.jobs.lobby``): a claim far off is flagged and the board planned by the measurement.
 
 Jobs live in ``<state-dir>/jobs.json`` (``coordinator.jobs.store``): a restarted job server adopts
 job coordinators that are still running and re-queues the others to resume from their
@@ -26,21 +31,23 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
 import yaml
 
+from coordinator.jobs.lobby import LobbyBoard, step_rate
 from coordinator.jobs.scheduler import SCHEDULERS, Board, FleetState, Job, Running
-from coordinator.jobs.speed import PlannerSpeed, board_spec, warm
+from coordinator.jobs.speed import PlannerSpeed, board_spec, implied_speed, warm
 from coordinator.jobs.store import ACTIVE, DONE, JobRecord, JobStore
-from edgetrain.config import ConfigError, JobConfig, job_from_dict, job_to_dict
+from coordinator.jobs.submission import parse_job, request_text, submitted_job
+from edgetrain import trust
+from edgetrain.config import JobConfig, job_to_dict
 from edgetrain.emulator.launch import edgetrain_command
 
 logger = logging.getLogger(__name__)
 
-MAX_JOB_YAML_BYTES = 256 * 1024
 DEFAULT_OVERHEAD_S = 25.0
 """A job's time besides training (launch to first step, last step to exit) before one measured it."""
 START_TIMEOUT_S = 180.0
@@ -50,47 +57,16 @@ FIRST_STEP_TIMEOUT_S = 300.0
 board before it started (its coordinator waits for all of them): it is stopped and queued again."""
 
 
-@dataclass
-class LobbyBoard:
-    """A board the job server knows."""
-
-    name: str
-    speed: float
-    """Fraction of one core of this machine (reference workload timed on both)."""
-    mbit_per_s: float
-    last_seen: float
-    job: str = ""
-    """Job id it is assigned to ("" when free)."""
-    alive: bool = True
-
-
-def request_text(config: JobConfig) -> str:
-    s = config.schedule
-    if s.kind == "hard":
-        return f"boards {','.join(s.boards)}" if s.boards else f"{s.count} boards"
-    return f"{s.min_boards}-{s.max_boards or 'all'} boards"
-
-
-def parse_job(text: str) -> JobConfig:
-    """A submitted job YAML, validated (ConfigError names the bad key)."""
-    if len(text.encode()) > MAX_JOB_YAML_BYTES:
-        raise ConfigError(f"job YAML is {len(text.encode())} bytes; the limit is {MAX_JOB_YAML_BYTES}")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"not valid YAML: {e}") from None
-    config = job_from_dict(data, source="job")
-    if config.aggregation.federated:
-        raise ConfigError("job: federated rounds are not scheduled on a shared fleet yet")
-    return config
-
-
 class JobServer:
-    """Jobs, boards and the scheduling loop; the gRPC servicer below is its face."""
+    """Jobs, boards and the scheduling loop; its gRPC face is ``servicer.JobServerServicer``.
+
+    The job coordinators it launches serve under `authority` (mutual TLS, boards pair with this
+    server, not with them), or plaintext (``--insecure``) when it is None."""
 
     def __init__(self, *, state_dir: Path, runs_dir: Path, data_dir: Path, host: str = "127.0.0.1",
                  scheduler: str = "rolling", poll_s: float = 5.0, board_timeout_s: float = 20.0,
-                 reference_s: float | None = None, clock: Callable[[], float] = time.time) -> None:
+                 reference_s: float | None = None, clock: Callable[[], float] = time.time,
+                 authority: trust.Authority | None = None) -> None:
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, got {scheduler!r}")
         self.state_dir, self.runs_dir, self.data_dir = Path(state_dir), Path(runs_dir), Path(data_dir)
@@ -98,6 +74,7 @@ class JobServer:
         self.scheduler_name = scheduler
         self.poll_s, self.board_timeout_s = poll_s, board_timeout_s
         self.clock = clock
+        self.authority = authority
         self.store = JobStore(self.state_dir / "jobs.json")
         self.boards: dict[str, LobbyBoard] = {}
         self.procs: dict[str, subprocess.Popen | psutil.Process] = {}
@@ -109,6 +86,11 @@ class JobServer:
         self.plan_exact = False
         self.arrivals = [j.submitted for j in self.store.jobs.values()]
         self._reference_s = reference_s
+        self._claims_checked = -math.inf
+        self._implied: dict[tuple[str, float, float], float] = {}
+        """Speed implied by (job id, measured samples/s, link): the planner is asked once."""
+        self._measured_done: set[str] = set()
+        """Finished jobs whose steps were read for their board's measurement."""
         self._adopt()
 
     # --- reference speed ---------------------------------------------------------------------
@@ -136,21 +118,23 @@ class JobServer:
                 job.state = "running"
                 logger.info("[JobServer] adopted job %s (coordinator pid %d, port %d)", job.id, job.pid, job.port)
                 for name in job.boards:
-                    self.boards[name] = LobbyBoard(name=name, speed=0.0, mbit_per_s=0.0, last_seen=self.clock(),
-                                                   job=job.id)
+                    self.boards[name] = LobbyBoard(name=name, claimed_speed=0.0, mbit_per_s=0.0,
+                                               last_seen=self.clock(), job=job.id)
             else:
                 self._requeue(job, "the job server restarted while it ran; it resumes from its checkpoint")
         self.store.save()
 
     def _requeue(self, job: JobRecord, why: str) -> None:
         job.state, job.resume, job.message = "waiting", True, why
-        job.steps_done = self._steps_done(job)
+        self._progress(job)
         job.boards, job.pid, job.port = [], 0, 0
 
     # --- users -------------------------------------------------------------------------------
 
     def submit(self, text: str) -> JobRecord:
-        config = parse_job(text)
+        """Queue a job YAML (ConfigError, nothing queued, when it is invalid, empty or leaves its
+        name, model or length to the defaults: ``submission.submitted_job``)."""
+        config = submitted_job(text)
         warm(config.model)
         with self.lock:
             now = self.clock()
@@ -185,27 +169,32 @@ class JobServer:
     def snapshot(self) -> tuple[list[JobRecord], list[LobbyBoard]]:
         with self.lock:
             for job in self.store.in_state("running"):
-                job.steps_done = self._steps_done(job)
+                self._progress(job)
             return list(self.store.jobs.values()), list(self.boards.values())
 
     # --- boards ------------------------------------------------------------------------------
 
     def join(self, name: str, reference_s: float, mbit_per_s: float) -> None:
+        """Board `name` enters the lobby claiming its reference time and link (ValueError when
+        they are not numbers it could have measured). What its jobs measured stays with it."""
         if not name:
             raise ValueError("a board needs a name")
         if not (reference_s > 0 and math.isfinite(reference_s)):
             raise ValueError(f"reference_s must be a positive number of seconds, got {reference_s}")
         if not (mbit_per_s >= 0 and math.isfinite(mbit_per_s)):
             raise ValueError(f"link_mbit_per_s must be >= 0, got {mbit_per_s}")
-        speed = self.reference_s / reference_s
+        claimed = self.reference_s / reference_s
         with self.lock:
             old = self.boards.get(name)
-            job = old.job if old else ""
-            self.boards[name] = LobbyBoard(name=name, speed=speed, mbit_per_s=mbit_per_s, last_seen=self.clock(),
-                                           job=job)
-            logger.info("[JobServer] board %s joined: %.2f of a core here, link %s", name, speed,
+            board = LobbyBoard(name=name, claimed_speed=claimed, mbit_per_s=mbit_per_s, last_seen=self.clock(),
+                               job=old.job if old else "", measured_speed=old.measured_speed if old else 0.0,
+                               measured_in=old.measured_in if old else "")
+            self.boards[name] = board
+            logger.info("[JobServer] board %s joined: claims %.2f of a core here, link %s", name, claimed,
                         f"{mbit_per_s:.0f} Mbit/s" if mbit_per_s else "unknown")
-            if old is None or not old.alive or (old.speed, old.mbit_per_s) != (speed, mbit_per_s):
+            if board.far_off:
+                logger.warning("[JobServer] board %s %s: planned at the measured speed", name, board.flag)
+            if old is None or not old.alive or (old.speed, old.mbit_per_s) != (board.speed, mbit_per_s):
                 self._event()
 
     def next_job(self, name: str, max_wait_s: float) -> JobRecord | None:
@@ -214,7 +203,7 @@ class JobServer:
         with self.lock:
             while True:
                 board = self.boards.get(name)
-                if board is None or board.speed <= 0:  # unknown, or adopted after a restart: join again
+                if board is None or board.claimed_speed <= 0:  # unknown, or adopted after a restart: join again
                     raise KeyError(name)
                 board.last_seen = self.clock()
                 if not board.alive:
@@ -239,6 +228,7 @@ class JobServer:
         while not stop.is_set():
             with self.lock:
                 self._reap()
+                self._check_claims()
                 self._restart_stalled()
                 self._expire()
                 if self.dirty:
@@ -268,7 +258,7 @@ class JobServer:
                 continue
             del self.procs[job_id]
             job = self.store.jobs[job_id]
-            job.steps_done = self._steps_done(job)
+            self._progress(job)
             job.finished = self.clock()
             job.overhead_s = self._measured_overhead(job)
             summary = self.runs_dir / job.run_name / "summary.json"
@@ -285,6 +275,7 @@ class JobServer:
             logger.info("[JobServer] job %s %s after %.0f s", job_id, job.state, job.finished - job.started)
             self._free_boards(job)
             self.store.save()
+            self._claims_checked = -math.inf  # its last steps count
             self._event()
 
     def _restart_stalled(self) -> None:
@@ -321,18 +312,29 @@ class JobServer:
             if board.job == job.id:
                 board.job, board.last_seen = "", now  # it has board_timeout_s to come back
 
-    def _train_steps(self, job: JobRecord) -> list[tuple[int, float]]:
-        """(step, time) of every step its coordinator logged in metrics.jsonl ([] when unreadable)."""
+    def _train_records(self, job: JobRecord) -> list[dict]:
+        """Every step record its coordinator logged in metrics.jsonl ([] when unreadable)."""
         try:
             with (self.runs_dir / job.run_name / "metrics.jsonl").open("rb") as f:
-                return [(int(r["step"]), float(r["time"])) for r in
-                        (json.loads(line) for line in f if b'"kind": "train"' in line)]
-        except (OSError, ValueError, KeyError):
+                return [json.loads(line) for line in f if b'"kind": "train"' in line]
+        except (OSError, ValueError):
             return []
 
-    def _steps_done(self, job: JobRecord) -> int:
-        """Steps its coordinator logged, at least what it had before."""
-        return max([job.steps_done] + [step + 1 for step, _ in self._train_steps(job)])
+    def _train_steps(self, job: JobRecord) -> list[tuple[int, float]]:
+        """(step, time) of every step its coordinator logged ([] when unreadable)."""
+        try:
+            return [(int(r["step"]), float(r["time"])) for r in self._train_records(job)]
+        except (KeyError, TypeError, ValueError):
+            return []
+
+    def _progress(self, job: JobRecord) -> None:
+        """Its steps done (what its coordinator logged, at least what it had before) and the
+        samples/s its coordinator measured in this launch."""
+        records = self._train_records(job)
+        job.steps_done = max([job.steps_done] + [int(r["step"]) + 1 for r in records if isinstance(r.get("step"), int)])
+        rate = step_rate(records, job.started) if job.started else 0.0
+        if rate:
+            job.measured_samples_per_s = rate
 
     def _measured_overhead(self, job: JobRecord) -> float:
         """Launch to exit minus its training steps, from its coordinator's step log (0: unknown)."""
@@ -350,6 +352,46 @@ class JobServer:
     def _stepped_since(self, job: JobRecord, since: float) -> bool:
         """Whether its coordinator logged a step after `since`."""
         return any(t >= since for _, t in self._train_steps(job))
+
+    def _check_claims(self) -> None:
+        """At most every poll_s: each board's speed as its latest job alone measured it
+        (``coordinator.jobs.lobby``); a board whose claim is far off is flagged and from then on
+        planned by the measurement."""
+        if time.monotonic() - self._claims_checked < self.poll_s:
+            return
+        self._claims_checked = time.monotonic()
+        latest: dict[str, JobRecord] = {}
+        for job in sorted(self.store.jobs.values(), key=lambda j: j.started):
+            if job.started and len(job.boards) == 1 and job.state not in ("waiting", "starting"):
+                latest[job.boards[0]] = job
+        for name, job in latest.items():
+            board = self.boards.get(name)
+            if board is None or (job.state in DONE and job.id in self._measured_done and board.measured_in == job.id):
+                continue
+            rate = step_rate(self._train_records(job), job.started)
+            if job.state in DONE:
+                self._measured_done.add(job.id)
+            if not rate:
+                continue
+            key = (job.id, round(rate, 4), board.mbit_per_s)
+            if key not in self._implied:
+                try:
+                    self._implied[key] = implied_speed(parse_job(job.yaml), name, board.mbit_per_s, rate)
+                except Exception:  # a measurement must never stop the server  # noqa: BLE001
+                    logger.exception("[JobServer] cannot judge board %s by job %s", name, job.id)
+                    self._implied[key] = 0.0
+            if not self._implied[key]:
+                continue
+            flagged, planned = board.far_off, board.speed
+            board.measured_speed, board.measured_in = self._implied[key], job.id
+            if board.far_off and not flagged:
+                logger.warning("[JobServer] board %s %s (%.2f samples/s): planned at the measured speed", name,
+                               board.flag, rate)
+            elif flagged and not board.far_off:
+                logger.info("[JobServer] board %s: its claim %.2f agrees with job %s's steps (%.2f) again", name,
+                            board.claimed_speed, job.id, board.measured_speed)
+            if board.speed != planned:
+                self._event()
 
     def _log(self, job: JobRecord) -> Path:
         return self.state_dir / "logs" / f"{job.run_name}.log"
@@ -441,10 +483,12 @@ class JobServer:
             proc = subprocess.Popen(edgetrain_command(
                 "coordinator", "--config", str(config_file), "--bind", f"{self.host}:0", "--port-file", str(port_file),
                 "--runs-dir", str(self.runs_dir), "--data-dir", str(self.data_dir), "--no-advertise",
-                *(["--resume"] if job.resume else [])), stdout=log, stderr=subprocess.STDOUT,
+                *self.coordinator_trust_args(), *(["--resume"] if job.resume else [])), stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True)
         self.procs[job.id] = proc
         job.state, job.boards, job.started, job.message, job.stepped = "starting", boards, now, "", False
+        job.measured_samples_per_s = 0.0
         job.launches += 1
         job.pid, job.pid_started = proc.pid, _create_time(proc.pid)
         for name in boards:
@@ -453,14 +497,22 @@ class JobServer:
                     job.predicted_finish - now)
         threading.Thread(target=self._await_port, args=(job, proc, port_file), daemon=True).start()
 
+    def coordinator_trust_args(self) -> list[str]:
+        """How a job's coordinator serves: under this server's authority, with no pairing port of
+        its own (boards pair with the job server), or plaintext when this server is."""
+        if self.authority is None:
+            return ["--insecure"]
+        return ["--authority", str(self.authority.directory), "--pair-bind", "none"]
+
     def _await_port(self, job: JobRecord, proc: subprocess.Popen, port_file: Path) -> None:
+        """Mark the job running once its coordinator wrote its address (line 1 of its port file)."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline and proc.poll() is None:
-            text = port_file.read_text().strip() if port_file.exists() else ""
-            if text:
+            port = _first_port(port_file)
+            if port:
                 with self.lock:
                     if job.state == "starting":
-                        job.port, job.state = int(text.rsplit(":", 1)[1]), "running"
+                        job.port, job.state = port, "running"
                         self.serving_since[job.id] = self.clock()
                         self.store.save()
                         self.changed.notify_all()
@@ -469,6 +521,16 @@ class JobServer:
         if proc.poll() is None:
             logger.error("[JobServer] job %s: its coordinator did not serve within %.0f s", job.id, START_TIMEOUT_S)
             _terminate(proc)
+
+
+def _first_port(port_file: Path) -> int:
+    """The port of the address on the first line of a coordinator's port file (0: not written yet).
+    Line 2, when there, is a pairing address; job coordinators serve none."""
+    try:
+        first = port_file.read_text().splitlines()[0].strip()
+        return int(first.rsplit(":", 1)[1])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def _create_time(pid: int) -> float:

@@ -10,6 +10,7 @@ timing ``edgetrain.speed_reference`` on both) and their link rate (measured by a
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Mapping
 
@@ -88,3 +89,26 @@ class PlannerSpeed:
             return predict(Plan(dp_boards=names, dp_share=1.0), fleet, model, batch, **kw).samples_per_s
         except ValueError:  # nothing fits these boards' memory, or the plan names other boards
             return 1e-9
+
+
+def implied_speed(config: JobConfig, name: str, mbit_per_s: float, samples_per_s: float, *,
+                  lo: float = 1 / 64, hi: float = 64.0) -> float:
+    """The speed (fraction of one core here) at which the planner predicts `samples_per_s` for
+    the job on board `name` alone, with its link: what the job's measured steps say of the board.
+    Clamped to [lo, hi]; 0 when the planner has no prediction for the job on one board."""
+
+    def predicted(speed: float) -> float:
+        spec = board_spec(name, speed, mbit_per_s)
+        return PlannerSpeed({"job": config}, {name: spec})._predict(config, (name,))
+
+    if predicted(hi) <= 1e-9:
+        return 0.0
+    if predicted(hi) <= samples_per_s:
+        return hi
+    if predicted(lo) >= samples_per_s:
+        return lo
+    low, high = math.log(lo), math.log(hi)
+    for _ in range(24):  # the prediction grows with the speed
+        mid = (low + high) / 2
+        low, high = (mid, high) if predicted(math.exp(mid)) < samples_per_s else (low, mid)
+    return math.exp((low + high) / 2)

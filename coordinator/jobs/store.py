@@ -43,6 +43,8 @@ class JobRecord:
     planned_start: float = 0.0
     predicted_finish: float = 0.0
     predicted_samples_per_s: float = 0.0
+    measured_samples_per_s: float = 0.0
+    """Median samples/s of its steps in its latest launch, timed by its coordinator (0: not yet)."""
     started: float = 0.0
     finished: float = 0.0
     steps_done: int = 0
