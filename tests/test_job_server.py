@@ -20,10 +20,11 @@ import grpc
 import psutil
 import pytest
 import yaml
-from conftest import board_identity, small_job, wait_for
+from conftest import board_channel, board_identity, small_job, wait_for
 
 import edgetrain
 from coordinator.jobs.command import is_job_server
+from coordinator.jobs.lobby import FAR_OFF
 from coordinator.jobs.scheduler import Board, Job
 from coordinator.jobs.server import JobServer
 from coordinator.jobs.servicer import JobServerServicer
@@ -305,6 +306,38 @@ def test_cancelling_a_running_job_returns_its_boards_to_the_lobby(job_server):
     _cli("submit", str(tmp / "next.yaml"), "--server", address)
     wait_for(lambda: stub.ListJobs(pb.ListJobsRequest()).jobs[1].state == "finished", 180, "the next job on b1",
              interval_s=0.2)
+
+
+def test_a_board_whose_steps_contradict_its_claimed_speed_is_flagged_and_planned_by_them(job_server):
+    address, stub, tmp = job_server
+    honest = {b.name: b for b in stub.ListJobs(pb.ListJobsRequest()).boards}
+    # b2's client joined with what it measured; under b2's own certificate, a second connection claims
+    # it runs the reference workload in 0.1 ms: thousands of times faster than it does
+    with board_channel(address, "b2") as channel:
+        pb_grpc.JobServerStub(channel).Join(pb.JoinRequest(
+            name="b2", reference_s=1e-4, link_mbit_per_s=honest["b2"].link_mbit_per_s,
+            protocol_version=edgetrain.PROTOCOL_VERSION), timeout=30)
+    claimed = {b.name: b for b in stub.ListJobs(pb.ListJobsRequest()).boards}["b2"]
+    assert claimed.claimed_speed > 1000 * honest["b2"].claimed_speed and claimed.flag == ""  # not measured yet
+    for name, board in (("liar", "b2"), ("honest", "b0")):
+        (tmp / f"{name}.yaml").write_text(job_yaml(name, 6, {"kind": "hard", "boards": [board]}, model="mobilenet_v2",
+                                                   batch=SHARED_BATCH))
+        _cli("submit", str(tmp / f"{name}.yaml"), "--server", address)
+
+    def judged():
+        boards = {b.name: b for b in stub.ListJobs(pb.ListJobsRequest()).boards}
+        return boards if boards["b2"].measured_speed and boards["b0"].measured_speed else None
+
+    boards = wait_for(judged, 300, "both boards measured by their jobs", interval_s=0.5)
+    jobs = {j.name: j for j in stub.ListJobs(pb.ListJobsRequest()).jobs}
+    b0, b2 = boards["b0"], boards["b2"]
+    assert b2.flag.startswith("claims") and f"job {jobs['liar'].id}" in b2.flag
+    assert b2.speed == b2.measured_speed  # planned by what its steps measured, not by its claim
+    # ... which is about what it really is (within the flagging factor of its honest claim)
+    assert honest["b2"].claimed_speed / FAR_OFF <= b2.measured_speed <= honest["b2"].claimed_speed * FAR_OFF
+    assert b0.flag == "" and b0.speed == b0.claimed_speed  # an honest claim agrees with its steps
+    assert jobs["liar"].measured_samples_per_s > 0
+    assert "flagged: b2 claims" in _cli("jobs", "--server", address)
 
 
 def _free_port() -> int:

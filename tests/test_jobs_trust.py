@@ -13,7 +13,7 @@ import time
 
 import grpc
 import pytest
-from conftest import wait_for
+from conftest import board_identity, wait_for
 from test_job_server import InProcessServer, job_yaml, operator_security, session_authority
 
 import edgetrain
@@ -26,6 +26,8 @@ from edge_client.pairing import pair
 from edgetrain import transport, trust
 from edgetrain.config import ConfigError, job_from_dict
 from edgetrain.errors import Refusal
+from protos import coordinator_pb2 as cpb
+from protos import coordinator_pb2_grpc as cpb_grpc
 from protos import jobs_pb2 as pb
 from protos import jobs_pb2_grpc as pb_grpc
 
@@ -208,6 +210,35 @@ def test_serve_jobs_serves_mutual_tls_and_boards_pair_on_the_next_port(tmp_path)
         stop.set()
         thread.join(30)
     assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("secure", [True, False], ids=["fleet", "insecure"])
+def test_a_jobs_coordinator_serves_as_its_job_server_does(tmp_path, secure):
+    """Under the job server's authority with no pairing port of its own, or plaintext when the
+    job server is --insecure (this one starts a real job coordinator process)."""
+    server = InProcessServer(tmp_path / "state", authority=session_authority() if secure else None)
+    try:
+        board = server.board("b-worker")
+        _join(board, "b-worker")
+        server.stub.Submit(pb.SubmitRequest(job_yaml=job_yaml("served", 5, {"kind": "hard", "boards": ["b-worker"]})),
+                           timeout=10)
+        offer = board.NextJob(pb.NextJobRequest(name="b-worker", max_wait_s=30), timeout=200)
+        assert offer.job_id == "j1"
+        job_address = f"127.0.0.1:{offer.port}"
+        port_file = server.server.state_dir / "jobs" / f"{offer.job_name}.address"
+        assert port_file.read_text().splitlines() == [job_address]  # no pairing address: boards pair with the job server
+        worker = board_identity("b-worker").security(trust.GATEWAY_SERVER_NAME) if secure else transport.INSECURE
+        with transport.open_channel(job_address, worker) as channel:
+            devices = cpb_grpc.CoordinatorStub(channel).ListDevices(cpb.ListDevicesRequest(), timeout=30)
+        assert devices.job_id == offer.job_name
+        other = transport.INSECURE if secure else board_identity("b-worker").security(trust.GATEWAY_SERVER_NAME)
+        with transport.open_channel(job_address, other) as channel:
+            refused = _refused(lambda: cpb_grpc.CoordinatorStub(channel).ListDevices(cpb.ListDevicesRequest(),
+                                                                                     timeout=10))
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE  # the other kind of channel gets no handshake
+        server.stub.Cancel(pb.CancelRequest(id="j1"), timeout=30)
+    finally:
+        server.close()
 
 
 # --- claims against measurements ----------------------------------------------------------------
