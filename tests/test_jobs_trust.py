@@ -17,7 +17,7 @@ from conftest import board_identity, wait_for
 from test_job_server import InProcessServer, job_yaml, operator_security, session_authority
 
 import edgetrain
-from coordinator.jobs.lobby import FAR_OFF, LobbyBoard, far_off, step_rate
+from coordinator.jobs.lobby import FAR_OFF, LobbyBoard, far_off, step_rate, upload_mbit
 from coordinator.jobs.servicer import serve_jobs
 from coordinator.jobs.speed import PlannerSpeed, board_spec, implied_speed
 from coordinator.jobs.submission import submitted_job
@@ -258,15 +258,18 @@ def test_a_claim_far_off_its_measurement_is_flagged_and_planned_by_the_measureme
 
 def test_the_measured_rate_is_the_median_of_this_launchs_steps_timed_by_the_coordinator(tmp_path):
     log = MetricsLog(tmp_path / "metrics.jsonl")  # the coordinator's own step log
-    log.write({"kind": "train", "step": 0, "samples": 16, "step_s": 100.0})  # a step of an earlier launch
+    log.write({"kind": "train", "step": 0, "samples": 16, "step_s": 100.0,  # a step of an earlier launch
+               "devices": {"b-1": {"upload_bytes": 1_000_000, "upload_s": 100.0}}})
     since = time.time() + 0.01
     wait_for(lambda: time.time() > since + 0.001, 5, "the clock to pass the launch", interval_s=0.005)  # times are in ms
     for step, (samples, seconds) in enumerate([(16, 8.0), (16, 2.0), (0, 0.5), (16, 2.0), (16, 1.0)], start=1):
-        log.write({"kind": "train", "step": step, "samples": samples, "step_s": seconds})
+        upload = {"upload_bytes": 1_000_000, "upload_s": seconds / 10} if samples else {}
+        log.write({"kind": "train", "step": step, "samples": samples, "step_s": seconds, "devices": {"b-1": upload}})
     log.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert step_rate(records, since) == pytest.approx(8.0)  # median of 2, 8, 8, 16 samples/s; the void step skipped
     assert step_rate(records[:3], since) == 0.0  # fewer than MIN_STEPS steps say nothing
+    assert upload_mbit(records, since) == pytest.approx(40.0)  # 8 Mbit in 0.1, 0.2, 0.2 or 0.8 s: the median
 
 
 def test_the_implied_speed_is_the_speed_at_which_the_planner_predicts_the_measured_rate():

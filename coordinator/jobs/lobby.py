@@ -5,15 +5,18 @@ fraction of one core of the job server's machine) and its link (from its own ``P
 The job server cannot take either on trust, and measures what it can itself: every job's
 coordinator logs each step's wall time (``step_s``, timed by the coordinator, not reported by a
 board) in its metrics. From a job that ran on one board alone the server derives the speed at
-which the planner's prediction matches those measured steps (``speed.implied_speed``). A board
+which the planner's prediction matches those measured steps (``speed.implied_speed``), with the
+board's link taken as the faster of its claim and its uploads in that job (also timed by the
+coordinator; an unknown link assumed slow would make the steps look like a fast board's). A board
 whose claim is more than ``FAR_OFF`` times off that measurement is flagged (logged, and shown by
 ``ListJobs`` / ``edgetrain jobs``) and planned by the measurement from then on; a consistent
 claim is planned as claimed.
 
-What is not measured here: a board's link on its own (the lobby ``Probe`` is paced by the board,
-which could make it look as fast as it likes; a slow link shows up in its measured steps instead),
-and boards that only ran jobs together with others (a step waits for the slowest board, so a
-slow step does not say which one).
+What is not judged here: a board's link claim on its own (the lobby ``Probe`` is paced by the
+board, which could make it look as fast as it likes; its uploads, timed by the coordinator, only
+bound its link from below, and on a slow board they are bound by its CPU; a slow link shows up in
+its measured steps instead), and boards that only ran jobs together with others (a step waits
+for the slowest board, so a slow step does not say which one).
 """
 
 from __future__ import annotations
@@ -80,3 +83,12 @@ def step_rate(records: list[dict], since: float) -> float:
     rates = [r["samples"] / r["step_s"] for r in records
              if r.get("time", 0.0) >= since and (r.get("samples") or 0) > 0 and (r.get("step_s") or 0) > 0]
     return statistics.median(rates) if len(rates) >= MIN_STEPS else 0.0
+
+
+def upload_mbit(records: list[dict], since: float) -> float:
+    """Median Mbit/s of the uploads in a job's steps logged at or after `since`, each timed by the
+    coordinator from its first byte to its last (0 when none was timed)."""
+    rates = [8e-6 * d["upload_bytes"] / d["upload_s"] for r in records if r.get("time", 0.0) >= since
+             for d in (r.get("devices") or {}).values()
+             if (d.get("upload_bytes") or 0) > 0 and (d.get("upload_s") or 0) > 0]
+    return statistics.median(rates) if rates else 0.0

@@ -37,7 +37,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from coordinator.jobs.lobby import LobbyBoard, step_rate
+from coordinator.jobs.lobby import LobbyBoard, step_rate, upload_mbit
 from coordinator.jobs.scheduler import SCHEDULERS, Board, FleetState, Job, Running
 from coordinator.jobs.speed import PlannerSpeed, board_spec, implied_speed, warm
 from coordinator.jobs.store import ACTIVE, DONE, JobRecord, JobStore
@@ -368,15 +368,16 @@ class JobServer:
             board = self.boards.get(name)
             if board is None or (job.state in DONE and job.id in self._measured_done and board.measured_in == job.id):
                 continue
-            rate = step_rate(self._train_records(job), job.started)
+            records = self._train_records(job)
+            rate, link = step_rate(records, job.started), max(board.mbit_per_s, upload_mbit(records, job.started))
             if job.state in DONE:
                 self._measured_done.add(job.id)
             if not rate:
                 continue
-            key = (job.id, round(rate, 4), board.mbit_per_s)
+            key = (job.id, round(rate, 4), round(link, 1))
             if key not in self._implied:
                 try:
-                    self._implied[key] = implied_speed(parse_job(job.yaml), name, board.mbit_per_s, rate)
+                    self._implied[key] = implied_speed(parse_job(job.yaml), name, link, rate)
                 except Exception:  # a measurement must never stop the server  # noqa: BLE001
                     logger.exception("[JobServer] cannot judge board %s by job %s", name, job.id)
                     self._implied[key] = 0.0
