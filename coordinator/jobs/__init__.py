@@ -4,6 +4,7 @@
                      stalls, restarts.
 - ``servicer.py``    its gRPC face (service ``JobServer``, mutual TLS under the fleet authority) and
                      ``serve_jobs``, the entry point.
+- ``processes.py``   its job coordinator processes: port files, adopting, stopping.
 - ``submission.py``  what a submitted job must say (no empty or defaulted jobs).
 - ``lobby.py``       lobby boards: their claimed speed against what their jobs measured.
 - ``store.py``       jobs persisted in ``<state-dir>/jobs.json``.

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import signal
 import statistics
 import subprocess
 import threading
@@ -38,6 +37,7 @@ import psutil
 import yaml
 
 from coordinator.jobs.lobby import LobbyBoard, step_rate, upload_mbit
+from coordinator.jobs.processes import create_time, exit_code, first_port, process, terminate
 from coordinator.jobs.scheduler import SCHEDULERS, Board, FleetState, Job, Running
 from coordinator.jobs.speed import PlannerSpeed, board_spec, implied_speed, warm
 from coordinator.jobs.store import ACTIVE, DONE, JobRecord, JobStore
@@ -112,7 +112,7 @@ class JobServer:
     def _adopt(self) -> None:
         """After a restart: keep coordinators still running, re-queue the rest to resume."""
         for job in self.store.in_state(*ACTIVE):
-            proc = _process(job.pid, job.pid_started)
+            proc = process(job.pid, job.pid_started)
             if proc is not None and job.port:
                 self.procs[job.id] = proc
                 job.state = "running"
@@ -162,7 +162,7 @@ class JobServer:
             self.store.save()
             self._event()
         if proc is not None:
-            _terminate(proc)
+            terminate(proc)
         logger.info("[JobServer] job %s cancelled", job_id)
         return job
 
@@ -249,11 +249,11 @@ class JobServer:
                 self._free_boards(job)
                 self._requeue(job, "the job server stopped while it ran; it resumes from its checkpoint")
             self.store.save()
-        _terminate(*procs.values())
+        terminate(*procs.values())
 
     def _reap(self) -> None:
         for job_id, proc in list(self.procs.items()):
-            code = _exit_code(proc)
+            code = exit_code(proc)
             if code is None:
                 continue
             del self.procs[job_id]
@@ -261,14 +261,14 @@ class JobServer:
             self._progress(job)
             job.finished = self.clock()
             job.overhead_s = self._measured_overhead(job)
-            summary = self.runs_dir / job.run_name / "summary.json"
-            if code == 0 or (code == -1 and summary.exists()):
+            summary = self._summary(job)
+            if summary is not None and summary.get("stopped"):  # it stopped before its last step
+                job.state = "failed"
+                job.message = f"stopped after {summary.get('steps_applied', '?')} applied steps: {summary['stopped']}"
+            elif code == 0 or (code == -1 and summary is not None):
                 job.state = "finished"
-                try:
-                    acc = json.loads(summary.read_text()).get("test_accuracy")
-                    job.message = f"test accuracy {acc:.3f}" if acc is not None else ""
-                except (OSError, ValueError):
-                    job.message = ""
+                acc = (summary or {}).get("test_accuracy")
+                job.message = f"test accuracy {acc:.3f}" if isinstance(acc, (int, float)) else ""
             else:
                 job.state = "failed"
                 job.message = f"its coordinator exited with code {code}; see {self._log(job)}"
@@ -277,6 +277,14 @@ class JobServer:
             self.store.save()
             self._claims_checked = -math.inf  # its last steps count
             self._event()
+
+    def _summary(self, job: JobRecord) -> dict | None:
+        """The summary its coordinator wrote at its end (None: none, or unreadable)."""
+        try:
+            summary = json.loads((self.runs_dir / job.run_name / "summary.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return summary if isinstance(summary, dict) else None
 
     def _restart_stalled(self) -> None:
         now = self.clock()
@@ -296,7 +304,7 @@ class JobServer:
             self._requeue(job, f"queued again: not all of {', '.join(job.boards)} joined its coordinator")
             self.store.save()
             self._event()
-            threading.Thread(target=_terminate, args=(proc,), daemon=True).start()
+            threading.Thread(target=terminate, args=(proc,), daemon=True).start()
 
     def _expire(self) -> None:
         now = self.clock()
@@ -491,7 +499,7 @@ class JobServer:
         job.state, job.boards, job.started, job.message, job.stepped = "starting", boards, now, "", False
         job.measured_samples_per_s = 0.0
         job.launches += 1
-        job.pid, job.pid_started = proc.pid, _create_time(proc.pid)
+        job.pid, job.pid_started = proc.pid, create_time(proc.pid)
         for name in boards:
             self.boards[name].job = job.id
         logger.info("[JobServer] job %s starts on %s (predicted finish in %.0f s)", job.id, ", ".join(boards),
@@ -509,7 +517,7 @@ class JobServer:
         """Mark the job running once its coordinator wrote its address (line 1 of its port file)."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline and proc.poll() is None:
-            port = _first_port(port_file)
+            port = first_port(port_file)
             if port:
                 with self.lock:
                     if job.state == "starting":
@@ -521,61 +529,4 @@ class JobServer:
             time.sleep(0.1)
         if proc.poll() is None:
             logger.error("[JobServer] job %s: its coordinator did not serve within %.0f s", job.id, START_TIMEOUT_S)
-            _terminate(proc)
-
-
-def _first_port(port_file: Path) -> int:
-    """The port of the address on the first line of a coordinator's port file (0: not written yet).
-    Line 2, when there, is a pairing address; job coordinators serve none."""
-    try:
-        first = port_file.read_text().splitlines()[0].strip()
-        return int(first.rsplit(":", 1)[1])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-def _create_time(pid: int) -> float:
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return 0.0
-
-
-def _process(pid: int, started: float) -> psutil.Process | None:
-    """The process `pid` if it is still the one we started (a recycled pid is not)."""
-    if not pid:
-        return None
-    try:
-        proc = psutil.Process(pid)
-        if abs(proc.create_time() - started) > 1.0 or proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return proc
-    except psutil.Error:
-        return None
-
-
-def _exit_code(proc: subprocess.Popen | psutil.Process) -> int | None:
-    """The exit code, None while running; -1 for an adopted process (its code is not ours to read)."""
-    if isinstance(proc, subprocess.Popen):
-        return proc.poll()
-    try:
-        return None if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE else -1
-    except psutil.Error:
-        return -1
-
-
-def _terminate(*procs: subprocess.Popen | psutil.Process, grace_s: float = 8.0) -> None:
-    """SIGTERM (a coordinator then tells its boards the job ended), SIGKILL what is left after `grace_s`."""
-    for proc in procs:
-        try:
-            proc.send_signal(signal.SIGTERM)
-        except (ProcessLookupError, psutil.Error):
-            pass
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except (subprocess.TimeoutExpired, psutil.TimeoutExpired):
-            proc.kill()
-        except (ProcessLookupError, psutil.Error):
-            pass
+            terminate(proc)
