@@ -17,7 +17,7 @@ from conftest import board_identity, wait_for
 from test_job_server import InProcessServer, job_yaml, operator_security, session_authority
 
 import edgetrain
-from coordinator.jobs.lobby import FAR_OFF, LobbyBoard, far_off, step_rate, upload_mbit
+from coordinator.jobs.lobby import FAR_OFF, LobbyBoard, far_off, fleet_ratio, step_rate, upload_mbit
 from coordinator.jobs.servicer import serve_jobs
 from coordinator.jobs.speed import PlannerSpeed, board_spec, implied_speed
 from coordinator.jobs.submission import submitted_job
@@ -247,13 +247,32 @@ def test_a_jobs_coordinator_serves_as_its_job_server_does(tmp_path, secure):
 def test_a_claim_far_off_its_measurement_is_flagged_and_planned_by_the_measurement():
     board = LobbyBoard(name="b", claimed_speed=3.0, mbit_per_s=100.0, last_seen=0.0)
     assert (board.speed, board.flag) == (3.0, "")  # not measured: planned as claimed
-    board.measured_speed, board.measured_in = 0.3, "j4"
-    assert board.far_off and board.speed == 0.3
+    board.implied_speed, board.measured_in = 0.3, "j4"
+    assert board.far_off and board.speed == board.measured_speed == 0.3
     assert board.flag == "claims 3.00 of a core; its steps in job j4 measured 0.30"
     board.claimed_speed = 0.5  # it joins again with an honest claim
     assert not board.far_off and board.speed == 0.5 and board.flag == ""
     assert far_off(0.1, 0.1 * FAR_OFF * 1.01) and not far_off(0.1, 0.1 * FAR_OFF * 0.99)
     assert not far_off(0.0, 5.0) and not far_off(5.0, 0.0)  # an unknown side says nothing
+
+
+def test_boards_are_judged_against_the_fleet_once_three_are_measured():
+    # every honest board's steps measured 4x its claim (the server timed its reference under load,
+    # say); the liar's measured a thousandth of its claim
+    boards = [LobbyBoard(name=f"b{i}", claimed_speed=claim, mbit_per_s=0.0, last_seen=0.0, implied_speed=4 * claim)
+              for i, claim in enumerate((0.3, 0.5, 0.4))]
+    liar = LobbyBoard(name="liar", claimed_speed=400.0, mbit_per_s=0.0, last_seen=0.0, implied_speed=1.6,
+                      measured_in="j9")
+    assert fleet_ratio([boards[0], liar]) == 1.0  # two boards measured: too few to calibrate
+    assert fleet_ratio([*boards[:2], liar]) == pytest.approx(4.0)  # the median of three: the liar cannot move it
+    ratio = fleet_ratio([*boards, liar])
+    assert ratio == pytest.approx(4.0)
+    for board in [*boards, liar]:
+        board.fleet_ratio = ratio
+    assert [b.flag for b in boards] == ["", "", ""]
+    assert liar.far_off and liar.speed == liar.measured_speed == pytest.approx(0.4)  # in the claims' terms
+    assert liar.flag == ("claims 400.00 of a core; its steps in job j9 measured 0.40 (other boards' steps "
+                         "measured 4.00x their claims)")
 
 
 def test_the_measured_rate_is_the_median_of_this_launchs_steps_timed_by_the_coordinator(tmp_path):
@@ -262,14 +281,15 @@ def test_the_measured_rate_is_the_median_of_this_launchs_steps_timed_by_the_coor
                "devices": {"b-1": {"upload_bytes": 1_000_000, "upload_s": 100.0}}})
     since = time.time() + 0.01
     wait_for(lambda: time.time() > since + 0.001, 5, "the clock to pass the launch", interval_s=0.005)  # times are in ms
-    for step, (samples, seconds) in enumerate([(16, 8.0), (16, 2.0), (0, 0.5), (16, 2.0), (16, 1.0)], start=1):
+    steps = [(16, 0.5), (16, 8.0), (16, 2.0), (0, 0.5), (16, 2.0), (16, 1.0)]  # the first warms up
+    for step, (samples, seconds) in enumerate(steps, start=1):
         upload = {"upload_bytes": 1_000_000, "upload_s": seconds / 10} if samples else {}
         log.write({"kind": "train", "step": step, "samples": samples, "step_s": seconds, "devices": {"b-1": upload}})
     log.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert step_rate(records, since) == pytest.approx(8.0)  # median of 2, 8, 8, 16 samples/s; the void step skipped
-    assert step_rate(records[:3], since) == 0.0  # fewer than MIN_STEPS steps say nothing
-    assert upload_mbit(records, since) == pytest.approx(40.0)  # 8 Mbit in 0.1, 0.2, 0.2 or 0.8 s: the median
+    assert step_rate(records[:4], since) == 0.0  # fewer than MIN_STEPS steps after the first say nothing
+    assert upload_mbit(records, since) == pytest.approx(40.0)  # 8 Mbit in 0.05, 0.1, 0.2, 0.2 or 0.8 s: the median
 
 
 def test_the_implied_speed_is_the_speed_at_which_the_planner_predicts_the_measured_rate():

@@ -7,10 +7,17 @@ coordinator logs each step's wall time (``step_s``, timed by the coordinator, no
 board) in its metrics. From a job that ran on one board alone the server derives the speed at
 which the planner's prediction matches those measured steps (``speed.implied_speed``), with the
 board's link taken as the faster of its claim and its uploads in that job (also timed by the
-coordinator; an unknown link assumed slow would make the steps look like a fast board's). A board
-whose claim is more than ``FAR_OFF`` times off that measurement is flagged (logged, and shown by
-``ListJobs`` / ``edgetrain jobs``) and planned by the measurement from then on; a consistent
-claim is planned as claimed.
+coordinator; an unknown link assumed slow would make the steps look like a fast board's).
+
+Claims and measurements are both made against this machine's core, at different times and under
+different load (the server's reference time once at start, a model's cost when a job of it is
+first submitted), so they may disagree by a common factor. Once ``CALIBRATION_BOARDS`` boards are
+measured, the median of measured / claimed over them is that factor (``fleet_ratio``; 1 before),
+and a board is judged against the others: it is flagged when its measurement is more than
+``FAR_OFF`` times above or below what its claim and the fleet's ratio predict. A flagged board is
+logged, shown by ``ListJobs`` / ``edgetrain jobs``, and planned by its measurement (in the claims'
+terms: divided by the fleet's ratio) from then on; a consistent claim is planned as claimed. One
+board's lie cannot move a median of three.
 
 What is not judged here: a board's link claim on its own (the lobby ``Probe`` is paced by the
 board, which could make it look as fast as it likes; its uploads, timed by the coordinator, only
@@ -27,7 +34,10 @@ from dataclasses import dataclass
 FAR_OFF = 3.0
 """A claim this many times above or below the measurement is flagged."""
 MIN_STEPS = 3
-"""Measured steps a job needs before its median step time says anything of its board."""
+"""Measured steps (after a launch's first, which warms up) a job needs before its median says
+anything of its board."""
+CALIBRATION_BOARDS = 3
+"""Boards measured before their median measured / claimed ratio calibrates the others."""
 
 
 @dataclass
@@ -44,10 +54,17 @@ class LobbyBoard:
     job: str = ""
     """Job id it is assigned to ("" when free)."""
     alive: bool = True
-    measured_speed: float = 0.0
-    """Speed its latest job alone measured (0: not measured yet)."""
+    implied_speed: float = 0.0
+    """The speed its latest job alone implies under the planner's model (0: not measured yet)."""
     measured_in: str = ""
     """That job's id."""
+    fleet_ratio: float = 1.0
+    """The fleet's median implied / claimed speed (1 until CALIBRATION_BOARDS are measured)."""
+
+    @property
+    def measured_speed(self) -> float:
+        """What its steps measured, in the claims' terms (0: not measured yet)."""
+        return self.implied_speed / self.fleet_ratio
 
     @property
     def far_off(self) -> bool:
@@ -64,8 +81,10 @@ class LobbyBoard:
         """Why its claim is not believed ("" when it is consistent or not measured)."""
         if not self.far_off:
             return ""
+        calibrated = f" (other boards' steps measured {self.fleet_ratio:.2f}x their claims)" \
+            if self.fleet_ratio != 1.0 else ""
         return (f"claims {self.claimed_speed:.2f} of a core; its steps in job {self.measured_in} measured "
-                f"{self.measured_speed:.2f}")
+                f"{self.measured_speed:.2f}{calibrated}")
 
 
 def far_off(claimed: float, measured: float) -> bool:
@@ -76,13 +95,20 @@ def far_off(claimed: float, measured: float) -> bool:
     return not 1 / FAR_OFF <= measured / claimed <= FAR_OFF
 
 
+def fleet_ratio(boards: list[LobbyBoard]) -> float:
+    """The median implied / claimed speed of the measured boards; 1 with fewer than
+    CALIBRATION_BOARDS of them."""
+    ratios = [b.implied_speed / b.claimed_speed for b in boards if b.implied_speed > 0 and b.claimed_speed > 0]
+    return statistics.median(ratios) if len(ratios) >= CALIBRATION_BOARDS else 1.0
+
+
 def step_rate(records: list[dict], since: float) -> float:
     """Samples per second of a job's steps logged at or after `since` (its current launch): the
-    median over steps that trained (samples > 0) of samples / step_s, from the coordinator's own
-    clock; 0 with fewer than MIN_STEPS such steps."""
+    median over steps that trained (samples > 0), after the first, of samples / step_s, from the
+    coordinator's own clock; 0 with fewer than MIN_STEPS such steps."""
     rates = [r["samples"] / r["step_s"] for r in records
              if r.get("time", 0.0) >= since and (r.get("samples") or 0) > 0 and (r.get("step_s") or 0) > 0]
-    return statistics.median(rates) if len(rates) >= MIN_STEPS else 0.0
+    return statistics.median(rates[1:]) if len(rates) > MIN_STEPS else 0.0
 
 
 def upload_mbit(records: list[dict], since: float) -> float:

@@ -36,7 +36,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from coordinator.jobs.lobby import LobbyBoard, step_rate, upload_mbit
+from coordinator.jobs.lobby import LobbyBoard, fleet_ratio, step_rate, upload_mbit
 from coordinator.jobs.processes import create_time, exit_code, first_port, process, terminate
 from coordinator.jobs.scheduler import SCHEDULERS, Board, FleetState, Job, Running
 from coordinator.jobs.speed import PlannerSpeed, board_spec, implied_speed, warm
@@ -186,15 +186,15 @@ class JobServer:
         claimed = self.reference_s / reference_s
         with self.lock:
             old = self.boards.get(name)
-            board = LobbyBoard(name=name, claimed_speed=claimed, mbit_per_s=mbit_per_s, last_seen=self.clock(),
-                               job=old.job if old else "", measured_speed=old.measured_speed if old else 0.0,
-                               measured_in=old.measured_in if old else "")
-            self.boards[name] = board
+            before = self._judgements()
+            self.boards[name] = LobbyBoard(name=name, claimed_speed=claimed, mbit_per_s=mbit_per_s,
+                                           last_seen=self.clock(), job=old.job if old else "",
+                                           implied_speed=old.implied_speed if old else 0.0,
+                                           measured_in=old.measured_in if old else "")
             logger.info("[JobServer] board %s joined: claims %.2f of a core here, link %s", name, claimed,
                         f"{mbit_per_s:.0f} Mbit/s" if mbit_per_s else "unknown")
-            if board.far_off:
-                logger.warning("[JobServer] board %s %s: planned at the measured speed", name, board.flag)
-            if old is None or not old.alive or (old.speed, old.mbit_per_s) != (board.speed, mbit_per_s):
+            self._judge(before)
+            if old is None or not old.alive or old.mbit_per_s != mbit_per_s:
                 self._event()
 
     def next_job(self, name: str, max_wait_s: float) -> JobRecord | None:
@@ -368,6 +368,7 @@ class JobServer:
         if time.monotonic() - self._claims_checked < self.poll_s:
             return
         self._claims_checked = time.monotonic()
+        before = self._judgements()
         latest: dict[str, JobRecord] = {}
         for job in sorted(self.store.jobs.values(), key=lambda j: j.started):
             if job.started and len(job.boards) == 1 and job.state not in ("waiting", "starting"):
@@ -389,18 +390,30 @@ class JobServer:
                 except Exception:  # a measurement must never stop the server  # noqa: BLE001
                     logger.exception("[JobServer] cannot judge board %s by job %s", name, job.id)
                     self._implied[key] = 0.0
-            if not self._implied[key]:
-                continue
-            flagged, planned = board.far_off, board.speed
-            board.measured_speed, board.measured_in = self._implied[key], job.id
+            if self._implied[key]:
+                board.implied_speed, board.measured_in = self._implied[key], job.id
+        self._judge(before)
+
+    def _judgements(self) -> dict[str, tuple[bool, float]]:
+        """Each board's (flagged, planned speed)."""
+        return {name: (b.far_off, b.speed) for name, b in self.boards.items()}
+
+    def _judge(self, before: dict[str, tuple[bool, float]]) -> None:
+        """Calibrate every board by the fleet's ratio of measured to claimed speed, log the boards
+        flagged or cleared since `before`, and plan again when a planned speed changed."""
+        ratio = fleet_ratio(list(self.boards.values()))
+        changed = False
+        for name, board in self.boards.items():
+            board.fleet_ratio = ratio
+            flagged, planned = before.get(name, (False, board.claimed_speed))
             if board.far_off and not flagged:
-                logger.warning("[JobServer] board %s %s (%.2f samples/s): planned at the measured speed", name,
-                               board.flag, rate)
+                logger.warning("[JobServer] board %s %s: planned at the measured speed", name, board.flag)
             elif flagged and not board.far_off:
-                logger.info("[JobServer] board %s: its claim %.2f agrees with job %s's steps (%.2f) again", name,
-                            board.claimed_speed, job.id, board.measured_speed)
-            if board.speed != planned:
-                self._event()
+                logger.info("[JobServer] board %s: its claim %.2f agrees with its steps in job %s (%.2f) again", name,
+                            board.claimed_speed, board.measured_in, board.measured_speed)
+            changed |= board.speed != planned
+        if changed:
+            self._event()
 
     def _log(self, job: JobRecord) -> Path:
         return self.state_dir / "logs" / f"{job.run_name}.log"
