@@ -271,7 +271,8 @@ def test_jobs_share_the_fleet_in_the_order_and_placement_the_simulator_predicts(
 
     # the simulator, with the same scheduler and the planner's predictions, gives the same schedule
     listing = stub.ListJobs(pb.ListJobsRequest())
-    boards = {bv.name: board_spec(bv.name, bv.speed, bv.link_mbit_per_s) for bv in listing.boards}
+    # the speeds the live decisions were made with: the boards' claims (b2's job may since have measured it)
+    boards = {bv.name: board_spec(bv.name, bv.claimed_speed, bv.link_mbit_per_s) for bv in listing.boards}
     configs, trace = {}, []
     for j in sorted(listing.jobs, key=lambda j: j.submitted):
         config = job_from_dict(yaml.safe_load(job_yaml(j.name, j.steps, specs[j.name][1], model="mobilenet_v2",
@@ -281,7 +282,7 @@ def test_jobs_share_the_fleet_in_the_order_and_placement_the_simulator_predicts(
         trace.append(Job(id=j.id, arrival=j.submitted, kind=s.kind, model=j.model, work=float(j.steps * SHARED_BATCH),
                          boards=frozenset(s.boards) if s.boards else None, count=s.count or None,
                          min_boards=s.min_boards, max_boards=s.max_boards or 3, overhead_s=20.0))
-    fleet = tuple(Board(bv.name, f"{bv.speed:.2f}@{bv.link_mbit_per_s:.0f}")
+    fleet = tuple(Board(bv.name, f"{bv.claimed_speed:.2f}@{bv.link_mbit_per_s:.0f}")
                   for bv in sorted(listing.boards, key=lambda bv: bv.name))
     result = simulate(tuple(trace), fleet, PlannerSpeed(configs, boards), "rolling")
     simulated = sorted(result.records, key=lambda r: r.start)
