@@ -159,10 +159,10 @@ def test_a_revoked_board_is_refused_from_its_next_call(server):
     ("---\n", "empty"),
     ("{}", "empty"),
     ("[]", "expected a mapping"),
-    ("name: x\n", "model, training.steps or training.epochs"),
-    ("name: x\nmodel: small_cnn\n", "training.steps or training.epochs"),
-    ("model: small_cnn\ntraining: {steps: 5}\n", "its name"),
-    ("name: x\nmodel: small_cnn\ntraining: {global_batch: 16}\n", "training.steps"),
+    ("name: x\n", "does not say its model or length (training.steps or training.epochs)"),
+    ("name: x\nmodel: small_cnn\n", "does not say its length"),
+    ("model: small_cnn\ntraining: {steps: 5}\n", "does not say its name;"),
+    ("name: x\nmodel: small_cnn\ntraining: {global_batch: 16}\n", "does not say its length"),
 ])
 def test_an_empty_or_defaulted_submission_is_refused_and_nothing_is_queued(server, text, words):
     refused = _refused(lambda: server.stub.Submit(pb.SubmitRequest(job_yaml=text), timeout=10))
@@ -175,12 +175,26 @@ def test_an_empty_or_defaulted_submission_is_refused_and_nothing_is_queued(serve
     assert (view.name, view.model, view.state) == ("x", "small_cnn", "waiting")
 
 
+def test_the_jobs_commands_dial_with_the_security_they_are_given(server):
+    from coordinator.jobs.command import JobsCommandError, cancel_job, jobs_report
+
+    with pytest.raises(JobsCommandError) as plaintext:
+        jobs_report(server=server.address)  # as with --insecure, at a job server of a fleet
+    assert plaintext.value.args[0].startswith("UNAVAILABLE: ") and "--insecure" in plaintext.value.args[0]
+    assert "\n" not in plaintext.value.args[0]
+    board = board_identity("b-cli").security(trust.GATEWAY_SERVER_NAME)
+    with pytest.raises(JobsCommandError, match=r"^PERMISSION_DENIED: .*operator"):
+        cancel_job("j1", server=server.address, security=board)
+    assert jobs_report(server=server.address, security=operator_security()).startswith(
+        f"job server {server.address}: scheduler rolling")
+
+
 def test_the_submission_rule_is_the_same_on_the_command_line(tmp_path):
     from coordinator.jobs.command import JobsCommandError, submit_job
 
     path = tmp_path / "job.yaml"
     path.write_text("name: x\n")
-    with pytest.raises(JobsCommandError, match=r"job.yaml: the job does not say its model"):
+    with pytest.raises(JobsCommandError, match=r"job.yaml: the job does not say its model or length"):
         submit_job(path, [], server="127.0.0.1:1")  # refused before any server is dialed
     assert submitted_job("name: x\nmodel: small_cnn\ntraining: {steps: 3}\n").training.steps == 3
     with pytest.raises(ConfigError, match="empty"):

@@ -75,8 +75,9 @@ def _call(address: str, method: str, request, security: transport.Security) -> A
         except grpc.RpcError as e:
             detail = f"{e.code().name}: {e.details()}"
             if e.code() == grpc.StatusCode.UNAVAILABLE:  # nothing there, or the handshake failed
-                detail += (f" (is {address} a job server of this fleet, serving mutual TLS?)" if security.secure
-                           else f" (is {address} a job server started with --insecure?)")
+                detail += (" (dialed with mutual TLS and an operator credential: is it a job server of this fleet, "
+                           "not one started with --insecure?)" if security.secure else
+                           " (dialed without TLS, as --insecure asks: is it a job server started with --insecure?)")
             raise JobsCommandError(detail) from None
 
 

@@ -16,8 +16,9 @@ import yaml
 from edgetrain.config import ConfigError, JobConfig, job_from_dict
 
 MAX_JOB_YAML_BYTES = 256 * 1024
-WRITTEN = ("name", "model", "training.steps or training.epochs")
-"""Keys a submitted job must write itself (not take from the defaults)."""
+WRITTEN = ("name", "model", "length (training.steps or training.epochs)")
+"""What a submitted job must write itself (not take from the defaults)."""
+RULE = "a submitted job writes its name, model and length (training.steps or training.epochs) itself"
 
 
 def unwritten(data: Any) -> list[str]:
@@ -37,10 +38,10 @@ def require_written(data: Any, source: str = "job") -> None:
     """ConfigError naming what `data` (a parsed job mapping) leaves to the defaults."""
     missing = unwritten(data)
     if not isinstance(data, dict) or not data:
-        raise ConfigError(f"{source}: the job is empty; a job names at least {', '.join(WRITTEN)}")
+        raise ConfigError(f"{source}: the job is empty; {RULE}")
     if missing:
-        raise ConfigError(f"{source}: the job does not say its {', '.join(missing)}; a submitted job must "
-                          f"write {', '.join(WRITTEN)} itself instead of taking the defaults")
+        raise ConfigError(f"{source}: the job does not say its {' or '.join(missing)}; {RULE} instead of "
+                          "taking the defaults")
 
 
 def parse_job(text: str) -> JobConfig:
@@ -62,7 +63,7 @@ def submitted_job(text: str) -> JobConfig:
     """A submitted job YAML: valid (``parse_job``) and writing the ``WRITTEN`` keys itself
     (ConfigError otherwise: an empty or defaulted submission is refused, nothing is queued)."""
     if not text.strip():
-        raise ConfigError(f"job: the job YAML is empty; a job names at least {', '.join(WRITTEN)}")
+        raise ConfigError(f"job: the job YAML is empty; {RULE}")
     config = parse_job(text)
     require_written(yaml.safe_load(text))
     return config
