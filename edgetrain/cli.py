@@ -26,9 +26,13 @@ import os
 import sys
 from pathlib import Path
 
-from edgetrain.config import ConfigError, load_job, parse_override
-from edgetrain.emulator.launch import DEMO_JOB, DEMO_SPEEDS, LocalRun, run_local
-from edgetrain.trust import TrustError
+# gRPC's C core logs informational lines (e.g. every refused TLS handshake) to stderr by default;
+# a refusal reaches the user as one line of ours instead. `-v` turns them back on.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from edgetrain.config import ConfigError, load_job, parse_override  # noqa: E402
+from edgetrain.emulator.launch import DEMO_JOB, DEMO_SPEEDS, LocalRun, run_local  # noqa: E402
+from edgetrain.trust import TrustError  # noqa: E402
 
 
 def _speeds(text: str) -> tuple[float, ...]:
@@ -393,6 +397,8 @@ def _trust(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `edgetrain` console script."""
     args = _parser().parse_args(argv)
+    if args.verbose:
+        os.environ["GRPC_VERBOSITY"] = "INFO"
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
     handlers = {"coordinator": _coordinator, "client": _client, "local": _local, "demo": _local,
