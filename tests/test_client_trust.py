@@ -96,6 +96,7 @@ def test_a_board_pairs_with_the_token_and_later_starts_need_none(coordinator_fac
     # Execute: a second start, with no token anywhere
     first.kill()
     first.wait(10)
+    (tmp_path / f"{name}.log").unlink()
     _without_token(monkeypatch)
     client_factory(coordinator.address, name)
     wait_for(lambda: "joined job" in _log(tmp_path, name), 60, f"{name} to join again without a token")
