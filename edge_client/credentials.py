@@ -209,8 +209,7 @@ def obtain(name: str, *, identity_path: Path | None, join_token: str | None, add
     elif token is None:
         raise trust.TrustError(not_paired_message())
     started = time.perf_counter()
-    gateway = address or find_gateway(token.ca_fingerprint)
-    where = pair_address or pairing_address(gateway)
+    where = pair_address or pairing_address(address or find_gateway(token.ca_fingerprint))
     backoff = PAIR_RETRY.start(f"pairing with the gateway at {where}")
     while True:
         try:
