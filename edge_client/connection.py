@@ -73,11 +73,13 @@ class CoordinatorConnection:
         self._generation = self._security.generation
         self._channel = transport.open_channel(address, self._security)
         self._retired: list[grpc.Channel] = []
+        self._closed = False
         self._coordinator = pb_grpc.CoordinatorStub(self._channel)
 
     def close(self) -> None:
         """Close the channel (and those of earlier certificates)."""
         with self._channel_lock:
+            self._closed = True
             for channel in (self._channel, *self._retired):
                 channel.close()
             self._retired.clear()
@@ -87,7 +89,7 @@ class CoordinatorConnection:
         """The stub on the current channel: a renewed certificate opens a new one (calls in flight
         finish on the old one, closed with the connection)."""
         with self._channel_lock:
-            if self._generation != self._security.generation:
+            if self._generation != self._security.generation and not self._closed:
                 self._retired.append(self._channel)
                 self._generation = self._security.generation
                 self._channel = transport.open_channel(self.address, self._security)

@@ -23,6 +23,7 @@ from conftest import board_identity, small_job, wait_for
 
 from coordinator.pairing import serve_gateway
 from coordinator.training.pipeline_work import Host, assign
+from edge_client.connection import CoordinatorConnection, CoordinatorUnreachable
 from edge_client.credentials import BoardCredentials
 from edge_client.endpoint import MailKey, StageEndpoint
 from edgetrain import serde, transport, trust
@@ -216,6 +217,27 @@ def test_renewal_is_checked_periodically_and_swaps_the_credentials_in_place(gate
     assert credentials.identity.holder.serial != identity.holder.serial
     assert trust.Identity.load(path) == credentials.identity
     assert not credentials.identity.needs_renewal()
+
+
+def test_the_connection_dials_with_the_renewed_certificate_from_the_next_call_on(gateway, fleet_authority,
+                                                                                 tmp_path):
+    # Prepare: a connection whose calls get through the handshake (the bare gateway has no
+    # Coordinator service: UNIMPLEMENTED is its answer)
+    identity = fleet_authority.issue_identity("reconnecting-board", trust.BOARD)
+    credentials = BoardCredentials(identity, tmp_path / "reconnecting")
+    conn = CoordinatorConnection(gateway, credentials=credentials, retry=transport.RetryPolicy(budget_s=1.0))
+    try:
+        assert _refused(conn.list_devices).code() == grpc.StatusCode.UNIMPLEMENTED
+
+        # Execute: the credentials change in place to a certificate the gateway does not accept
+        stranger = trust.Authority.create(tmp_path / "other-fleet").issue_identity("reconnecting-board", trust.BOARD)
+        credentials.credentials.replace(trust.Identity(stranger.key, stranger.cert, identity.ca))
+
+        # Assert: the next call dials anew with it (the old channel would still have worked)
+        with pytest.raises(CoordinatorUnreachable):
+            conn.list_devices()
+    finally:
+        conn.close()
 
 
 def test_the_renewal_interval_follows_the_lifetime(fleet_authority, tmp_path):
