@@ -4,6 +4,11 @@ Calls are retried only on UNAVAILABLE (the coordinator unreachable or restarting
 backoff and time budget of edgetrain.transport's RetryPolicy. Tensor transfers resume from the
 last byte that arrived intact instead of starting over (edgetrain.transport): downloads ask for
 chunks from that offset, uploads ask the coordinator how many bytes it holds and continue there.
+
+With the board's fleet credentials (edge_client.credentials) the channel is mutual TLS: each try
+first checks the certificate locally (an expired one stops the client in one line instead of
+failing handshakes), a refusal as revoked raises CredentialRevoked (never retried), and the
+channel reopens when the certificate was renewed.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import grpc
 import psutil
 
 import edgetrain
+from edge_client.credentials import BoardCredentials
 from edge_client.telemetry import LinkMeter
 from edgetrain import serde, transport
 from edgetrain.emulator.shaping import LinkShaper
@@ -42,11 +48,12 @@ class CoordinatorUnreachable(ConnectionError):
 
 
 class CoordinatorConnection:
-    """A channel to one coordinator with typed, retrying calls (edgetrain.transport)."""
+    """A channel to one coordinator with typed, retrying calls (edgetrain.transport); mutual TLS
+    with `credentials` (the board's fleet identity), plaintext without (`--insecure`)."""
 
     def __init__(self, address: str, *, retry: transport.RetryPolicy = transport.CALLS,
                  transfers: transport.RetryPolicy = transport.TRANSFERS, shaper: LinkShaper | None = None,
-                 link: LinkMeter | None = None, security: transport.Security = transport.INSECURE) -> None:
+                 link: LinkMeter | None = None, credentials: BoardCredentials | None = None) -> None:
         self.address = address
         self.retry = retry
         """Calls are retried on UNAVAILABLE within this policy's budget."""
@@ -59,12 +66,49 @@ class CoordinatorConnection:
         self._rng = random.Random()
         self._active = 0
         self._active_lock = threading.Lock()
-        self._channel = transport.open_channel(address, security)
-        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self.credentials = credentials
+        """The board's fleet credentials (None: plaintext)."""
+        self._security = credentials.gateway() if credentials else transport.INSECURE
+        self._channel_lock = threading.Lock()
+        self._generation = self._security.generation
+        self._channel = transport.open_channel(address, self._security)
+        self._retired: list[grpc.Channel] = []
+        self._closed = False
+        self._coordinator = pb_grpc.CoordinatorStub(self._channel)
 
     def close(self) -> None:
-        """Close the channel."""
-        self._channel.close()
+        """Close the channel (and those of earlier certificates)."""
+        with self._channel_lock:
+            self._closed = True
+            for channel in (self._channel, *self._retired):
+                channel.close()
+            self._retired.clear()
+
+    @property
+    def _stub(self) -> pb_grpc.CoordinatorStub:
+        """The stub on the current channel: a renewed certificate opens a new one (calls in flight
+        finish on the old one, closed with the connection)."""
+        with self._channel_lock:
+            if self._generation != self._security.generation and not self._closed:
+                self._retired.append(self._channel)
+                self._generation = self._security.generation
+                self._channel = transport.open_channel(self.address, self._security)
+                self._coordinator = pb_grpc.CoordinatorStub(self._channel)
+            return self._coordinator
+
+    @contextlib.contextmanager
+    def _trusted(self) -> Iterator[None]:
+        """Around a call: the credentials' checks and refusals (nothing on a plaintext channel)."""
+        if self.credentials is None:
+            yield
+            return
+        with self.credentials.calls():
+            yield
+
+    def _check(self) -> None:
+        """Before each try of a call: the certificate must still hold."""
+        if self.credentials is not None:
+            self.credentials.check()
 
     @property
     def transferring(self) -> bool:
@@ -84,8 +128,13 @@ class CoordinatorConnection:
                 self._active -= 1
 
     def _retrying(self, call: Callable[[], T], what: str) -> T:
+        def attempt() -> T:
+            self._check()
+            return call()
+
         try:
-            return self.retry.call(call, f"{what} at {self.address}")
+            with self._trusted():
+                return self.retry.call(attempt, f"{what} at {self.address}")
         except transport.Unreachable as e:
             raise CoordinatorUnreachable(str(e)) from e
 
@@ -93,6 +142,10 @@ class CoordinatorConnection:
         """Join the coordinator's job as board `name`; returns the device id and the job."""
         request = registration(name, emulated_speed, stage_address)
         reply = self._retrying(lambda: self._stub.Register(request, timeout=30), "Register")
+        if self.credentials is not None and self.credentials.pair_started is not None:
+            logger.info("[Client] %s registered with the coordinator %.2f s after it started pairing", name,
+                        time.perf_counter() - self.credentials.pair_started)
+            self.credentials.pair_started = None
         return reply.device_id, serde.board_job_from_proto(reply.job)
 
     def report_profile(self, device_id: str, profile: BoardProfile) -> None:
@@ -107,7 +160,8 @@ class CoordinatorConnection:
         self._delay()
         request = pb.HeartbeatRequest(device_id=device_id,
                                       telemetry=serde.telemetry_to_proto(telemetry) if telemetry else None)
-        reply = self._stub.Heartbeat(request, timeout=10)
+        with self._trusted():
+            reply = self._stub.Heartbeat(request, timeout=10)
         self.link.observe_rtt(time.perf_counter() - started)
         return (reply.newest_step, reply.newest_attempt) if reply.HasField("newest_step") else None
 
@@ -116,7 +170,8 @@ class CoordinatorConnection:
         self._delay()
         if self.shaper:
             self.shaper.before_send(len(payload))
-        self._stub.Probe(pb.ProbeRequest(device_id=device_id, payload=payload), timeout=60)
+        with self._trusted():
+            self._stub.Probe(pb.ProbeRequest(device_id=device_id, payload=payload), timeout=60)
 
     def list_devices(self) -> pb.ListDevicesReply:
         """The coordinator's view of its boards."""
@@ -144,6 +199,7 @@ class CoordinatorConnection:
         with `prefixes`), resuming an interrupted stream from the last good byte."""
 
         def open_stream(offset: int) -> Iterator[pb.ParameterMessage]:
+            self._check()
             self._delay()
             return self._stub.DownloadParameters(pb.ParameterRequest(
                 device_id=device_id, version=version, offset=offset, base_version=base_version,
@@ -152,8 +208,9 @@ class CoordinatorConnection:
         with self._transfer():
             started = time.perf_counter()
             try:
-                metas, payload = transport.receive_bundle(open_stream, f"download of version {version}",
-                                                          retry=self.transfers, on_chunk=self._receive_chunk)
+                with self._trusted():
+                    metas, payload = transport.receive_bundle(open_stream, f"download of version {version}",
+                                                              retry=self.transfers, on_chunk=self._receive_chunk)
             except transport.Unreachable as e:
                 raise CoordinatorUnreachable(str(e)) from e
             self.link.observe_transfer(len(payload), time.perf_counter() - started)
@@ -167,6 +224,7 @@ class CoordinatorConnection:
         started, sent_from = time.perf_counter(), [0]
 
         def send_from(start: int) -> None:
+            self._check()
             self._delay()
             header.resume_offset, sent_from[0] = start, start
             self._stub.UploadGradient(self._upload_messages(header, payload, start, chunk_bytes), timeout=600)
@@ -177,7 +235,8 @@ class CoordinatorConnection:
 
         with self._transfer():
             try:
-                transport.send_bundle(send_from, held, f"upload for step {header.step}", retry=self.transfers)
+                with self._trusted():
+                    transport.send_bundle(send_from, held, f"upload for step {header.step}", retry=self.transfers)
             except transport.Unreachable as e:
                 raise CoordinatorUnreachable(str(e)) from e
             self.link.observe_transfer(len(payload) - sent_from[0], time.perf_counter() - started)
@@ -197,7 +256,6 @@ class CoordinatorConnection:
                 if self.shaper.lost(self._rng):  # the stream breaks; the retry resumes from the last good byte
                     return
             yield pb.UploadMessage(chunk=serde.chunk_to_proto(chunk))
-
 
 
 def registration(name: str, emulated_speed: float | None, stage_address: str) -> pb.RegisterRequest:

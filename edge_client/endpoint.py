@@ -6,6 +6,11 @@ the `Mailbox` until the stage runner (edge_client.stage) takes them. The coordin
 and takes back the stage a board owns (`LoadState`, `PullState`, edge_client.stage_state); an
 interrupted pull resumes from the byte it reached. Every bad stream gets a precise status and
 nothing is half-loaded.
+
+In a fleet (mutual TLS) only members with a certificate of the fleet CA get through the
+handshake; `Send` is then for the boards the plan of this board's current work names (its stage's
+hosts and its neighbours, each under its own device id: `Admission`), and `LoadState` /
+`PullState` for the gateway alone. On a plaintext endpoint (`--insecure`) nothing is checked.
 """
 
 from __future__ import annotations
@@ -21,11 +26,12 @@ import grpc
 import torch
 
 from edge_client.stage_state import StageState, StageStateError
-from edgetrain import serde, transport
+from edgetrain import serde, transport, trust
 from edgetrain.emulator.shaping import LinkShaper
 from edgetrain.errors import FailureKind, Refusal
 from edgetrain.streaming import TransferError, iter_chunks
 from edgetrain.tensors import pack, unpack
+from edgetrain.work import Assignment
 from protos import stage_pb2 as spb
 from protos import stage_pb2_grpc as spb_grpc
 
@@ -33,6 +39,14 @@ logger = logging.getLogger(__name__)
 
 SEND_RETRY = transport.RetryPolicy(budget_s=None, max_tries=3, initial_s=0.2)
 """A neighbour briefly unreachable is tried three times in all; the stage timeout bounds each try."""
+ADMISSION_WAIT_S = 120.0
+"""Longest a `Send` for an attempt this board has not been given yet waits for its work (a
+neighbour may start sending before this board's poll for the same attempt has returned)."""
+STAGE_ACCESS = {"StagePeer/Send": frozenset({trust.BOARD}),
+                "StagePeer/LoadState": frozenset({trust.GATEWAY}),
+                "StagePeer/PullState": frozenset({trust.GATEWAY})}
+"""Who may call what on a StagePeer: stage tensors come from boards, owned state moves only at
+the gateway's (the coordinator's) request. Nothing else is served."""
 
 
 class StageFailure(Exception):
@@ -121,16 +135,58 @@ class Mailbox:
 
 
 
+class Admission:
+    """The boards that may `Send` to this board: those the plan of its current work names (the
+    stage's hosts and its neighbours), device id -> certificate name, for one step attempt."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._attempt = (-1, -1)
+        self._senders: dict[str, str] = {}
+
+    def admit(self, work: Assignment) -> None:
+        """This board's work from now on: the boards its plan names may send (none for a shard)."""
+        hosts = (*work.stage.hosts, *work.stage.prev_hosts, *work.stage.next_hosts) if work.stage else ()
+        with self._cond:
+            self._attempt = (work.step, work.attempt)
+            self._senders = {h.device_id: h.name for h in hosts}
+            self._cond.notify_all()
+
+    def reset(self) -> None:
+        """Forget the work (a new registration: the coordinator may count its steps afresh)."""
+        with self._cond:
+            self._attempt, self._senders = (-1, -1), {}
+            self._cond.notify_all()
+
+    def refusal(self, step: int, attempt: int, device_id: str, name: str, wait_s: float) -> str | None:
+        """Why board `name`, sending as `device_id` for (step, attempt), is not admitted (None: it
+        is). For an attempt newer than this board's work, waits up to `wait_s` for that work."""
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while (step, attempt) > self._attempt:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return (f"{name} sent stage tensors for step {step} attempt {attempt}, for which this board "
+                            "has been given no work")
+                self._cond.wait(min(remaining, 1.0))
+            claimed = self._senders.get(device_id)
+            if claimed != name:
+                return (f"board {name} (sending as device {device_id!r}) is not a neighbour of this board in the "
+                        f"plan of step {self._attempt[0]} attempt {self._attempt[1]}")
+            return None
+
+
 class StagePeerServicer(spb_grpc.StagePeerServicer):
     """Receives stage tensors into the mailbox and moves owned state; bad streams get precise
     status codes."""
 
     def __init__(self, mailbox: Mailbox, shaper: LinkShaper | None = None, state: StageState | None = None,
-                 chunk_bytes: int = transport.DEFAULT_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = transport.DEFAULT_CHUNK_BYTES, admission: Admission | None = None) -> None:
         self.mailbox = mailbox
         self.shaper = shaper
         self.state = state or StageState()
         self.chunk_bytes = chunk_bytes
+        self.admission = admission or Admission()
         self._pulled: tuple[tuple, list, memoryview] | None = None
         """The last state pulled (request, metas, payload): an interrupted pull resumes from it;
         kept until the next pull or hand-over."""
@@ -200,6 +256,14 @@ class StagePeerServicer(spb_grpc.StagePeerServicer):
         if first is None or first.WhichOneof("kind") != "header":
             transport.abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a stage stream must start with a StageHeader")
         h = first.header
+        peer = transport.peer_of(context)
+        if peer is not None:  # mutual TLS: the sender must be a board the plan names, as itself
+            remaining = context.time_remaining()
+            wait_s = min(ADMISSION_WAIT_S, remaining - 1.0 if remaining is not None else ADMISSION_WAIT_S)
+            refusal = self.admission.refusal(h.step, h.attempt, h.from_device, peer.name, max(wait_s, 0.0))
+            if refusal is not None:
+                logger.warning("[Client.Stage] refused a Send: %s", refusal)
+                transport.abort(context, grpc.StatusCode.PERMISSION_DENIED, refusal, Refusal.NOT_PERMITTED)
         try:
             metas, total = serde.header_from_proto(h.bundle)
             rows = h.row_end - h.row_begin
@@ -223,25 +287,51 @@ def _status(e: TransferError) -> grpc.StatusCode:
         e.kind, grpc.StatusCode.INVALID_ARGUMENT)
 
 
+def stage_security(credentials: transport.Credentials) -> transport.MutualTLS:
+    """How a board serves and dials StagePeer endpoints with its fleet `credentials`: client
+    certificates required, and the peer proving it holds a board certificate."""
+    return transport.MutualTLS(credentials, server_name=trust.BOARD_SERVER_NAME, require_client_auth=True)
+
+
 class StageEndpoint:
-    """This board's StagePeer server and its channels to peers."""
+    """This board's StagePeer server and its channels to peers.
+
+    With `credentials` (the board's fleet identity, renewed in place) it serves and dials mutual
+    TLS and admits callers by their certificates (see the module docstring); without, plaintext
+    (`--insecure`)."""
 
     def __init__(self, bind: str = "0.0.0.0:0", *, shaper: LinkShaper | None = None,
                  chunk_bytes: int = transport.DEFAULT_CHUNK_BYTES,
-                 security: transport.Security = transport.INSECURE) -> None:
+                 credentials: transport.Credentials | None = None) -> None:
         self.mailbox = Mailbox()
+        self.admission = Admission()
+        """Which boards may send to this one (the plan of its current work)."""
         self.state = StageState()
         """The stage this board owns, if any (edge_client.stage_state)."""
         self.shaper = shaper
         self.chunk_bytes = chunk_bytes
-        servicer = StagePeerServicer(self.mailbox, shaper, self.state, chunk_bytes)
+        security = stage_security(credentials) if credentials is not None else transport.INSECURE
+        servicer = StagePeerServicer(self.mailbox, shaper, self.state, chunk_bytes, self.admission)
+        guard = transport.Guard(STAGE_ACCESS, default=frozenset()) if security.secure else None
         try:
             self._server, self.port = transport.create_server(
-                bind, [(spb_grpc.add_StagePeerServicer_to_server, servicer)], max_workers=16, security=security)
+                bind, [(spb_grpc.add_StagePeerServicer_to_server, servicer)], max_workers=16, security=security,
+                guard=guard)
         except OSError as e:
             raise OSError(f"cannot bind the stage endpoint: {e}") from None
         self._channels = transport.ChannelCache(security)
         self._senders = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="stage-send")
+
+    def expect(self, work: Assignment) -> None:
+        """This board starts `work`: what peers sent for earlier attempts is dropped, and the boards
+        its plan names may send to it."""
+        self.mailbox.advance(work.step, work.attempt)
+        self.admission.admit(work)
+
+    def reset(self) -> None:
+        """Forget the peers' tensors and the work (a new registration); owned state stays."""
+        self.mailbox.reset()
+        self.admission.reset()
 
     def close(self) -> None:
         """Stop serving and close the channels."""

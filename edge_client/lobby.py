@@ -3,17 +3,22 @@
 The board times the reference workload (``edgetrain.speed_reference``) under its CPU limit and
 probes its link, joins, then long-polls ``NextJob``. An offer names the port of the job's own
 coordinator on the job server's host; the board works for it exactly as for a lone coordinator
-(``EdgeWorker``) until the job ends or its coordinator goes away, then polls again.
+(``EdgeWorker``) until the job ends or its coordinator goes away, then polls again. Every channel
+uses the board's fleet credentials (mutual TLS; plaintext with `--insecure`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
+from collections.abc import Iterator
 
 import grpc
 
 import edgetrain
 from edge_client.connection import CoordinatorConnection, CoordinatorUnreachable
+from edge_client.credentials import BoardCredentials
 from edge_client.emulation import BoardEmulation
 from edge_client.telemetry import LinkMeter, probe_link
 from edge_client.worker import BATTERY_EMPTY, ClientOptions, EdgeWorker
@@ -37,20 +42,47 @@ class Lobby:
     """The board's side of the job server."""
 
     def __init__(self, address: str, options: ClientOptions, limiter: CpuLimiter, emulation: BoardEmulation,
-                 link: LinkMeter) -> None:
+                 link: LinkMeter, credentials: BoardCredentials | None = None) -> None:
         self.address, self.options, self.limiter, self.emulation, self.link = address, options, limiter, emulation, link
-        self._channel = transport.open_channel(address)
-        self._stub = pb_grpc.JobServerStub(self._channel)
+        self.credentials = credentials
+        self._security = credentials.gateway() if credentials else transport.INSECURE
+        self._generation = self._security.generation
+        self._channel = transport.open_channel(address, self._security)
+        self._server = pb_grpc.JobServerStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
+
+    @property
+    def _stub(self) -> pb_grpc.JobServerStub:
+        """The stub on a channel made with the current certificate (reopened after a renewal;
+        the lobby's calls run one at a time, so none is in flight on the old channel)."""
+        if self._generation != self._security.generation:
+            self._channel.close()
+            self._generation = self._security.generation
+            self._channel = transport.open_channel(self.address, self._security)
+            self._server = pb_grpc.JobServerStub(self._channel)
+        return self._server
+
+    @contextlib.contextmanager
+    def _trusted(self) -> Iterator[None]:
+        """Around calls to the job server: the credentials' checks and refusals."""
+        if self.credentials is None:
+            yield
+            return
+        with self.credentials.calls():
+            yield
+
+    def _checked(self, call):
+        return self.credentials.checked(call) if self.credentials is not None else call
 
     def _send_probe(self, payload: bytes) -> None:
         shaper = self.emulation.shaper
         if shaper:
             shaper.rpc_delay()
             shaper.before_send(len(payload))
-        self._stub.Probe(pb.LobbyProbe(payload=payload), timeout=60)
+        with self._trusted():
+            self._stub.Probe(pb.LobbyProbe(payload=payload), timeout=60)
 
     def join(self) -> None:
         reference = reference_seconds(self.limiter.working)
@@ -59,19 +91,24 @@ class Lobby:
                                  link_mbit_per_s=mbit if mbit == mbit else 0.0,
                                  protocol_version=edgetrain.PROTOCOL_VERSION)
         try:
-            LOBBY_RETRY.call(lambda: self._stub.Join(request, timeout=30), f"Join at {self.address}")
+            with self._trusted():
+                LOBBY_RETRY.call(self._checked(lambda: self._stub.Join(request, timeout=30)), f"Join at {self.address}")
         except transport.Unreachable as e:
             raise CoordinatorUnreachable(str(e)) from e
         logger.info("[Client] %s joined the job server at %s (reference %.3f s, link %.0f Mbit/s)",
                     self.options.name, self.address, reference, mbit if mbit == mbit else 0)
+        if self.credentials is not None and self.credentials.pair_started is not None:
+            logger.info("[Client] %s joined the job server %.2f s after it started pairing", self.options.name,
+                        time.perf_counter() - self.credentials.pair_started)
 
     def next_offer(self) -> pb.JobOffer:
         """Long-poll until the server offers a job; re-join if it forgot us, retry while it restarts."""
         request = pb.NextJobRequest(name=self.options.name, max_wait_s=POLL_S)
         while True:
             try:
-                offer = LOBBY_RETRY.call(lambda: self._stub.NextJob(request, timeout=POLL_S + 60),
-                                         f"NextJob at {self.address}")
+                with self._trusted():
+                    offer = LOBBY_RETRY.call(self._checked(lambda: self._stub.NextJob(request, timeout=POLL_S + 60)),
+                                             f"NextJob at {self.address}")
                 if offer.job_id:
                     return offer
             except transport.Unreachable as e:
@@ -90,7 +127,7 @@ class Lobby:
             logger.info("[Client] %s works for job %s (coordinator port %d)", self.options.name, offer.job_name,
                         offer.port)
             conn = CoordinatorConnection(f"{host}:{offer.port}", shaper=self.emulation.shaper, link=self.link,
-                                         retry=JOB_RETRY)
+                                         retry=JOB_RETRY, credentials=self.credentials)
             worker = EdgeWorker(conn, self.options, self.limiter, self.emulation)
             try:
                 reason = worker.run()

@@ -28,6 +28,21 @@ class PairingRefused(trust.TrustError):
     """The gateway refused the token or the request (said in one line; retrying will not help)."""
 
 
+class CredentialRevoked(trust.TrustError):
+    """The gateway revoked this board's certificate: it needs a new join token."""
+
+
+class CertificateExpired(trust.TrustError):
+    """This board's certificate has expired (it was not renewed in time): it needs a new join token."""
+
+
+def pairing_address(fleet_address: str) -> str:
+    """Where the gateway whose fleet port is `fleet_address` pairs boards: the next port (as
+    coordinator.pairing serves it; `--pair-address` when the gateway serves it elsewhere)."""
+    host, _, port = fleet_address.rpartition(":")
+    return f"{host}:{int(port) + 1}"
+
+
 def _split(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
@@ -114,6 +129,3 @@ def renew(address: str, credentials: transport.Credentials, path: Path) -> trust
                 identity.holder.not_after.isoformat(timespec="minutes"))
     return identity
 
-
-class CredentialRevoked(trust.TrustError):
-    """The gateway revoked this board's certificate: it needs a new join token."""

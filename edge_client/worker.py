@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -25,7 +26,7 @@ from edge_client.profiler import profile_device
 from edge_client.shard import ShardRunner, Update
 from edge_client.stage import StageRunner
 from edge_client.telemetry import TelemetryCollector, probe_link
-from edgetrain import transport
+from edgetrain import transport, trust
 from edgetrain.data import load_dataset
 from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.errors import Refusal
@@ -59,7 +60,16 @@ class ClientOptions:
     power_w: tuple[float, float] | None = None
     """(idle, busy) power draw in watts, for energy accounting on a real board."""
     stage_bind: str = "0.0.0.0:0"
-    """Where the board serves pipeline traffic from its neighbours (port 0: any free port)."""
+    """Where the board serves pipeline traffic from its neighbours (port 0: any free port); with
+    fleet credentials only the gateway and the boards of the current plan get through."""
+    identity: Path | None = None
+    """Where the board keeps its fleet key and certificate (None: ~/.edgetrain/boards/NAME)."""
+    join_token: str | None = None
+    """A join token to pair with when the board has no usable certificate yet."""
+    insecure: bool = False
+    """Plaintext and unauthenticated, for an `--insecure` coordinator (loopback experiments)."""
+    pair_address: str | None = None
+    """Where the gateway pairs boards (None: the port after the coordinator's)."""
 
 
 class BatteryEmpty(Exception):
@@ -123,7 +133,8 @@ class EdgeWorker:
     def run(self) -> str:
         """Work until the job finishes; returns the coordinator's reason."""
         if self.endpoint is None:
-            self.endpoint = StageEndpoint(self.options.stage_bind, shaper=self.conn.shaper)
+            credentials = self.conn.credentials.credentials if self.conn.credentials else None
+            self.endpoint = StageEndpoint(self.options.stage_bind, shaper=self.conn.shaper, credentials=credentials)
         while True:
             self.device_id, job = self.conn.register(self.options.name, self.options.emulated_speed,
                                                      stage_address(self.conn.address, self.endpoint.port))
@@ -142,7 +153,7 @@ class EdgeWorker:
                 # the coordinator may have restarted: what this board holds may not be its view
                 self._shards.forget()
                 self._stages.invalidate()
-                self.endpoint.mailbox.reset()  # owned stage state stays: the coordinator may pull it
+                self.endpoint.reset()  # owned stage state stays: the coordinator may pull it
             finally:
                 stop_beat.set()
 
@@ -156,7 +167,7 @@ class EdgeWorker:
 
     def _setup(self, job: BoardJob) -> None:
         self._job = job
-        self.endpoint.mailbox.reset()
+        self.endpoint.reset()
         dataset = load_dataset(replace(job.dataset, data_dir=self.options.data_dir, download=self.options.download),
                                train=True)
         model = build_model(job.model, num_classes=job.num_classes)
@@ -183,6 +194,8 @@ class EdgeWorker:
                     lost.set()
                     return
                 logger.debug("[Client.Heartbeat] failed", exc_info=True)
+            except trust.TrustError:  # revoked or expired: the work loop's next call says so and stops
+                return
             except ValueError:  # the channel was closed under a last beat: this registration is over
                 if stop.is_set():
                     return
@@ -203,6 +216,8 @@ class EdgeWorker:
                     probe_link(lambda payload: self.conn.probe(self.device_id, payload), self.conn.link)
                 except grpc.RpcError:
                     logger.debug("[Client.Probe] failed", exc_info=True)
+                except trust.TrustError:  # revoked or expired: the work loop's next call says so and stops
+                    return
                 except ValueError:  # the channel was closed under a last probe: this registration is over
                     if stop.is_set():
                         return
@@ -225,7 +240,7 @@ class EdgeWorker:
     def _do_step(self, work: Assignment) -> None:
         """One assignment; a refusal (stale version, closed step) only abandons this step."""
         try:
-            self.endpoint.mailbox.advance(work.step, work.attempt)
+            self.endpoint.expect(work)
             with self.emulation.energy.busy():
                 # one computation on the model at a time: the coordinator's LoadState / PullState
                 # of an owned stage wait for it (they first end superseded attempts)

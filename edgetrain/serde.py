@@ -117,14 +117,14 @@ def failure_kind_from_proto(value: int) -> FailureKind:
 
 def _host_to_proto(host: StageHost) -> pb.StageHost:
     return pb.StageHost(device_id=host.device_id, address=host.address, row_begin=[b for b, _ in host.rows],
-                        row_end=[e for _, e in host.rows])
+                        row_end=[e for _, e in host.rows], name=host.name)
 
 
 def _host_from_proto(msg: pb.StageHost, microbatches: int) -> StageHost:
     if len(msg.row_begin) != microbatches or len(msg.row_end) != microbatches:
         raise ValueError(f"stage host {msg.device_id!r}: rows for {len(msg.row_begin)} micro-batches, "
                          f"the stage has {microbatches}")
-    return StageHost(msg.device_id, msg.address, tuple(zip(msg.row_begin, msg.row_end)))
+    return StageHost(msg.device_id, msg.address, tuple(zip(msg.row_begin, msg.row_end)), msg.name)
 
 
 def stage_work_to_proto(stage: StageWork) -> pb.StageWork:

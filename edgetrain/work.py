@@ -36,6 +36,9 @@ class StageHost:
     """host:port of its StagePeer endpoint."""
     rows: tuple[tuple[int, int], ...]
     """[begin, end) rows of each micro-batch it computes."""
+    name: str = ""
+    """The board's name as its fleet certificate names it: stage hosts accept tensors only from
+    the boards their plan names ("" from an --insecure coordinator)."""
 
 
 @dataclass(frozen=True)

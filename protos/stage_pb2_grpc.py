@@ -56,6 +56,8 @@ class StagePeerServicer:
 
     def Send(self, request_iterator, context):
         """One tensor for one micro-batch: a header, then chunks (as parameter and gradient streams).
+        A Send for an attempt the board has not been given yet waits (within its deadline) until
+        the board's work for it names the sender.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

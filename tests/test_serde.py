@@ -39,9 +39,10 @@ from protos import tensor_pb2 as tpb
 STAGE = StageWork(
     pipeline=1, stage=1, stages=3, first_block=1, end_block=3, schedule="1f1b", indices=(40, 41, 42, 43, 44),
     microbatch_sizes=(3, 2),
-    hosts=(StageHost("b-2", "10.0.0.2:7001", ((0, 2), (0, 1))), StageHost("b-3", "10.0.0.3:7001", ((2, 3), (1, 2)))),
-    prev_hosts=(StageHost("b-1", "10.0.0.1:7001", ((0, 3), (0, 2))),),
-    next_hosts=(StageHost("b-4", "10.0.0.4:7001", ((0, 3), (0, 2))),),
+    hosts=(StageHost("b-2", "10.0.0.2:7001", ((0, 2), (0, 1)), "board-two"),
+           StageHost("b-3", "10.0.0.3:7001", ((2, 3), (1, 2)), "board-three")),
+    prev_hosts=(StageHost("b-1", "10.0.0.1:7001", ((0, 3), (0, 2)), "board-one"),),
+    next_hosts=(StageHost("b-4", "10.0.0.4:7001", ((0, 3), (0, 2)), "board-four"),),
     pipeline_samples=5, timeout_s=12.5, owned=True, lr=0.05, commit_step=6, commit_attempt=1)
 DP = Assignment(step=7, attempt=2, param_version=7, indices=(3, 1, 4, 1, 5), augment=True, data_seed=11,
                 codec="topk:0.05", delta_codec="int8")

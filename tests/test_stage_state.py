@@ -4,7 +4,8 @@ A real StagePeer endpoint (gRPC on 127.0.0.1) holds blocks of MobileNetV2 (Batch
 matter). The coordinator side (`StageOwners`) loads them, the host applies committed steps with
 its own SGD, and the pull brings back what the coordinator's own SGD would have computed:
 parameters, BatchNorm statistics and momentum. Bad LoadState/PullState calls get precise status
-codes and the endpoint keeps serving.
+codes and the endpoint keeps serving. The endpoint serves mutual TLS with a board certificate of
+the session's fleet and the coordinator side dials it as the gateway, as in a fleet.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import copy
 import grpc
 import pytest
 import torch
+from conftest import board_identity
 
 from coordinator.training.stage_owners import Owner, StageOwners
 from edge_client.endpoint import StageEndpoint
-from edgetrain import serde
+from edgetrain import serde, transport, trust
 from edgetrain.models import build_model
 from edgetrain.streaming import iter_chunks
 from edgetrain.tensors import pack
@@ -30,9 +32,14 @@ LR = 0.1
 
 @pytest.fixture
 def endpoint():
-    ep = StageEndpoint("127.0.0.1:0")
+    ep = StageEndpoint("127.0.0.1:0", credentials=transport.Credentials(board_identity("stage-host")))
     yield ep
     ep.close()
+
+
+def _gateway() -> transport.MutualTLS:
+    """The coordinator's credentials: the session fleet's gateway certificate."""
+    return trust.Authority(trust.default_authority_dir()).gateway_identity().security()
 
 
 def _stage_forward(model, x):
@@ -70,7 +77,7 @@ def test_owned_stage_steps_on_the_host_equal_the_coordinators_sgd(endpoint):
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9, weight_decay=5e-4)
     host = build_model("mobilenet_v2", seed=1)  # different weights: the load must replace them
     endpoint.state.attach(host, "job")
-    owners = StageOwners("job", master, optimizer)
+    owners = StageOwners("job", master, optimizer, security=_gateway())
     owner = Owner("h-1", f"127.0.0.1:{endpoint.port}", BLOCKS)
     batches = [torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     state = endpoint.state
@@ -117,7 +124,7 @@ def test_a_dead_owner_leaves_the_last_pulled_copy_and_is_reported(endpoint):
     master = build_model("small_cnn", seed=0)
     optimizer = torch.optim.SGD(master.parameters(), lr=LR, momentum=0.9)
     endpoint.state.attach(build_model("small_cnn", seed=0), "job")
-    owners = StageOwners("job", master, optimizer, timeout_s=10)
+    owners = StageOwners("job", master, optimizer, timeout_s=10, security=_gateway())
     owner = Owner("h-1", f"127.0.0.1:{endpoint.port}", (0, 2))
     assert owners.place({(0, 2): owner}, 4, (3, 0), 0, lambda d: True) == ([], {})
     before = {n: t.clone() for n, t in master.state_dict().items()}
@@ -134,7 +141,7 @@ def test_a_pull_at_a_version_the_host_does_not_hold_is_a_loss_not_a_wrong_copy(e
     master = build_model("small_cnn", seed=0)
     optimizer = torch.optim.SGD(master.parameters(), lr=LR)
     endpoint.state.attach(build_model("small_cnn", seed=0), "job")
-    owners = StageOwners("job", master, optimizer, timeout_s=10)
+    owners = StageOwners("job", master, optimizer, timeout_s=10, security=_gateway())
     owner = Owner("h-1", f"127.0.0.1:{endpoint.port}", (0, 2))
     owners.place({(0, 2): owner}, 0, (-1, 0), 0, lambda d: True)
 
@@ -155,7 +162,8 @@ def _load_messages(request, tensors, *, truncate=False):
 def test_bad_state_calls_get_precise_codes_and_the_endpoint_keeps_serving(endpoint):
     model = build_model("small_cnn", seed=0)
     endpoint.state.attach(model, "job")
-    stub = spb_grpc.StagePeerStub(grpc.insecure_channel(f"127.0.0.1:{endpoint.port}"))
+    stub = spb_grpc.StagePeerStub(transport.open_channel(f"127.0.0.1:{endpoint.port}",
+                                                         _gateway().dialing(trust.BOARD_SERVER_NAME)))
     prefixes = tuple(f"blocks.{k}." for k in list(model.blocks.keys())[0:2])
     good = {n: t.detach().clone() for n, t in model.state_dict().items() if n.startswith(prefixes)}
     request = spb.StateRequest(job_id="job", first_block=0, end_block=2, version=3, momentum=0.9)
@@ -195,7 +203,7 @@ def test_nan_gradients_void_the_step_and_a_releasing_pull_gives_the_stage_up(end
     optimizer = torch.optim.SGD(master.parameters(), lr=LR, momentum=0.9)
     host = build_model("small_cnn", seed=0)
     endpoint.state.attach(host, "job")
-    owners = StageOwners("job", master, optimizer, timeout_s=10)
+    owners = StageOwners("job", master, optimizer, timeout_s=10, security=_gateway())
     owner = Owner("h-1", f"127.0.0.1:{endpoint.port}", (0, 2))
     owners.place({(0, 2): owner}, 0, (-1, 0), 0, lambda d: True)
     state = endpoint.state
@@ -228,7 +236,7 @@ def test_a_re_plan_right_after_a_sync_moves_no_state_twice(endpoint):
     master = build_model("small_cnn", seed=0)
     optimizer = torch.optim.SGD(master.parameters(), lr=LR)
     endpoint.state.attach(build_model("small_cnn", seed=0), "job")
-    owners = StageOwners("job", master, optimizer, timeout_s=10)
+    owners = StageOwners("job", master, optimizer, timeout_s=10, security=_gateway())
     owners.place({(0, 2): Owner("h-1", f"127.0.0.1:{endpoint.port}", (0, 2))}, 0, (-1, 0), 0, lambda d: True)
     assert owners.sync(0, (-1, 0), lambda d: True) == []
     moved = owners.bytes_moved

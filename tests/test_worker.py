@@ -61,10 +61,11 @@ def coordinator() -> Iterator[InProcessCoordinator]:
 
 @pytest.fixture
 def worker(coordinator, tmp_path: Path) -> Iterator[RunningWorker]:
-    """A real board's worker (no CPU limit, no emulation) for `coordinator`, started."""
+    """A real board's worker (no CPU limit, no emulation) for `coordinator`, started; plaintext,
+    as the in-process coordinator serves (the fleet's credentials: tests/test_client_trust.py)."""
     conn = CoordinatorConnection(coordinator.address)
     options = ClientOptions(name=NAME, data_dir=str(tmp_path / "data"), poll_s=0.5, stage_bind="127.0.0.1:0",
-                            probe_interval_s=math.inf)  # no link probes: not what these tests are about
+                            probe_interval_s=math.inf, insecure=True)  # no link probes: not what these tests are about
     board = EdgeWorker(conn, options, limit_cpu(None, name=NAME), BoardEmulation.from_file(None))
     result: dict = {}
 

@@ -79,7 +79,7 @@ def assign(plan: Plan, settings: PipelineConfig, *, step: int, attempt: int, ind
     for stage in plan.stages:
         weights = [hosts[b].speed.samples_per_s for b in stage.boards]
         rows = [split_rows(size, weights) for size in sizes]
-        groups.append(tuple(StageHost(hosts[b].device_id, hosts[b].address, tuple(r[j] for r in rows))
+        groups.append(tuple(StageHost(hosts[b].device_id, hosts[b].address, tuple(r[j] for r in rows), name=b)
                             for j, b in enumerate(stage.boards)))
     out: dict[str, Assignment] = {}
     for i, (begin, end) in enumerate(ranges):

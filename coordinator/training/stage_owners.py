@@ -15,6 +15,10 @@ moves the state over each board's StagePeer endpoint — the coordinator is the 
 An owner that died cannot give its state back: its blocks restart from the master's copy of the
 last pull (logged, and reported as the steps lost), so `sync_every: 1` loses nothing at the cost
 of moving the owned parameters every step.
+
+In a fleet the coordinator dials each StagePeer with the gateway's certificate (`security`), and
+the endpoint must prove it holds a board certificate of the fleet; a board's endpoint admits
+LoadState and PullState from the gateway only.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import grpc
 import torch
 from torch import nn
 
-from edgetrain import serde, transport
+from edgetrain import serde, transport, trust
 from edgetrain.pipeline import stage_parameter_prefixes
 from edgetrain.streaming import TransferError, check_metas, iter_chunks
 from edgetrain.tensors import bundle_metas, check_finite, pack, unpack
@@ -69,6 +73,8 @@ class StageOwners:
                  chunk_bytes: int = 512 * 1024, timeout_s: float = 120.0,
                  count_bytes: Callable[..., None] | None = None,
                  security: transport.Security = transport.INSECURE) -> None:
+        """`security`: how to dial the boards' StagePeer endpoints (the gateway's identity in a
+        fleet; plaintext for an `--insecure` coordinator)."""
         self.job_id = job_id
         self.model = model
         self.optimizer = optimizer
@@ -77,6 +83,8 @@ class StageOwners:
         self.owners: dict[tuple[int, int], Owner] = {}
         self.synced: dict[tuple[int, int], int] = {}
         """Version of the master's copy of each owned range (its last pull or load)."""
+        if isinstance(security, transport.MutualTLS):  # whatever it dials by default, a StagePeer is a board
+            security = security.dialing(trust.BOARD_SERVER_NAME)
         self._channels = transport.ChannelCache(security)
         self._count_bytes = count_bytes or (lambda device_id, *, down=0, up=0: None)
         """Called with the bytes each load (down) and pull (up) moved over a board's link."""
