@@ -89,5 +89,6 @@ def devices_report(*, coordinator: str | None = None, interfaces: list[str] | No
             continue
         lines += [f"coordinator {address}  cluster {reply.cluster}  job {reply.job_id}  "
                   f"({len(reply.devices)} boards; ? = the board cannot report it)", HEADER]
-        lines += [_row(view) for view in reply.devices] + [""]
+        lines += [_row(view) for view in reply.devices]
+        lines += [f"flagged: {view.device_id} {view.speed_claim}" for view in reply.devices if view.speed_claim] + [""]
     return "\n".join(lines).rstrip()

@@ -75,7 +75,7 @@ def _device_view(record: DeviceRecord, now: float) -> pb.DeviceView:
         left_reason=record.left_reason, seconds_since_seen=now - record.last_seen, samples_done=stats["samples"],
         samples_per_s=record.speed.samples_per_s if record.speed else None,
         energy_per_sample_j=stats["energy_j"] / stats["energy_samples"] if stats["energy_samples"] else None,
-        codec=record.codec, rejected_updates=len(record.rejections))
+        codec=record.codec, rejected_updates=len(record.rejections), speed_claim=record.claim_note)
     if record.latest_telemetry is not None:
         view.telemetry.CopyFrom(serde.telemetry_to_proto(record.latest_telemetry))
     return view

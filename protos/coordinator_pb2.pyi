@@ -440,7 +440,7 @@ class ListDevicesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DeviceView(_message.Message):
-    __slots__ = ("device_id", "info", "state", "left_reason", "seconds_since_seen", "telemetry", "samples_per_s", "samples_done", "energy_per_sample_j", "codec", "rejected_updates")
+    __slots__ = ("device_id", "info", "state", "left_reason", "seconds_since_seen", "telemetry", "samples_per_s", "samples_done", "energy_per_sample_j", "codec", "rejected_updates", "speed_claim")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -452,6 +452,7 @@ class DeviceView(_message.Message):
     ENERGY_PER_SAMPLE_J_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     REJECTED_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    SPEED_CLAIM_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     info: DeviceInfo
     state: str
@@ -463,7 +464,8 @@ class DeviceView(_message.Message):
     energy_per_sample_j: float
     codec: str
     rejected_updates: int
-    def __init__(self, device_id: _Optional[str] = ..., info: _Optional[_Union[DeviceInfo, _Mapping]] = ..., state: _Optional[str] = ..., left_reason: _Optional[str] = ..., seconds_since_seen: _Optional[float] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., samples_per_s: _Optional[float] = ..., samples_done: _Optional[int] = ..., energy_per_sample_j: _Optional[float] = ..., codec: _Optional[str] = ..., rejected_updates: _Optional[int] = ...) -> None: ...
+    speed_claim: str
+    def __init__(self, device_id: _Optional[str] = ..., info: _Optional[_Union[DeviceInfo, _Mapping]] = ..., state: _Optional[str] = ..., left_reason: _Optional[str] = ..., seconds_since_seen: _Optional[float] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., samples_per_s: _Optional[float] = ..., samples_done: _Optional[int] = ..., energy_per_sample_j: _Optional[float] = ..., codec: _Optional[str] = ..., rejected_updates: _Optional[int] = ..., speed_claim: _Optional[str] = ...) -> None: ...
 
 class ListDevicesReply(_message.Message):
     __slots__ = ("job_id", "cluster", "devices")
