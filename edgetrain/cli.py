@@ -412,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     except (TrustError, PermissionError) as e:
         print(f"edgetrain {args.command}: {e}", file=sys.stderr)
         return 5
+    except ConnectionError as e:  # a peer stayed unreachable for the whole retry budget
+        print(f"edgetrain {args.command}: {e}", file=sys.stderr)
+        return 6
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # the reader stopped early (`edgetrain plan ... | head`): not an error to report

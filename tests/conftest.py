@@ -165,12 +165,17 @@ def _forks() -> multiprocessing.context.ForkServerContext:
     return context
 
 
-def _client_main(argv: list[str], log_path: str, env: dict[str, str]) -> None:
-    """`edgetrain ARGV` (a client) in a forked process with `env` added to its environment, its
-    output going to `log_path`."""
+def _client_main(argv: list[str], log_path: str, env: dict[str, str | None]) -> None:
+    """`edgetrain ARGV` (a client) in a forked process with `env` set in its environment (None:
+    removed — the fork server's own environment is the one it started with), its output going
+    to `log_path`."""
     from edgetrain.cli import main
 
-    os.environ.update(env)
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -209,7 +214,7 @@ def spawn_client(address: str, name: str, *, speed: float | None = None, log_dir
     if speed:
         args += ["--speed", str(speed)]
     args += list(extra)
-    env = {key: os.environ[key] for key in ("EDGETRAIN_HOME", "EDGETRAIN_JOIN_TOKEN") if key in os.environ}
+    env = {key: os.environ.get(key) for key in ("EDGETRAIN_HOME", "EDGETRAIN_JOIN_TOKEN")}
     process = _forks().Process(target=_client_main, args=(args, str(log_dir / f"{name}.log"), env), name=name)
     process.start()
     return ClientProcess(process)
