@@ -71,9 +71,9 @@ def test_live_rate_change_applies_to_a_waiting_caller() -> None:
     speed_up.start()
     elapsed = _timed(bucket.consume, 1 * MB)
     speed_up.join()
-    # Assert
+    # Assert: sooner than the 1 s the unchanged rate would take (~0.28 s on a quiet machine)
     assert bucket.rate == 10 * MB
-    assert 0.2 < elapsed < 0.5, elapsed
+    assert 0.2 < elapsed < 0.95, elapsed
 
 
 def test_rate_change_with_a_fake_clock_is_exact() -> None:
