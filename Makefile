@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_pipeline.py
 	$(PY) scripts/bench_planner.py
 	$(PY) scripts/bench_jobs.py
+	$(PY) scripts/bench_tls.py
 
 protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto
