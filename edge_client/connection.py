@@ -29,7 +29,7 @@ import grpc
 import psutil
 
 import edgetrain
-from edge_client.credentials import BoardCredentials
+from edge_client.credentials import BoardCredentials, trusted_calls
 from edge_client.telemetry import LinkMeter
 from edgetrain import serde, transport
 from edgetrain.emulator.shaping import LinkShaper
@@ -96,15 +96,6 @@ class CoordinatorConnection:
                 self._coordinator = pb_grpc.CoordinatorStub(self._channel)
             return self._coordinator
 
-    @contextlib.contextmanager
-    def _trusted(self) -> Iterator[None]:
-        """Around a call: the credentials' checks and refusals (nothing on a plaintext channel)."""
-        if self.credentials is None:
-            yield
-            return
-        with self.credentials.calls():
-            yield
-
     def _check(self) -> None:
         """Before each try of a call: the certificate must still hold."""
         if self.credentials is not None:
@@ -133,7 +124,7 @@ class CoordinatorConnection:
             return call()
 
         try:
-            with self._trusted():
+            with trusted_calls(self.credentials):
                 return self.retry.call(attempt, f"{what} at {self.address}")
         except transport.Unreachable as e:
             raise CoordinatorUnreachable(str(e)) from e
@@ -160,7 +151,7 @@ class CoordinatorConnection:
         self._delay()
         request = pb.HeartbeatRequest(device_id=device_id,
                                       telemetry=serde.telemetry_to_proto(telemetry) if telemetry else None)
-        with self._trusted():
+        with trusted_calls(self.credentials):
             reply = self._stub.Heartbeat(request, timeout=10)
         self.link.observe_rtt(time.perf_counter() - started)
         return (reply.newest_step, reply.newest_attempt) if reply.HasField("newest_step") else None
@@ -170,7 +161,7 @@ class CoordinatorConnection:
         self._delay()
         if self.shaper:
             self.shaper.before_send(len(payload))
-        with self._trusted():
+        with trusted_calls(self.credentials):
             self._stub.Probe(pb.ProbeRequest(device_id=device_id, payload=payload), timeout=60)
 
     def list_devices(self) -> pb.ListDevicesReply:
@@ -208,7 +199,7 @@ class CoordinatorConnection:
         with self._transfer():
             started = time.perf_counter()
             try:
-                with self._trusted():
+                with trusted_calls(self.credentials):
                     metas, payload = transport.receive_bundle(open_stream, f"download of version {version}",
                                                               retry=self.transfers, on_chunk=self._receive_chunk)
             except transport.Unreachable as e:
@@ -235,7 +226,7 @@ class CoordinatorConnection:
 
         with self._transfer():
             try:
-                with self._trusted():
+                with trusted_calls(self.credentials):
                     transport.send_bundle(send_from, held, f"upload for step {header.step}", retry=self.transfers)
             except transport.Unreachable as e:
                 raise CoordinatorUnreachable(str(e)) from e

@@ -220,3 +220,9 @@ def obtain(name: str, *, identity_path: Path | None, join_token: str | None, add
     logger.info("[Client] %s paired in %.2f s (certificate valid until %s)", name, time.perf_counter() - started,
                 identity.holder.not_after.isoformat(timespec="minutes"))
     return BoardCredentials(identity, path, pair_started=started)
+
+
+def trusted_calls(credentials: BoardCredentials | None):
+    """Around calls to the gateway: `credentials.calls()`, or nothing on a plaintext (--insecure)
+    connection."""
+    return credentials.calls() if credentials is not None else contextlib.nullcontext()

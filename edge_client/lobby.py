@@ -9,16 +9,14 @@ uses the board's fleet credentials (mutual TLS; plaintext with `--insecure`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Iterator
 
 import grpc
 
 import edgetrain
 from edge_client.connection import CoordinatorConnection, CoordinatorUnreachable
-from edge_client.credentials import BoardCredentials
+from edge_client.credentials import BoardCredentials, trusted_calls
 from edge_client.emulation import BoardEmulation
 from edge_client.telemetry import LinkMeter, probe_link
 from edge_client.worker import BATTERY_EMPTY, ClientOptions, EdgeWorker
@@ -64,15 +62,6 @@ class Lobby:
             self._server = pb_grpc.JobServerStub(self._channel)
         return self._server
 
-    @contextlib.contextmanager
-    def _trusted(self) -> Iterator[None]:
-        """Around calls to the job server: the credentials' checks and refusals."""
-        if self.credentials is None:
-            yield
-            return
-        with self.credentials.calls():
-            yield
-
     def _checked(self, call):
         return self.credentials.checked(call) if self.credentials is not None else call
 
@@ -81,7 +70,7 @@ class Lobby:
         if shaper:
             shaper.rpc_delay()
             shaper.before_send(len(payload))
-        with self._trusted():
+        with trusted_calls(self.credentials):
             self._stub.Probe(pb.LobbyProbe(payload=payload), timeout=60)
 
     def join(self) -> None:
@@ -91,7 +80,7 @@ class Lobby:
                                  link_mbit_per_s=mbit if mbit == mbit else 0.0,
                                  protocol_version=edgetrain.PROTOCOL_VERSION)
         try:
-            with self._trusted():
+            with trusted_calls(self.credentials):
                 LOBBY_RETRY.call(self._checked(lambda: self._stub.Join(request, timeout=30)), f"Join at {self.address}")
         except transport.Unreachable as e:
             raise CoordinatorUnreachable(str(e)) from e
@@ -106,7 +95,7 @@ class Lobby:
         request = pb.NextJobRequest(name=self.options.name, max_wait_s=POLL_S)
         while True:
             try:
-                with self._trusted():
+                with trusted_calls(self.credentials):
                     offer = LOBBY_RETRY.call(self._checked(lambda: self._stub.NextJob(request, timeout=POLL_S + 60)),
                                              f"NextJob at {self.address}")
                 if offer.job_id:
