@@ -21,7 +21,7 @@ from protos import pairing_pb2_grpc as ppb_grpc
 logger = logging.getLogger(__name__)
 
 BOARD_CALLS = tuple(f"Coordinator/{m}" for m in (
-    "Register", "ReportProfile", "Heartbeat", "GetWork", "DownloadParameters", "UploadGradient", "GetUploadStatus",
+    "Register", "ReportProfile", "Heartbeat", "Attach", "GetWork", "DownloadParameters", "UploadGradient", "GetUploadStatus",
     "Probe", "ReportFailure")) + ("Pairing/Renew", "JobServer/Join", "JobServer/NextJob")
 """Calls only a board makes (on the Coordinator, Pairing and JobServer services)."""
 OPERATOR_CALLS = ("JobServer/Submit", "JobServer/Cancel")

@@ -41,6 +41,9 @@ _CODES = {
     "already_exists": grpc.StatusCode.ALREADY_EXISTS,
 }
 MAX_POLL_S = 30.0
+PRESENCE_TICK_S = 2.0
+"""A presence stream sends at least this often (and re-checks its device), so a stream to a
+dropped board ends promptly and an idle one keeps traffic on the connection."""
 
 
 def _abort(context: grpc.ServicerContext, rpc: str, code: grpc.StatusCode, message: str,
@@ -142,6 +145,37 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._registry.heartbeat(request.device_id, sample)
         newest = self._board.newest()
         return pb.HeartbeatReply(newest_step=newest[0], newest_attempt=newest[1]) if newest else pb.HeartbeatReply()
+
+    @_guarded("Attach")
+    def Attach(self, request: pb.AttachRequest, context) -> Iterator[pb.AttachEvent]:
+        self._own(context, "Attach", request.device_id)
+        device_id, ended_here = request.device_id, threading.Event()
+
+        def on_termination() -> None:  # in a gRPC thread, as soon as the stream is over
+            if not ended_here.is_set() and not self._board.finished:
+                self._registry.drop(device_id, "its connection to the coordinator broke")
+                self._board.wake()
+
+        context.add_callback(on_termination)
+        return self._presence(device_id, context, ended_here)
+
+    def _presence(self, device_id: str, context, ended: threading.Event) -> Iterator[pb.AttachEvent]:
+        """Push the newest step attempt while the board stays registered; end (without marking it
+        lost) when the coordinator dropped it or the job finished."""
+        seen: tuple[int, int] | None = None
+        sent_at = 0.0
+        try:
+            while context.is_active():
+                newest = self._board.wait_newer(seen, PRESENCE_TICK_S)
+                if not self._registry.is_alive(device_id) or self._board.finished:
+                    break
+                if newest != seen or time.monotonic() - sent_at >= PRESENCE_TICK_S:
+                    seen, sent_at = newest, time.monotonic()
+                    yield pb.AttachEvent(newest_step=newest[0], newest_attempt=newest[1]) if newest \
+                        else pb.AttachEvent()
+        finally:
+            if context.is_active():
+                ended.set()  # the coordinator ends the stream: not a broken connection
 
     @_guarded("Probe")
     def Probe(self, request: pb.ProbeRequest, context) -> pb.ProbeReply:

@@ -47,11 +47,17 @@ class CoordinatorUnreachable(ConnectionError):
     """The coordinator stayed unavailable for longer than the retry budget."""
 
 
+CALLS = transport.RetryPolicy(budget_s=10.0)
+"""A board's call is retried this long on UNAVAILABLE; then the client's outage loop takes over
+(edge_client.main.Outage: it keeps trying, and looks over mDNS), so a restarted coordinator is
+found again however long it was away."""
+
+
 class CoordinatorConnection:
     """A channel to one coordinator with typed, retrying calls (edgetrain.transport); mutual TLS
     with `credentials` (the board's fleet identity), plaintext without (`--insecure`)."""
 
-    def __init__(self, address: str, *, retry: transport.RetryPolicy = transport.CALLS,
+    def __init__(self, address: str, *, retry: transport.RetryPolicy = CALLS,
                  transfers: transport.RetryPolicy = transport.TRANSFERS, shaper: LinkShaper | None = None,
                  link: LinkMeter | None = None, credentials: BoardCredentials | None = None) -> None:
         self.address = address
@@ -155,6 +161,14 @@ class CoordinatorConnection:
             reply = self._stub.Heartbeat(request, timeout=10)
         self.link.observe_rtt(time.perf_counter() - started)
         return (reply.newest_step, reply.newest_attempt) if reply.HasField("newest_step") else None
+
+    def attach(self, device_id: str):
+        """Open the board's presence stream: an iterator of (newest step, attempt) or None, which
+        ends when the coordinator drops the board or finishes; `.cancel()` closes it. While it is
+        open, the coordinator notices at once when this process or its connection dies."""
+        with trusted_calls(self.credentials):
+            call = self._stub.Attach(pb.AttachRequest(device_id=device_id))
+        return call
 
     def probe(self, device_id: str, payload: bytes) -> None:
         """Send `payload` to the coordinator and wait for the acknowledgement (a link probe)."""

@@ -70,6 +70,8 @@ class ClientOptions:
     """Plaintext and unauthenticated, for an `--insecure` coordinator (loopback experiments)."""
     pair_address: str | None = None
     """Where the gateway pairs boards (None: the port after the coordinator's)."""
+    give_up_after_s: float | None = None
+    """How long to keep trying to reach a coordinator that went away (None: until it answers)."""
 
 
 class BatteryEmpty(Exception):
@@ -142,6 +144,7 @@ class EdgeWorker:
             stop_beat = threading.Event()
             threading.Thread(target=self._heartbeats, daemon=True,
                              args=(job.heartbeat_interval_s, stop_beat, self._lost)).start()
+            presence = self._attend(self._lost)
             try:
                 self._prepare(job)
                 return self._work_loop()
@@ -156,6 +159,32 @@ class EdgeWorker:
                 self.endpoint.reset()  # owned stage state stays: the coordinator may pull it
             finally:
                 stop_beat.set()
+                if presence is not None:
+                    presence.cancel()
+
+    def _attend(self, lost: threading.Event):
+        """Hold this registration's presence stream open (the coordinator notices at once when it
+        breaks) and give up older pipeline attempts as it announces newer ones. When the stream
+        breaks while the coordinator is unreachable, the coordinator no longer counts this board:
+        `lost` is set, and the work loop registers again once it reaches the coordinator. Returns
+        the call (cancelled when the registration ends), or None if it could not be opened."""
+        try:
+            call = self.conn.attach(self.device_id)
+        except (grpc.RpcError, trust.TrustError, ValueError):
+            return None
+
+        def follow() -> None:
+            try:
+                for event in call:
+                    if event.HasField("newest_step"):
+                        self.endpoint.mailbox.supersede(event.newest_step, event.newest_attempt)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.CANCELLED:  # not closed by us: the connection broke
+                    logger.info("[Client] %s: presence stream broke (%s)", self.device_id, transport.describe(e))
+                    lost.set()
+
+        threading.Thread(target=follow, daemon=True, name=f"presence-{self.device_id}").start()
+        return call
 
     def _prepare(self, job: BoardJob) -> None:
         """Set up the job's model and data (once per job), profile, and report the profile."""

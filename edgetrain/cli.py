@@ -114,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
                              "needed once, later starts use the stored certificate")
     client.add_argument("--identity", type=Path, default=None, metavar="DIR",
                         help="where this board keeps its key and certificate (default: $EDGETRAIN_HOME/boards/NAME)")
+    client.add_argument("--give-up-after", type=_duration, default=None, metavar="DURATION",
+                        help="stop (exit 6) after this long without reaching a coordinator (default: keep "
+                             "trying; 90s, 10m, ...)")
     client.add_argument("--pair-address", metavar="HOST:PORT", default=None,
                         help="the gateway's pairing address (default: the coordinator's port + 1)")
     _insecure_arg(client, "talk to an --insecure coordinator")
@@ -276,7 +279,7 @@ def _client(args: argparse.Namespace) -> int:
         join = Path(join[1:]).read_text().strip()
     options = ClientOptions(name=args.name or socket.gethostname(), data_dir=args.data_dir,
                             identity=args.identity, join_token=join, insecure=args.insecure,
-                            pair_address=args.pair_address,
+                            pair_address=args.pair_address, give_up_after_s=args.give_up_after,
                             download=args.download, emulated_speed=args.speed,
                             board_file=str(args.emulate) if args.emulate else None,
                             probe_interval_s=args.probe_interval, stage_bind=args.stage_bind,

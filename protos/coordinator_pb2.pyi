@@ -189,6 +189,20 @@ class HeartbeatReply(_message.Message):
     newest_attempt: int
     def __init__(self, newest_step: _Optional[int] = ..., newest_attempt: _Optional[int] = ...) -> None: ...
 
+class AttachRequest(_message.Message):
+    __slots__ = ("device_id",)
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    def __init__(self, device_id: _Optional[str] = ...) -> None: ...
+
+class AttachEvent(_message.Message):
+    __slots__ = ("newest_step", "newest_attempt")
+    NEWEST_STEP_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    newest_step: int
+    newest_attempt: int
+    def __init__(self, newest_step: _Optional[int] = ..., newest_attempt: _Optional[int] = ...) -> None: ...
+
 class WorkRequest(_message.Message):
     __slots__ = ("device_id", "max_wait_s")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]

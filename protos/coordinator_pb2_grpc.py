@@ -49,6 +49,11 @@ class CoordinatorStub:
                 request_serializer=protos_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=protos_dot_coordinator__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_stream(
+                '/edgetrain.v1.Coordinator/Attach',
+                request_serializer=protos_dot_coordinator__pb2.AttachRequest.SerializeToString,
+                response_deserializer=protos_dot_coordinator__pb2.AttachEvent.FromString,
+                _registered_method=True)
         self.GetWork = channel.unary_unary(
                 '/edgetrain.v1.Coordinator/GetWork',
                 request_serializer=protos_dot_coordinator__pb2.WorkRequest.SerializeToString,
@@ -105,6 +110,16 @@ class CoordinatorServicer:
 
     def Heartbeat(self, request, context):
         """Liveness. NOT_FOUND when the coordinator no longer knows the id: register again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Attach(self, request, context):
+        """The board's presence: held open for as long as the board is registered. The coordinator
+        pushes the newest step attempt it opens; a stream that breaks (the board's process or
+        connection died) marks the board lost at once. It ends when the coordinator drops the board
+        (register again) or the job finishes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -176,6 +191,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=protos_dot_coordinator__pb2.HeartbeatRequest.FromString,
                     response_serializer=protos_dot_coordinator__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'Attach': grpc.unary_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=protos_dot_coordinator__pb2.AttachRequest.FromString,
+                    response_serializer=protos_dot_coordinator__pb2.AttachEvent.SerializeToString,
             ),
             'GetWork': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWork,
@@ -294,6 +314,33 @@ class Coordinator:
             '/edgetrain.v1.Coordinator/Heartbeat',
             protos_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
             protos_dot_coordinator__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/edgetrain.v1.Coordinator/Attach',
+            protos_dot_coordinator__pb2.AttachRequest.SerializeToString,
+            protos_dot_coordinator__pb2.AttachEvent.FromString,
             options,
             channel_credentials,
             insecure,

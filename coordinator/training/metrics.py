@@ -43,7 +43,8 @@ class MetricsLog:
             "step_s": round(record.seconds, 4), "samples_per_s": samples / record.seconds,
             "attempts": record.attempts, "shares": record.shares, "codecs": record.codecs, "devices": devices,
             "rejected": record.rejected, "clipped": {d: round(n, 4) for d, n in record.clipped.items()},
-            "failed": record.outcome.missing, "late": record.outcome.late, "quarantined": record.quarantined,
+            "failed": record.lost, "late": record.outcome.late, "quarantined": record.quarantined,
+            "attempt_log": record.attempt_log,
             **({"stages": record.stages} if record.stages else {}),
             **({"failures": record.failures} if record.failures else {})})
         if samples and (record.step % log_every == 0 or record.step == total_steps - 1):

@@ -39,7 +39,7 @@ def summarize(job: JobConfig, final_eval: dict, trainer, devices, *, stopped: st
             "energy_per_sample_j": stats["energy_j"] / stats["energy_samples"] if stats["energy_samples"] else None,
             "download_bytes": stats["download_bytes"], "upload_bytes": stats["upload_bytes"],
             "codec": record.codec or "none", "rejected_updates": len(record.rejections),
-            "alive_at_end": record.alive,
+            "alive_at_end": record.alive, "left_reason": record.left_reason or None,
             "speed_claim": record.claim_note or None,
         })
     return {

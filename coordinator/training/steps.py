@@ -196,6 +196,24 @@ class StepBoard:
         with self._cond:
             return self._current
 
+    def wait_newer(self, seen: tuple[int, int] | None, timeout_s: float) -> tuple[int, int] | None:
+        """The newest (step, attempt) once it differs from `seen`, or after `timeout_s` (or when
+        the job finished): what a board's presence stream pushes."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._current != seen or self._finished is not None, timeout_s)
+            return self._current
+
+    @property
+    def finished(self) -> bool:
+        """Whether the job ended (every poll answers Finished)."""
+        with self._cond:
+            return self._finished is not None
+
+    def wake(self) -> None:
+        """A board left: the driver re-checks who is still alive now instead of at its next tick."""
+        with self._cond:
+            self._cond.notify_all()
+
     def busy(self) -> set[str]:
         """Devices holding an open, unanswered ticket (still computing an earlier step)."""
         with self._cond:

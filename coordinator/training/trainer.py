@@ -57,6 +57,15 @@ class StepRecord:
     failures: list[dict] = field(default_factory=list)
     """Failed attempts of the step: when, and which board failed how (a pipeline's), or which
     updates were refused when none was usable."""
+    attempt_log: list[dict] = field(default_factory=list)
+    """Every attempt of the step: when it was opened and ended (wall clock), the boards it was
+    handed to, those lost in it (gone or silent), and how it ended: applied, redone (it did not
+    count) or void (it counted, but no update was usable)."""
+
+    @property
+    def lost(self) -> list[str]:
+        """Boards lost in any attempt of the step."""
+        return sorted({d for entry in self.attempt_log for d in entry["lost"]})
 
 
 class Trainer:
@@ -138,6 +147,7 @@ class Trainer:
         started = time.monotonic()
         refused: dict[str, str] = {}  # updates refused in attempts that brought no usable one: in the record too
         quarantined: list[str] = []
+        attempt_log: list[dict] = []
         for attempt in range(cfg.max_attempts):
             last_void = ""
             round_ = self.policy.configure(step, attempt, indices)
@@ -145,8 +155,11 @@ class Trainer:
                 continue
             self.board.open_attempt(round_.assignments)
             opened = time.monotonic()
+            entry = {"attempt": attempt, "opened": round(time.time(), 3), "boards": sorted(round_.assignments)}
+            attempt_log.append(entry)
             outcome = self.board.wait_attempt(step, attempt, opened + round_.timeout_s, self.registry.is_alive,
                                               keep_late=round_.keep_late, all_or_nothing=round_.all_or_nothing)
+            entry.update(ended=round(time.time(), 3), lost=sorted(outcome.missing), outcome="redone")
             if self.stop.is_set():
                 raise JobAborted(f"stopped during step {step}")
             if self.policy.complete(round_, outcome, time.monotonic() - opened):
@@ -154,7 +167,9 @@ class Trainer:
                 result = self.aggregator.apply(step, self.board, collected.contributions, outcome.rejected)
                 quarantined += result.quarantined
                 if result.used:
+                    entry["outcome"] = "applied"
                     break
+                entry["outcome"] = "void"
                 last_void = self._void(step, attempt, result.rejected, redo=attempt + 1 < cfg.max_attempts)
                 refused.update(result.rejected)
             if round_.keep_late:  # the redo covers these samples: late answers for them must not count too
@@ -168,7 +183,8 @@ class Trainer:
                           shares={d: len(a.indices) for d, a in round_.assignments.items()},
                           used=result.used, rejected={**refused, **result.rejected}, clipped=result.clipped,
                           codecs={d: a.codec for d, a in round_.assignments.items()},
-                          quarantined=quarantined, stages=collected.stages, failures=failures)
+                          quarantined=quarantined, stages=collected.stages, failures=failures,
+                          attempt_log=attempt_log)
 
     def _void(self, step: int, attempt: int, rejected: dict[str, str], *, redo: bool) -> str:
         """An attempt counted but none of its updates was usable: nothing was applied; say so, and
