@@ -70,10 +70,11 @@ def _free_port_pair() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
-def _coordinator_process(job_file: Path, port: int, runs_dir: Path, log: Path):
+def _coordinator_process(job_file: Path, port: int, runs_dir: Path, log: Path,
+                         extra: tuple[str, ...] = ("--no-advertise",)):
     """`edgetrain coordinator` as its own process on 127.0.0.1:`port`, under the session's authority."""
     args = ["coordinator", "--config", str(job_file), "--bind", f"127.0.0.1:{port}", "--runs-dir", str(runs_dir),
-            "--no-advertise", "--data-dir", str(runs_dir / "data")]
+            "--data-dir", str(runs_dir / "data"), *extra]
     env = {key: os.environ.get(key) for key in ("EDGETRAIN_HOME", "EDGETRAIN_JOIN_TOKEN")}
     process = _forks().Process(target=_client_main, args=(args, str(log), env), name=f"coordinator-{runs_dir.name}")
     process.start()
@@ -115,3 +116,41 @@ def test_boards_outlive_a_killed_coordinator_and_rejoin_the_restarted_one(tmp_pa
             second.kill()
     finally:
         first.kill()
+
+
+@pytest.mark.timeout(300)
+def test_board_finds_a_coordinator_that_came_back_on_another_address_over_mdns(tmp_path):
+    # Prepare: a coordinator advertising a cluster of its own on loopback; a board that knows no
+    # address (it finds the coordinator over mDNS, pairs, trains)
+    cluster = f"resilience-{os.getpid()}"
+    job = small_job(training={"steps": 100_000, "min_clients": 1, "global_batch": 16})
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job_to_dict(job)))
+    mdns = ("--cluster", cluster, "--advertise", "127.0.0.1")
+    first = _coordinator_process(job_file, _free_port_pair(), tmp_path / "first", tmp_path / "first.log", extra=mdns)
+    board_log = tmp_path / "board.log"
+    env = {key: os.environ.get(key) for key in ("EDGETRAIN_HOME", "EDGETRAIN_JOIN_TOKEN")}
+    board = _forks().Process(target=_client_main, args=(
+        ["client", "--name", "roamer", "--threads", "1", "--cluster", cluster, "--interface", "127.0.0.1"],
+        str(board_log), env), name="roamer")
+    board.start()
+    second = None
+    try:
+        wait_for(lambda: len(read_records(tmp_path / "first" / job.name)) >= 1, 150, "a step on the first coordinator")
+
+        # Execute: the coordinator dies and comes back on another port
+        first.kill()
+        first.join(10)
+        wait_for(lambda: "lost the coordinator" in board_log.read_text(), 60, "the board to notice")
+        second = _coordinator_process(job_file, _free_port_pair(), tmp_path / "second", tmp_path / "second.log",
+                                      extra=mdns)
+
+        # Assert: the board found it over mDNS and trains there, nobody touching it
+        wait_for(lambda: read_records(tmp_path / "second" / job.name), 150, "a step on the second coordinator")
+        assert board.exitcode is None
+        text = board_log.read_text()
+        assert "coordinator reached at" in text and "Traceback" not in text
+    finally:
+        for process in (first, second, board):
+            if process is not None:
+                process.kill()

@@ -229,6 +229,13 @@ class VirtualLan:
                 if "handle of zero" not in str(e) and "No such file" not in str(e):
                     raise
 
+    def set_link_up(self, host: str, up: bool) -> None:
+        """Cut ``host``'s link (its veth on the bridge goes down: nothing passes either way, as
+        when a cable is pulled) or restore it."""
+        net = self._host(host)
+        _run(["ip", "link", "set", "dev", net.veth_root, "up" if up else "down"])
+        logger.info("[netns] %s link %s", host, "restored" if up else "cut")
+
     def exec_args(self, host: str) -> list[str]:
         """Prefix that runs a command inside ``host``'s namespace."""
         return ["ip", "netns", "exec", self._host(host).namespace]
