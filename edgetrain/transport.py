@@ -52,9 +52,11 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_permit_without_calls", 1),
     # Without this a second coordinator silently binds the same port.
     ("grpc.so_reuseport", 0),
-    # Ping idle peers too, so a board that lost power mid-upload frees its stream and thread.
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", 10_000),
+    # Ping quiet peers every 5 s and cut those that do not answer within 5 s (a LAN answers in
+    # milliseconds; the client's C core answers even while its Python is busy or in a GC pause):
+    # a board that lost power or its link ends its presence stream, and is lost, within ~10 s.
+    ("grpc.keepalive_time_ms", 5_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
 ]
 
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
