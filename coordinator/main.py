@@ -15,6 +15,7 @@ from coordinator.pairing import serve_gateway
 from coordinator.registry import DeviceRegistry
 from coordinator.servicer import CoordinatorServicer, coordinator_service
 from coordinator.training.aggregator import Aggregator
+from coordinator.training.checkpoint import CheckpointError, describe_missing
 from coordinator.training.parameters import ParameterStore
 from coordinator.training.report import summarize, summary_table
 from coordinator.training.rounds import JobAborted
@@ -64,9 +65,9 @@ def board_security(authority: trust.Authority | None) -> transport.Security:
 
 def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str = "data",
                     runs_dir: str = "runs", port_file: str | None = None, resume: bool = False,
-                    stop: threading.Event | None = None, cluster: str = "edgetrain",
-                    advertise: list[str] | None = None, authority: trust.Authority | None = None,
-                    pair_bind: str | None = None) -> dict:
+                    resume_or_start: bool = False, stop: threading.Event | None = None,
+                    cluster: str = "edgetrain", advertise: list[str] | None = None,
+                    authority: trust.Authority | None = None, pair_bind: str | None = None) -> dict:
     """Serve and train `job` to completion; returns the run summary (also under runs/<name>/).
 
     With an `authority` the fleet port takes mutual TLS under the fleet CA and boards pair on the
@@ -75,6 +76,11 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
     interfaces), the coordinator announces itself over mDNS on those interfaces, so boards find
     it without an address. A job that stops before its last step (JobAborted) still writes its
     summary, saying how many steps were applied, then raises.
+
+    `resume`: continue from the run's newest complete checkpoint (checkpoint.py), or raise
+    CheckpointError, before serving anything, when there is none; `resume_or_start`: continue
+    from it if there is one, else train from step 0. Without either, training starts from step 0
+    and an earlier run's checkpoints are moved to checkpoints.previous/.
     """
     stop = stop or threading.Event()
     job = replace(job, dataset=replace(job.dataset, data_dir=data_dir))
@@ -94,6 +100,12 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
     servicer = CoordinatorServicer(job, board_job(job, aggregator), registry, board, store, cluster=cluster)
     trainer = Trainer(job, registry, board, model, train_size, test_set, run_dir, stop, store=store,
                       aggregator=aggregator, board_security=board_security(authority))
+    try:
+        _resume_or_start(trainer, run_dir, resume=resume, resume_or_start=resume_or_start)
+    except BaseException:
+        trainer.policy.close()
+        trainer.metrics.close()
+        raise
     servers = serve_gateway(bind, coordinator_service(servicer), authority=authority, pair_bind=pair_bind)
     freeze_heap()
     advertiser = None
@@ -113,8 +125,6 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
             Path(port_file).write_text("".join(line + "\n" for line in lines))
         threading.Thread(target=_watch_heartbeats, daemon=True,
                          args=(registry, board, job.training.heartbeat_timeout_s, stop)).start()
-        if resume:
-            trainer.resume_if_possible()
         try:
             final = trainer.run()
         except JobAborted as e:
@@ -128,6 +138,19 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
         if advertiser:
             advertiser.close()
         servers.stop(grace=2.0)
+
+
+def _resume_or_start(trainer: Trainer, run_dir: Path, *, resume: bool, resume_or_start: bool) -> None:
+    """Load the checkpoint to continue from, or set up a run from step 0 (see run_coordinator)."""
+    if resume or resume_or_start:
+        restored = trainer.resume_if_possible()
+        if restored.checkpoint is not None:
+            return
+        why = describe_missing(run_dir, restored.skipped)
+        if resume:
+            raise CheckpointError(f"--resume: {why}; start without --resume, or with --resume-or-start")
+        logger.info("[Coordinator] --resume-or-start: %s; training starts from step 0", why)
+    trainer.start_from_scratch()
 
 
 def _write_summary(run_dir: Path, summary: dict) -> dict:

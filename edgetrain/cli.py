@@ -78,7 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     coord.add_argument("--port-file", help="write the bound host:port here once serving")
     coord.add_argument("--data-dir", default="data", help="dataset directory (for evaluation)")
     coord.add_argument("--runs-dir", default="runs", help="results go to RUNS_DIR/<job name>/")
-    coord.add_argument("--resume", action="store_true", help="continue from the run's checkpoint")
+    resume = coord.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true",
+                        help="continue from the run's newest complete checkpoint; an error (exit 2) when there is none")
+    resume.add_argument("--resume-or-start", action="store_true",
+                        help="continue from the run's newest complete checkpoint, or start from step 0 without one")
     coord.add_argument("--cluster", default="edgetrain", help="cluster name advertised over mDNS")
     coord.add_argument("--advertise", action="append", default=None, metavar="IP",
                        help="advertise over mDNS on this interface address (repeatable; default: the bind "
@@ -210,6 +214,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     import threading
 
     from coordinator.main import run_coordinator
+    from coordinator.training.checkpoint import CheckpointError
     from coordinator.training.rounds import JobAborted
     from edgetrain.discovery import default_interfaces
     from edgetrain.trust import gateway_authority
@@ -230,8 +235,11 @@ def _coordinator(args: argparse.Namespace) -> int:
     job = load_job(args.config, dict(parse_override(o) for o in args.set))
     try:
         run_coordinator(job, bind=args.bind, data_dir=args.data_dir, runs_dir=args.runs_dir, port_file=args.port_file,
-                        resume=args.resume, stop=stop, cluster=args.cluster, advertise=advertise,
-                        authority=authority, pair_bind=args.pair_bind)
+                        resume=args.resume, resume_or_start=args.resume_or_start, stop=stop, cluster=args.cluster,
+                        advertise=advertise, authority=authority, pair_bind=args.pair_bind)
+    except CheckpointError as e:
+        print(f"edgetrain coordinator: error: {e}", file=sys.stderr)
+        return 2
     except JobAborted as e:
         print(f"edgetrain coordinator: job {job.name} stopped: {e}", file=sys.stderr)
         return 4
@@ -296,7 +304,7 @@ def _local(args: argparse.Namespace) -> int:
                    data_dir=args.data_dir, insecure=args.insecure)
     code = run_local(run, job_name=job.name)
     if code == 0:
-        print(f"results: {args.runs_dir / job.name}/ (metrics.jsonl, summary.json, checkpoint)")
+        print(f"results: {args.runs_dir / job.name}/ (metrics.jsonl, summary.json, checkpoints/)")
     return code
 
 

@@ -87,7 +87,12 @@ class TrainingConfig:
     eval_every: int = 50
     """Evaluate on the test set every this many steps (and after the last step); 0: only at the end."""
     checkpoint_every: int = 0
-    """Write a checkpoint every this many steps (and after the last step); 0: only at the end."""
+    """Also write a checkpoint every this many steps (0: not by steps). A checkpoint is always
+    written after the last step, and when the target accuracy ends the job early."""
+    checkpoint_every_s: float = 60.0
+    """Write a checkpoint once this many seconds of training passed since the last one (checked
+    after each step; 0: not by time). A coordinator that dies loses at most about this much
+    training, plus a step; `--resume` continues from the newest complete checkpoint."""
     step_timeout_s: float = 0.0
     """Give up on a device's contribution after this long; 0: 3x the predicted step time + 10 s."""
     heartbeat_interval_s: float = 1.0
@@ -117,6 +122,8 @@ class TrainingConfig:
         _require(self.min_clients >= 1, "min_clients", self.min_clients, "must be >= 1")
         _require(self.eval_every >= 0, "eval_every", self.eval_every, "must be >= 0")
         _require(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every, "must be >= 0")
+        _require(self.checkpoint_every_s >= 0, "checkpoint_every_s", self.checkpoint_every_s,
+                 "must be >= 0 (0: no checkpoints by time)")
         _require(self.step_timeout_s >= 0, "step_timeout_s", self.step_timeout_s, "must be >= 0")
         _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", self.heartbeat_interval_s,
                  "must be > 0")

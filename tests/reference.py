@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from safetensors.torch import load_file
 
+from coordinator.training.checkpoint import model_state
 from edgetrain.config import JobConfig
 from edgetrain.data import load_dataset, make_batch
 from edgetrain.models import build_model
@@ -29,8 +29,8 @@ def reference_state(job: JobConfig, steps: int | None = None) -> dict[str, torch
 
 
 def checkpoint_state(run_dir) -> dict[str, torch.Tensor]:
-    """The model state a coordinator checkpointed."""
-    return load_file(run_dir / "checkpoint.safetensors")
+    """The model state of the newest complete checkpoint a coordinator wrote."""
+    return model_state(run_dir)
 
 
 def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

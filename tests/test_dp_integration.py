@@ -8,6 +8,8 @@ import pytest
 from conftest import small_job, wait_for
 from reference import checkpoint_state, max_abs_difference, reference_state
 
+from coordinator.training.checkpoint import read_ledger
+
 pytestmark = pytest.mark.slow
 
 TOLERANCE = 2e-5
@@ -116,7 +118,7 @@ def test_a_reached_target_accuracy_ends_the_job_early_with_a_checkpoint(coordina
     coordinator.wait(timeout=150)
     # Assert: 2 steps trained, evaluated, checkpointed; the board was told the job ended
     assert [s["step"] for s in read_metrics(coordinator.run_dir)] == [0, 1]
-    assert json.loads((coordinator.run_dir / "checkpoint.json").read_text())["next_step"] == 2
+    assert read_ledger(coordinator.run_dir) == [1, 1] + [0] * 18
     summary = json.loads((coordinator.run_dir / "summary.json").read_text())
     assert (summary["steps"], summary["target_accuracy"]) == (2, 0.001)
     assert client.wait(timeout=30) == 0

@@ -505,7 +505,7 @@ class JobServer:
             proc = subprocess.Popen(edgetrain_command(
                 "coordinator", "--config", str(config_file), "--bind", f"{self.host}:0", "--port-file", str(port_file),
                 "--runs-dir", str(self.runs_dir), "--data-dir", str(self.data_dir), "--no-advertise",
-                *self.coordinator_trust_args(), *(["--resume"] if job.resume else [])), stdout=log,
+                *self.coordinator_trust_args(), *(["--resume-or-start"] if job.resume else [])), stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True)
         self.procs[job.id] = proc

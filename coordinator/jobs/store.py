@@ -63,7 +63,9 @@ class JobRecord:
     stepped: bool = False
     """Its coordinator has logged a step since this launch."""
     resume: bool = False
-    """Start from the run's checkpoint (the job ran before the job server restarted)."""
+    """Start from the run's newest complete checkpoint, or from step 0 if it wrote none
+(`--resume-or-start`: the job ran before the job server restarted, perhaps not long enough for
+a checkpoint)."""
 
     @property
     def run_name(self) -> str:

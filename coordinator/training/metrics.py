@@ -1,4 +1,11 @@
-"""Training metrics as JSONL (one object per step or evaluation) plus progress lines on the log."""
+"""Training metrics as JSONL plus progress lines on the log.
+
+Record kinds: `train` (a step whose update was applied), `eval` (a test-set evaluation),
+`checkpoint` (a checkpoint set written: after how many steps, where, its size and save time) and
+`resume` (training continues from a checkpoint: `from_step`, the set, and the newer sets skipped
+as damaged). Steps after a `resume` record repeat the steps from `from_step` on, which the earlier
+records may already hold: those updates were lost with the process, not applied twice.
+"""
 
 from __future__ import annotations
 
@@ -61,6 +68,16 @@ class MetricsLog:
         self.write(self.last_eval)
         logger.info("eval after step %d: test loss %.4f, test accuracy %.3f (%d samples)", step + 1, loss,
                     accuracy, samples)
+
+    def checkpoint(self, next_step: int, name: str, size: int, seconds: float) -> None:
+        """Record a checkpoint set written after `next_step` steps."""
+        self.write({"kind": "checkpoint", "next_step": next_step, "checkpoint": name, "bytes": size,
+                    "save_s": round(seconds, 4)})
+
+    def resume(self, from_step: int, checkpoint: str, skipped: list[dict]) -> None:
+        """Record that training continues at step `from_step` from set `checkpoint`; `skipped`:
+        newer sets that failed their checks (`{"checkpoint", "reason"}` each)."""
+        self.write({"kind": "resume", "from_step": from_step, "checkpoint": checkpoint, "skipped": skipped})
 
     def close(self) -> None:
         """Close the file."""

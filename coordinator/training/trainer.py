@@ -9,6 +9,12 @@ out) changed nothing and does not count either: the step is redone. After
 `training.max_attempts` attempts without one the job stops (JobAborted) — a step is never counted
 as trained without an update. Then it records the step, evaluates and checkpoints on schedule,
 and stops at the last step or at the first evaluation reaching `training.target_accuracy`.
+
+Checkpoints (checkpoint.py) are written every `training.checkpoint_every_s` seconds of training
+and/or `training.checkpoint_every` steps, and always at the end (the last step, or the target
+reached). Each carries the ledger `applied_steps`: how often each step's update was applied to
+the checkpointed model, counted as each step's record is logged, right after the aggregator
+applied it. A resume continues from the newest complete checkpoint with its ledger.
 """
 
 from __future__ import annotations
@@ -23,7 +29,15 @@ import torch
 
 from coordinator.registry import DeviceRegistry
 from coordinator.training.aggregator import Aggregator, Weighted
-from coordinator.training.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+from coordinator.training.checkpoint import (
+    KEEP,
+    CheckpointSet,
+    Restored,
+    load_newest,
+    prune,
+    save_checkpoint,
+    set_aside,
+)
 from coordinator.training.metrics import MetricsLog
 from coordinator.training.parameters import ParameterStore
 from coordinator.training.rounds import JobAborted, RoundContext, make_round_policy
@@ -93,6 +107,13 @@ class Trainer:
         """Steps whose update was applied (including those of a run resumed from)."""
         self.steps_attempted = 0
         """Steps begun: the applied ones, and the one the job stopped in, if it stopped."""
+        self.applied_steps = [0] * job.training.steps
+        """The ledger: how often each step's update was applied to the model (saved with it)."""
+        self.checkpoints: list[CheckpointSet] = []
+        """This run's checkpoint sets, oldest first: the one resumed from, then those written."""
+        self._checkpointed_at: float | None = None
+        """time.monotonic() of the last checkpoint (or of the first step's start): when the next
+        time-based one is due."""
         self.ctx = RoundContext(job=job, registry=registry, board=board, store=store, model=model,
                                 aggregator=aggregator, metrics=self.metrics, stop=self.stop, train_size=train_size,
                                 board_security=board_security)
@@ -108,15 +129,37 @@ class Trainer:
         """(step, seconds) of every step trained."""
         return self.ctx.step_seconds
 
-    def resume_if_possible(self) -> None:
-        """Continue from the run directory's checkpoint, if there is one."""
-        if not has_checkpoint(self.run_dir):
-            return
-        state = load_checkpoint(self.run_dir, self.model, self.aggregator.optimizer)
+    def resume_if_possible(self) -> Restored:
+        """Continue from the run directory's newest complete checkpoint, if there is one.
+
+        Newer sets that fail their checks are skipped (each logged with why) and so is a set
+        that does not fit the job. With a set found, training continues at its step with its
+        model, momentum, ledger and progress, and a `resume` record in metrics.jsonl says so;
+        without one nothing changes (`checkpoint` None; checkpoint.describe_missing says why).
+        """
+        restored = load_newest(self.run_dir, self.model, self.aggregator.optimizer)
+        if restored.checkpoint is None:
+            return restored
+        state = restored.state
         self.start_step = self.steps_applied = self.steps_attempted = state["next_step"]
         self.train_seconds, self.samples_done = state["train_seconds"], state["samples_done"]
+        ledger = list(state["applied_steps"])
+        self.applied_steps = ledger + [0] * (self.job.training.steps - len(ledger))  # the job may have grown
         self.policy.load_state_dict(state)
-        logger.info("[Coordinator.Trainer] resumed from checkpoint at step %d", self.start_step)
+        self.checkpoints = [restored.checkpoint]
+        self.metrics.resume(self.start_step, restored.checkpoint.name, restored.skipped)
+        logger.info("[Coordinator.Trainer] resumed from %s: continuing at step %d%s", restored.checkpoint.name,
+                    self.start_step, f" (skipped {len(restored.skipped)} damaged newer set(s))" if restored.skipped
+                    else "")
+        return restored
+
+    def start_from_scratch(self) -> None:
+        """Train from step 0: an earlier run's checkpoints (if any) move to checkpoints.previous/,
+        so nothing resumes this run from them."""
+        moved = set_aside(self.run_dir)
+        if moved:
+            logger.warning("[Coordinator.Trainer] starting from step 0: the earlier checkpoints in %s were moved to %s",
+                           self.run_dir, moved)
 
     def run(self) -> dict:
         """Train to the configured number of steps; returns the final evaluation."""
@@ -200,7 +243,8 @@ class Trainer:
         cfg = self.job.training
         last = step == cfg.steps - 1
         evaluating = last or bool(cfg.eval_every and (step + 1) % cfg.eval_every == 0)
-        checkpointing = last or bool(cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
+        checkpointing = last or bool(cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or bool(
+            cfg.checkpoint_every_s and time.monotonic() - self._checkpointed_at >= cfg.checkpoint_every_s)
         self.policy.after_step(step, evaluating or checkpointing)
         reached = False
         if evaluating:
@@ -215,7 +259,11 @@ class Trainer:
         return reached
 
     def _log_step(self, record: StepRecord) -> None:
+        """Count the step's update as applied (the aggregator just applied it) and record it."""
+        if self._checkpointed_at is None:  # the time-based checkpoint clock starts with training
+            self._checkpointed_at = time.monotonic() - record.seconds
         self.steps_applied += 1
+        self.applied_steps[record.step] += 1
         self.ctx.step_seconds.append((record.step, record.seconds))
         self.samples_done += sum(w.contribution.samples for w in record.used)
         self.train_seconds += record.seconds
@@ -234,6 +282,18 @@ class Trainer:
         self.metrics.evaluation(step, loss_sum / seen, correct / seen, seen, time.monotonic() - started)
 
     def _checkpoint(self, next_step: int) -> None:
-        save_checkpoint(self.run_dir, self.model, self.aggregator.optimizer, {
+        """Write the set for `next_step` (model, momentum, progress, ledger), then delete every set
+        but the last KEEP of this run (older ones, and damaged ones a resume skipped)."""
+        started = time.monotonic()
+        saved = save_checkpoint(self.run_dir, self.model, self.aggregator.optimizer, {
             "next_step": next_step, "train_seconds": self.train_seconds, "samples_done": self.samples_done,
-            "job": self.job.name, **self.policy.state_dict()})
+            "job": self.job.name, "applied_steps": self.applied_steps, **self.policy.state_dict()})
+        seconds = time.monotonic() - started
+        self.checkpoints = [c for c in self.checkpoints if c.path != saved.path] + [saved]
+        self.checkpoints = self.checkpoints[-KEEP:]
+        prune(self.run_dir, self.checkpoints)
+        size = sum(f.stat().st_size for f in saved.path.iterdir())
+        self.metrics.checkpoint(next_step, saved.name, size, seconds)
+        logger.info("[Coordinator.Trainer] checkpoint after step %d: %s (%.1f MB in %.2f s)", next_step, saved.name,
+                    size / 1e6, seconds)
+        self._checkpointed_at = time.monotonic()
