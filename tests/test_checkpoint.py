@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import small_job, wait_for
+from conftest import ClientProcess, _client_main, _forks, small_job, wait_for
 from reference import max_abs_difference, reference_state
 
 from coordinator.main import run_coordinator
@@ -268,9 +268,22 @@ def test_resume_with_no_checkpoint_is_a_one_line_error_from_the_cli(tmp_path):
     assert not (tmp_path / "address").exists()
 
 
-def _address(tmp_path: Path, process: subprocess.Popen) -> str:
+def _forked_coordinator(job_file: Path, tmp_path: Path, log: str, *flags: str) -> ClientProcess:
+    """`edgetrain coordinator` for the job as its own process, forked from the test's fork server,
+    which has torch imported already (as conftest.spawn_client forks boards): the same CLI path as
+    `python -m edgetrain`, without paying for torch's import twice."""
+    (tmp_path / "address").unlink(missing_ok=True)
+    argv = ["coordinator", "--config", str(job_file), "--bind", "127.0.0.1:0", "--port-file", str(tmp_path / "address"),
+            "--runs-dir", str(tmp_path / "runs"), "--data-dir", str(tmp_path / "data"), "--no-advertise", *flags]
+    env = {key: os.environ.get(key) for key in ("EDGETRAIN_HOME", "EDGETRAIN_JOIN_TOKEN")}
+    process = _forks().Process(target=_client_main, args=(argv, str(tmp_path / log), env), name=log)
+    process.start()
+    return ClientProcess(process)
+
+
+def _address(tmp_path: Path, process: ClientProcess, log: str) -> str:
     def served() -> str:
-        assert process.poll() is None, f"the coordinator exited: {process.communicate()[1][-3000:]}"
+        assert process.poll() is None, f"the coordinator exited: {(tmp_path / log).read_text()[-3000:]}"
         path = tmp_path / "address"
         return path.exists() and path.read_text().splitlines()[0].strip()
     return wait_for(served, 90, "the coordinator to serve", interval_s=0.05)
@@ -290,8 +303,8 @@ def test_a_coordinator_killed_after_a_timed_checkpoint_resumes_with_every_step_a
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(job_to_dict(job)))
     run_dir = tmp_path / "runs" / job.name
-    first = _coordinator(job_file, tmp_path, "--resume-or-start")
-    board = client_factory(_address(tmp_path, first), "board", 0.4)
+    first = _forked_coordinator(job_file, tmp_path, "first.log", "--resume-or-start")
+    board = client_factory(_address(tmp_path, first, "first.log"), "board", 0.4)
 
     def checkpointed() -> int:
         try:
@@ -302,21 +315,22 @@ def test_a_coordinator_killed_after_a_timed_checkpoint_resumes_with_every_step_a
     # Execute: SIGKILL as soon as the first timed checkpoint is complete, then plant what a
     # crash in the middle of the next save leaves (a newer set without its manifest)
     saved_steps = wait_for(checkpointed, 120, "the first timed checkpoint", interval_s=0.02)
-    first.send_signal(signal.SIGKILL)
-    first.wait(10)
+    first.kill()  # SIGKILL
+    assert first.wait(10) == -signal.SIGKILL
     board.kill()
     newest = checkpoint_sets(run_dir)[0]
     assert newest.next_step < job.training.steps, "the run ended before the kill: nothing to resume mid-run"
     torn = run_dir / CHECKPOINTS_DIR / set_name(newest.next_step + 1)
     torn.mkdir()
     (torn / MODEL_FILE).write_bytes((newest.path / MODEL_FILE).read_bytes()[:1000])
-    second = _coordinator(job_file, tmp_path, "--resume")
-    client_factory(_address(tmp_path, second), "board-again")  # unthrottled: this half need not be slow
-    _, stderr = second.communicate(timeout=180)
+    second = _forked_coordinator(job_file, tmp_path, "second.log", "--resume")
+    client_factory(_address(tmp_path, second, "second.log"), "board-again")  # unthrottled: this half need not be slow
+    exit_code = second.wait(timeout=180)
+    stderr = (tmp_path / "second.log").read_text()
 
     # Assert: the job finished from the newest complete set, skipping the torn one and saying so;
     # the final model has every step's update exactly once and equals 12 uninterrupted steps
-    assert second.returncode == 0, stderr[-3000:]
+    assert exit_code == 0, stderr[-3000:]
     assert f"skipping {torn.relative_to(run_dir)}: no manifest.json (its save did not finish)" in stderr
     [resume] = _records(run_dir, "resume")
     assert resume["from_step"] == newest.next_step >= saved_steps > 0
@@ -329,3 +343,11 @@ def test_a_coordinator_killed_after_a_timed_checkpoint_resumes_with_every_step_a
     assert sorted(os.listdir(run_dir / CHECKPOINTS_DIR))[-1] == set_name(job.training.steps)
     assert len(os.listdir(run_dir / CHECKPOINTS_DIR)) == 2
     assert _records(run_dir, "checkpoint")[-1]["checkpoint"] == f"{CHECKPOINTS_DIR}/{set_name(job.training.steps)}"
+
+
+def test_a_negative_checkpoint_interval_is_refused_by_the_job_config():
+    from edgetrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"checkpoint_every_s=-1\.0: must be >= 0"):
+        small_job(training={"checkpoint_every_s": -1.0})
+    assert small_job().training.checkpoint_every_s == 60.0  # on by default

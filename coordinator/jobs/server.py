@@ -16,8 +16,9 @@ A board's claimed speed is checked against the steps of the jobs it ran alone
 (``coordinator.jobs.lobby``): a claim far off is flagged and the board planned by the measurement.
 
 Jobs live in ``<state-dir>/jobs.json`` (``coordinator.jobs.store``): a restarted job server adopts
-job coordinators that are still running and re-queues the others to resume from their
-checkpoints. Every scheduling decision is appended to ``<state-dir>/decisions.jsonl``.
+job coordinators that are still running and re-queues the others to resume from their newest
+complete checkpoint (``--resume-or-start``: from step 0 when a job died before its first
+checkpoint). Every scheduling decision is appended to ``<state-dir>/decisions.jsonl``.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class JobServer:
                     self.boards[name] = LobbyBoard(name=name, claimed_speed=0.0, mbit_per_s=0.0,
                                                last_seen=self.clock(), job=job.id)
             else:
-                self._requeue(job, "the job server restarted while it ran; it resumes from its checkpoint")
+                self._requeue(job, "the job server restarted while it ran; it resumes from its newest checkpoint")
         self.store.save()
 
     def _requeue(self, job: JobRecord, why: str) -> None:
@@ -247,7 +248,7 @@ class JobServer:
             for job_id in procs:
                 job = self.store.jobs[job_id]
                 self._free_boards(job)
-                self._requeue(job, "the job server stopped while it ran; it resumes from its checkpoint")
+                self._requeue(job, "the job server stopped while it ran; it resumes from its newest checkpoint")
             self.store.save()
         terminate(*procs.values())
 

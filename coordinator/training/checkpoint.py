@@ -146,8 +146,8 @@ def save_checkpoint(run_dir: Path, model: nn.Module, optimizer: torch.optim.Opti
     _write_synced(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
     _fsync_dir(tmp)
     final = root / set_name(next_step)
-    if final.exists():
-        shutil.rmtree(final)
+    if final.exists():  # a damaged set of an earlier life under this name: out of the way first
+        shutil.rmtree(final.rename(root / f".deleting-{final.name}-{os.getpid()}"))
     os.rename(tmp, final)
     _fsync_dir(root)
     return CheckpointSet(final, next_step)
@@ -160,9 +160,14 @@ def prune(run_dir: Path, keep: list[CheckpointSet]) -> list[str]:
     kept = {s.path.name for s in keep}
     deleted = []
     for entry in sorted(root.iterdir()) if root.is_dir() else []:
-        if entry.name not in kept:
-            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-            deleted.append(entry.name)
+        if entry.name in kept:
+            continue
+        if entry.is_dir():  # renamed first: a crash mid-delete leaves no half a set under a set's name
+            doomed = entry if entry.name.startswith(".") else entry.rename(root / f".deleting-{entry.name}")
+            shutil.rmtree(doomed)
+        else:
+            entry.unlink()
+        deleted.append(entry.name)
     if deleted:
         _fsync_dir(root)
     return deleted
