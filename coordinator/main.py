@@ -15,7 +15,7 @@ from coordinator.pairing import serve_gateway
 from coordinator.registry import DeviceRegistry
 from coordinator.servicer import CoordinatorServicer, coordinator_service
 from coordinator.training.aggregator import Aggregator
-from coordinator.training.checkpoint import CheckpointError, describe_missing
+from coordinator.training.checkpoint import CheckpointError, checkpoint_sets, describe_missing
 from coordinator.training.parameters import ParameterStore
 from coordinator.training.report import summarize, summary_table
 from coordinator.training.rounds import JobAborted
@@ -85,6 +85,8 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
     stop = stop or threading.Event()
     job = replace(job, dataset=replace(job.dataset, data_dir=data_dir))
     run_dir = Path(runs_dir) / job.name
+    if resume and not checkpoint_sets(run_dir):  # say so at once, before building the model and data
+        raise _nothing_to_resume(run_dir, [])
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "job.json").write_text(json.dumps(job_to_dict(job), indent=2))
     torch.set_num_threads(1)
@@ -146,11 +148,16 @@ def _resume_or_start(trainer: Trainer, run_dir: Path, *, resume: bool, resume_or
         restored = trainer.resume_if_possible()
         if restored.checkpoint is not None:
             return
-        why = describe_missing(run_dir, restored.skipped)
         if resume:
-            raise CheckpointError(f"--resume: {why}; start without --resume, or with --resume-or-start")
-        logger.info("[Coordinator] --resume-or-start: %s; training starts from step 0", why)
+            raise _nothing_to_resume(run_dir, restored.skipped)
+        logger.info("[Coordinator] --resume-or-start: %s; training starts from step 0",
+                    describe_missing(run_dir, restored.skipped))
     trainer.start_from_scratch()
+
+
+def _nothing_to_resume(run_dir: Path, skipped: list[dict]) -> CheckpointError:
+    return CheckpointError(f"--resume: {describe_missing(run_dir, skipped)}; "
+                           "start without --resume, or with --resume-or-start")
 
 
 def _write_summary(run_dir: Path, summary: dict) -> dict:
