@@ -25,7 +25,7 @@ from protos import coordinator_pb2 as pb
 pytestmark = pytest.mark.slow
 
 TOLERANCE = 2e-5
-STEPS_AROUND_A_KILL = 40
+STEPS_AROUND_A_KILL = 24
 """Steps of the run whose stage owner is killed once 3 have trained."""
 
 THREE_STAGES = [{"blocks": 1, "boards": ["s0"]}, {"blocks": 2, "boards": ["s1a", "s1b"]},
