@@ -3,14 +3,15 @@
 Every board serves `StagePeer` next to its client (edgetrain.transport makes the server and the
 channels to peers). Neighbouring stage hosts `Send` activations and their gradients; they wait in
 the `Mailbox` until the stage runner (edge_client.stage) takes them. The coordinator hands over
-and takes back the stage a board owns (`LoadState`, `PullState`, edge_client.stage_state); an
-interrupted pull resumes from the byte it reached. Every bad stream gets a precise status and
+and takes back the stage a board owns (`LoadState`, `PullState`, edge_client.stage_state) and
+keeps its replica up to date with each attempt's changes (`PullStep`); an interrupted pull
+resumes from the byte it reached. Every bad stream gets a precise status and
 nothing is half-loaded.
 
 In a fleet (mutual TLS) only members with a certificate of the fleet CA get through the
 handshake; `Send` is then for the boards the plan of this board's current work names (its stage's
-hosts and its neighbours, each under its own device id: `Admission`), and `LoadState` /
-`PullState` for the gateway alone. On a plaintext endpoint (`--insecure`) nothing is checked.
+hosts and its neighbours, each under its own device id: `Admission`), and `LoadState`,
+`PullState` and `PullStep` for the gateway alone. On a plaintext endpoint (`--insecure`) nothing is checked.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ ADMISSION_WAIT_S = 120.0
 neighbour may start sending before this board's poll for the same attempt has returned)."""
 STAGE_ACCESS = {"StagePeer/Send": frozenset({trust.BOARD}),
                 "StagePeer/LoadState": frozenset({trust.GATEWAY}),
-                "StagePeer/PullState": frozenset({trust.GATEWAY})}
+                "StagePeer/PullState": frozenset({trust.GATEWAY}),
+                "StagePeer/PullStep": frozenset({trust.GATEWAY})}
 """Who may call what on a StagePeer: stage tensors come from boards, owned state moves only at
 the gateway's (the coordinator's) request. Nothing else is served."""
 
@@ -191,6 +193,10 @@ class StagePeerServicer(spb_grpc.StagePeerServicer):
         """The last state pulled (request, metas, payload): an interrupted pull resumes from it;
         kept until the next pull or hand-over."""
         self._pulled_lock = threading.Lock()
+        self._stepped: tuple[tuple, list, memoryview] | None = None
+        """The last attempt's changes pulled (request, metas, payload): an interrupted PullStep
+        resumes from it."""
+        self._stepped_lock = threading.Lock()
 
     def LoadState(self, request_iterator: Iterator[spb.StateMessage], context) -> spb.StageAck:
         first = next(request_iterator, None)
@@ -247,6 +253,44 @@ class StagePeerServicer(spb_grpc.StagePeerServicer):
                             f"{len(payload)} bytes of the state")
         yield spb.StateMessage(header=serde.header_to_proto(metas))
         for chunk in iter_chunks(payload, start=request.offset, chunk_bytes=self.chunk_bytes):
+            if self.shaper:
+                self.shaper.before_send(len(chunk.data))
+            yield spb.StateMessage(chunk=serde.chunk_to_proto(chunk))
+
+    def PullStep(self, message: spb.StepRequest, context) -> Iterator[spb.StateMessage]:
+        key = (message.job_id, message.first_block, message.end_block, message.step, message.attempt)
+        what = f"step {message.step} attempt {message.attempt} of blocks [{message.first_block}, {message.end_block})"
+        with self._stepped_lock:
+            held = self._stepped if self._stepped is not None and self._stepped[0] == key else None
+        if held is None and message.offset:
+            transport.abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"no pull of {what} to resume",
+                            Refusal.STAGE_STATE_MISMATCH)
+        if held is None:
+            remaining = context.time_remaining()
+            deadline = time.monotonic() + (remaining if remaining is not None else ADMISSION_WAIT_S)
+
+            def gone() -> str | None:
+                if not context.is_active():
+                    return "the caller left"
+                if self.mailbox.superseded(message.step, message.attempt):
+                    return "the coordinator opened a newer attempt"
+                return None
+
+            try:
+                metas, payload = pack(self.state.replica(message.job_id, message.first_block, message.end_block,
+                                                         message.step, message.attempt, deadline=deadline,
+                                                         gone=gone))
+            except StageStateError as e:
+                transport.abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e), Refusal.STAGE_STATE_MISMATCH)
+            held = (key, metas, payload)
+            with self._stepped_lock:
+                self._stepped = held
+        _, metas, payload = held
+        if message.offset > len(payload):
+            transport.abort(context, grpc.StatusCode.OUT_OF_RANGE, f"offset {message.offset} is past the "
+                            f"{len(payload)} bytes of {what}")
+        yield spb.StateMessage(header=serde.header_to_proto(metas))
+        for chunk in iter_chunks(payload, start=message.offset, chunk_bytes=self.chunk_bytes):
             if self.shaper:
                 self.shaper.before_send(len(chunk.data))
             yield spb.StateMessage(chunk=serde.chunk_to_proto(chunk))

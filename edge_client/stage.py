@@ -73,7 +73,8 @@ class StageRunner:
     """Runs this board's pipeline stages, keeping track of what the model holds for them.
 
     An owned stage (StageWork.owned) runs on the state this board holds and uploads no
-    gradients; otherwise the stage's parameters are downloaded and their gradients uploaded."""
+    gradients with its result (the coordinator's replica, if any, pulls them: StagePeer.PullStep);
+    otherwise the stage's parameters are downloaded and their gradients uploaded."""
 
     def __init__(self, model: nn.Module, dataset, job: BoardJob, endpoint: StageEndpoint, limiter: CpuLimiter) -> None:
         self.model = model
@@ -108,7 +109,8 @@ class StageRunner:
         started = time.perf_counter()
         with state.lock:
             try:
-                state.begin(work.step, st.first_block, st.end_block, st.commit_step, st.commit_attempt)
+                state.begin(work.step, st.first_block, st.end_block, st.commit_step, st.commit_attempt,
+                            attempt=work.attempt)
             except StageStateError as e:
                 raise StageFailure(FailureKind.STAGE_STATE, str(e)) from None
             self._loaded = None

@@ -9,18 +9,27 @@ and restores the buffers (BatchNorm running statistics) the discarded forward pa
 committed step is applied exactly once, with exactly the arithmetic of the coordinator's
 optimizer. The coordinator pulls the state back (`PullState`) to checkpoint, evaluate, or hand
 the stage to another board.
+
+With `pipeline.replicate` the coordinator keeps a replica instead of pulling: for every attempt
+it asks for what the attempt will change (`replica`: the gradients the host will apply and the
+buffers after its forward passes), waiting until the host has computed them, and counts the
+attempt only once they arrived. The coordinator then applies them to its master copy with the
+same SGD, so its copy equals the host's state after every committed step and a host that dies
+takes nothing with it.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from edgetrain.pipeline import stage_parameter_prefixes
-from edgetrain.training import MOMENTUM_PREFIX
+from edgetrain.training import BUFFER_PREFIX, GRAD_PREFIX, MOMENTUM_PREFIX
 from edgetrain.work import StateRequest
 
 
@@ -41,6 +50,8 @@ class StageState:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        """Notified when an attempt on the stage begins, ends, or the stage changes hands."""
         self.model: nn.Module | None = None
         self.job_id = ""
         self.blocks: tuple[int, int] | None = None
@@ -50,6 +61,10 @@ class StageState:
         self._buffers: dict[str, torch.Tensor] = {}
         self._saved_buffers: dict[str, torch.Tensor] = {}
         self._pending: _Pending | None = None
+        self._attempt = (-1, -1)
+        """The newest attempt begun on the stage (step, attempt) ..."""
+        self._attempt_over = False
+        """... and whether it ended without gradients (failed on this board)."""
 
     def attach(self, model: nn.Module, job_id: str) -> None:
         """A new job's model: any state held for an earlier one is gone."""
@@ -62,6 +77,7 @@ class StageState:
         with self.lock:
             self.blocks, self.version, self._optimizer, self._pending = None, -1, None, None
             self._params, self._buffers, self._saved_buffers = {}, {}, {}
+            self.changed.notify_all()
 
     def holds(self, first: int, end: int) -> bool:
         with self.lock:
@@ -99,8 +115,10 @@ class StageState:
                     p.grad = None
                 for name, b in buffers.items():
                     b.copy_(tensors[name])
+            # the per-tensor loop, as the coordinator's replica of this stage steps (stage_owners)
             self._optimizer = torch.optim.SGD(list(params.values()), lr=0.0, momentum=request.momentum,
-                                              weight_decay=request.weight_decay, nesterov=request.nesterov)
+                                              weight_decay=request.weight_decay, nesterov=request.nesterov,
+                                              foreach=False)
             for name, p in params.items():
                 momentum = tensors.get(MOMENTUM_PREFIX + name)
                 if momentum is not None:
@@ -108,6 +126,7 @@ class StageState:
             self._params, self._buffers = params, buffers
             self.blocks, self.version, self._pending = (request.first_block, request.end_block), request.version, None
             self._save_buffers()
+            self.changed.notify_all()
 
     def export(self, request: StateRequest) -> dict[str, torch.Tensor]:
         """The state at `request.version`, after applying the committed step's pending gradients."""
@@ -130,6 +149,38 @@ class StageState:
                 self.drop()
             return out
 
+    def replica(self, job_id: str, first: int, end: int, step: int, attempt: int, *, deadline: float,
+                gone: Callable[[], str | None] = lambda: None) -> dict[str, torch.Tensor]:
+        """What attempt (step, attempt) will change if it commits: the gradients this board will
+        apply ("grad.<name>") and the stage's buffers after the attempt ("buf.<name>").
+
+        Waits until the attempt's gradients are computed, until the monotonic `deadline`, or
+        until `gone()` gives a reason to stop (the attempt was superseded, the caller left);
+        StageStateError when the attempt ended here without gradients or cannot be had."""
+        with self.changed:
+            while True:
+                self._check_job(job_id)
+                if self.blocks != (first, end):
+                    raise StageStateError(f"this board owns {self.describe()}, not blocks [{first}, {end})")
+                pending = self._pending
+                if pending is not None and (pending.step, pending.attempt) == (step, attempt):
+                    out = {GRAD_PREFIX + n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+                           for n, p in self._params.items()}
+                    out.update({BUFFER_PREFIX + n: b.clone() for n, b in self._buffers.items()})
+                    return out
+                if self._attempt > (step, attempt) or (self._attempt == (step, attempt) and self._attempt_over):
+                    raise StageStateError(f"step {step} attempt {attempt} ended on this board without a result")
+                if self.version > step:
+                    raise StageStateError(f"this board holds version {self.version} of its stage: step {step} "
+                                          "is past")
+                reason = gone()
+                if reason:
+                    raise StageStateError(f"step {step} attempt {attempt}: {reason}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise StageStateError(f"step {step} attempt {attempt} was not computed on this board in time")
+                self.changed.wait(min(remaining, 0.5))
+
     # --- worker side ---------------------------------------------------------------------
     def settle(self, commit_step: int, commit_attempt: int) -> None:
         """Apply the pending gradients if they are the committed step's, else discard them."""
@@ -147,9 +198,13 @@ class StageState:
                 self._restore_buffers()
             self._optimizer.zero_grad(set_to_none=True)
 
-    def begin(self, step: int, first: int, end: int, commit_step: int, commit_attempt: int) -> None:
-        """Before running `step` on the owned stage: settle the previous step, check the version."""
+    def begin(self, step: int, first: int, end: int, commit_step: int, commit_attempt: int, *,
+              attempt: int) -> None:
+        """Before running attempt `attempt` of `step` on the owned stage: settle the previous
+        step, check the version."""
         with self.lock:
+            self._attempt, self._attempt_over = (step, attempt), True  # unless it can run:
+            self.changed.notify_all()
             if self.blocks != (first, end):
                 raise StageStateError(f"asked to run blocks [{first}, {end}) as their owner, but this board "
                                       f"owns {self.describe()}")
@@ -157,6 +212,7 @@ class StageState:
             if self.version != step:
                 raise StageStateError(f"step {step} needs version {step} of blocks [{first}, {end}); "
                                       f"this board holds version {self.version}")
+            self._attempt_over = False
 
     def finish(self, step: int, attempt: int, lr: float) -> None:
         """The stage's gradients of (step, attempt) are computed: keep them until the commit.
@@ -167,11 +223,13 @@ class StageState:
                     self.abandon()
                     raise StageStateError(f"step {step}: the gradient of {name} has NaN/Inf values")
             self._pending = _Pending(step, attempt, lr)
+            self.changed.notify_all()
 
     def abandon(self) -> None:
         """The step failed on this board: its gradients and buffer updates are void."""
         with self.lock:
-            self._pending = None
+            self._pending, self._attempt_over = None, True
+            self.changed.notify_all()
             if self._optimizer is not None:
                 self._optimizer.zero_grad(set_to_none=True)
                 self._restore_buffers()
@@ -202,3 +260,4 @@ class StageState:
 
     def describe(self) -> str:
         return f"blocks [{self.blocks[0]}, {self.blocks[1]})" if self.blocks else "no stage"
+

@@ -295,14 +295,20 @@ class PipelineConfig:
     dp_share); re-read when it changes (re-plan by hand)."""
     stage_state: str = "hosts"
     """Where stage parameters and optimizer state live. `hosts`: a stage with one host (and no DP
-    shards beside the pipeline) keeps them on its host, which applies SGD itself, so only
-    activations cross its link; the coordinator pulls them back every `sync_every` steps, to
-    evaluate, checkpoint or re-plan. `coordinator`: every host downloads its stage's parameters
+    shards beside the pipeline) keeps them on its host, which applies SGD itself, so no
+    parameters come down its link; the coordinator keeps a replica (`replicate`) or pulls them
+    back every `sync_every` steps. `coordinator`: every host downloads its stage's parameters
     and uploads their gradients every step (stages hosted by a group always do)."""
+    replicate: bool = True
+    """With `stage_state: hosts`, the coordinator's copy of an owned stage is its replica: every
+    attempt's gradients (and BatchNorm statistics) go up to it while the pipeline runs, the step
+    counts once they arrived, and the coordinator applies them as the host does. A host that dies
+    loses no committed step; its link carries its stage's gradient bytes each step. false: only
+    the pulls every `sync_every` steps (and to evaluate, checkpoint or re-plan)."""
     sync_every: int = 50
-    """With `stage_state: hosts`, steps between pulls of host-held state. A host lost between
-    pulls takes its blocks' progress since the last pull with it: those blocks go on from the
-    last pull (the other blocks keep theirs); 1 loses nothing."""
+    """With `stage_state: hosts` and `replicate: false`, steps between pulls of host-held state.
+    A host lost between pulls takes its blocks' progress since the last pull with it: those
+    blocks go on from the last pull (the other blocks keep theirs); 1 loses nothing."""
 
     def __post_init__(self) -> None:
         _require(self.stage_state in ("hosts", "coordinator"), "stage_state", self.stage_state,

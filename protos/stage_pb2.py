@@ -25,23 +25,25 @@ _sym_db = _symbol_database.Default()
 from protos import tensor_pb2 as protos_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/stage.proto\x12\x0c\x65\x64getrain.v1\x1a\x13protos/tensor.proto\"\x8f\x02\n\x0cStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x11\n\tend_block\x18\x03 \x01(\r\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x13\n\x0b\x63ommit_step\x18\x05 \x01(\x03\x12\x16\n\x0e\x63ommit_attempt\x18\x06 \x01(\r\x12\x19\n\x11supersede_attempt\x18\x07 \x01(\r\x12\x10\n\x08momentum\x18\x08 \x01(\x01\x12\x14\n\x0cweight_decay\x18\t \x01(\x01\x12\x10\n\x08nesterov\x18\n \x01(\x08\x12\x13\n\x0b\x66rom_device\x18\x0b \x01(\t\x12\x0f\n\x07release\x18\x0c \x01(\x08\x12\x0e\n\x06offset\x18\r \x01(\x04\"\x99\x01\n\x0cStateMessage\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1a.edgetrain.v1.StateRequestH\x00\x12,\n\x06header\x18\x02 \x01(\x0b\x32\x1a.edgetrain.v1.BundleHeaderH\x00\x12$\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x13.edgetrain.v1.ChunkH\x00\x42\x06\n\x04kind\"\xed\x01\n\x0bStageHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x10\n\x08pipeline\x18\x04 \x01(\r\x12\x12\n\nmicrobatch\x18\x05 \x01(\r\x12\x10\n\x08\x62\x61\x63kward\x18\x06 \x01(\x08\x12\x12\n\nfrom_stage\x18\x07 \x01(\r\x12\x11\n\trow_begin\x18\x08 \x01(\r\x12\x0f\n\x07row_end\x18\t \x01(\r\x12\x13\n\x0b\x66rom_device\x18\n \x01(\t\x12*\n\x06\x62undle\x18\x0b \x01(\x0b\x32\x1a.edgetrain.v1.BundleHeader\"i\n\x0cStageMessage\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.edgetrain.v1.StageHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.edgetrain.v1.ChunkH\x00\x42\x06\n\x04kind\"\"\n\x08StageAck\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\x32\xd3\x01\n\tStagePeer\x12<\n\x04Send\x12\x1a.edgetrain.v1.StageMessage\x1a\x16.edgetrain.v1.StageAck(\x01\x12\x41\n\tLoadState\x12\x1a.edgetrain.v1.StateMessage\x1a\x16.edgetrain.v1.StageAck(\x01\x12\x45\n\tPullState\x12\x1a.edgetrain.v1.StateRequest\x1a\x1a.edgetrain.v1.StateMessage0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/stage.proto\x12\x0c\x65\x64getrain.v1\x1a\x13protos/tensor.proto\"t\n\x0bStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x11\n\tend_block\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\r\x12\x0e\n\x06offset\x18\x06 \x01(\x04\"\x8f\x02\n\x0cStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x11\n\tend_block\x18\x03 \x01(\r\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x13\n\x0b\x63ommit_step\x18\x05 \x01(\x03\x12\x16\n\x0e\x63ommit_attempt\x18\x06 \x01(\r\x12\x19\n\x11supersede_attempt\x18\x07 \x01(\r\x12\x10\n\x08momentum\x18\x08 \x01(\x01\x12\x14\n\x0cweight_decay\x18\t \x01(\x01\x12\x10\n\x08nesterov\x18\n \x01(\x08\x12\x13\n\x0b\x66rom_device\x18\x0b \x01(\t\x12\x0f\n\x07release\x18\x0c \x01(\x08\x12\x0e\n\x06offset\x18\r \x01(\x04\"\x99\x01\n\x0cStateMessage\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1a.edgetrain.v1.StateRequestH\x00\x12,\n\x06header\x18\x02 \x01(\x0b\x32\x1a.edgetrain.v1.BundleHeaderH\x00\x12$\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x13.edgetrain.v1.ChunkH\x00\x42\x06\n\x04kind\"\xed\x01\n\x0bStageHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x10\n\x08pipeline\x18\x04 \x01(\r\x12\x12\n\nmicrobatch\x18\x05 \x01(\r\x12\x10\n\x08\x62\x61\x63kward\x18\x06 \x01(\x08\x12\x12\n\nfrom_stage\x18\x07 \x01(\r\x12\x11\n\trow_begin\x18\x08 \x01(\r\x12\x0f\n\x07row_end\x18\t \x01(\r\x12\x13\n\x0b\x66rom_device\x18\n \x01(\t\x12*\n\x06\x62undle\x18\x0b \x01(\x0b\x32\x1a.edgetrain.v1.BundleHeader\"i\n\x0cStageMessage\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.edgetrain.v1.StageHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.edgetrain.v1.ChunkH\x00\x42\x06\n\x04kind\"\"\n\x08StageAck\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\x32\x98\x02\n\tStagePeer\x12<\n\x04Send\x12\x1a.edgetrain.v1.StageMessage\x1a\x16.edgetrain.v1.StageAck(\x01\x12\x41\n\tLoadState\x12\x1a.edgetrain.v1.StateMessage\x1a\x16.edgetrain.v1.StageAck(\x01\x12\x45\n\tPullState\x12\x1a.edgetrain.v1.StateRequest\x1a\x1a.edgetrain.v1.StateMessage0\x01\x12\x43\n\x08PullStep\x12\x19.edgetrain.v1.StepRequest\x1a\x1a.edgetrain.v1.StateMessage0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.stage_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STATEREQUEST']._serialized_start=58
-  _globals['_STATEREQUEST']._serialized_end=329
-  _globals['_STATEMESSAGE']._serialized_start=332
-  _globals['_STATEMESSAGE']._serialized_end=485
-  _globals['_STAGEHEADER']._serialized_start=488
-  _globals['_STAGEHEADER']._serialized_end=725
-  _globals['_STAGEMESSAGE']._serialized_start=727
-  _globals['_STAGEMESSAGE']._serialized_end=832
-  _globals['_STAGEACK']._serialized_start=834
-  _globals['_STAGEACK']._serialized_end=868
-  _globals['_STAGEPEER']._serialized_start=871
-  _globals['_STAGEPEER']._serialized_end=1082
+  _globals['_STEPREQUEST']._serialized_start=57
+  _globals['_STEPREQUEST']._serialized_end=173
+  _globals['_STATEREQUEST']._serialized_start=176
+  _globals['_STATEREQUEST']._serialized_end=447
+  _globals['_STATEMESSAGE']._serialized_start=450
+  _globals['_STATEMESSAGE']._serialized_end=603
+  _globals['_STAGEHEADER']._serialized_start=606
+  _globals['_STAGEHEADER']._serialized_end=843
+  _globals['_STAGEMESSAGE']._serialized_start=845
+  _globals['_STAGEMESSAGE']._serialized_end=950
+  _globals['_STAGEACK']._serialized_start=952
+  _globals['_STAGEACK']._serialized_end=986
+  _globals['_STAGEPEER']._serialized_start=989
+  _globals['_STAGEPEER']._serialized_end=1269
 # @@protoc_insertion_point(module_scope)

@@ -6,6 +6,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StepRequest(_message.Message):
+    __slots__ = ("job_id", "first_block", "end_block", "step", "attempt", "offset")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    END_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    first_block: int
+    end_block: int
+    step: int
+    attempt: int
+    offset: int
+    def __init__(self, job_id: _Optional[str] = ..., first_block: _Optional[int] = ..., end_block: _Optional[int] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
 class StateRequest(_message.Message):
     __slots__ = ("job_id", "first_block", "end_block", "version", "commit_step", "commit_attempt", "supersede_attempt", "momentum", "weight_decay", "nesterov", "from_device", "release", "offset")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

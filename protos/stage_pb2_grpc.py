@@ -49,6 +49,11 @@ class StagePeerStub:
                 request_serializer=protos_dot_stage__pb2.StateRequest.SerializeToString,
                 response_deserializer=protos_dot_stage__pb2.StateMessage.FromString,
                 _registered_method=True)
+        self.PullStep = channel.unary_stream(
+                '/edgetrain.v1.StagePeer/PullStep',
+                request_serializer=protos_dot_stage__pb2.StepRequest.SerializeToString,
+                response_deserializer=protos_dot_stage__pb2.StateMessage.FromString,
+                _registered_method=True)
 
 
 class StagePeerServicer:
@@ -80,6 +85,19 @@ class StagePeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullStep(self, request, context):
+        """The coordinator's replica of an owned stage (pipeline.replicate): what one attempt of a step
+        will change on the host if it commits — the gradients of the stage's parameters
+        ("grad.<name>"), exactly as the host will apply them, and its buffers after the attempt's
+        forward passes ("buf.<name>") — a bundle header, then chunks. The call may be opened before
+        the host has run the attempt: it waits (within its deadline) until the host has computed
+        it. It ends with FAILED_PRECONDITION (reason STAGE_STATE_MISMATCH) when the host does not
+        own the stage, or the attempt ended on the host without a result or was superseded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StagePeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +114,11 @@ def add_StagePeerServicer_to_server(servicer, server):
             'PullState': grpc.unary_stream_rpc_method_handler(
                     servicer.PullState,
                     request_deserializer=protos_dot_stage__pb2.StateRequest.FromString,
+                    response_serializer=protos_dot_stage__pb2.StateMessage.SerializeToString,
+            ),
+            'PullStep': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullStep,
+                    request_deserializer=protos_dot_stage__pb2.StepRequest.FromString,
                     response_serializer=protos_dot_stage__pb2.StateMessage.SerializeToString,
             ),
     }
@@ -179,6 +202,33 @@ class StagePeer:
             target,
             '/edgetrain.v1.StagePeer/PullState',
             protos_dot_stage__pb2.StateRequest.SerializeToString,
+            protos_dot_stage__pb2.StateMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/edgetrain.v1.StagePeer/PullStep',
+            protos_dot_stage__pb2.StepRequest.SerializeToString,
             protos_dot_stage__pb2.StateMessage.FromString,
             options,
             channel_credentials,

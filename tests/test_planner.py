@@ -87,8 +87,8 @@ def _role(plan: Plan, board: str) -> str:
 
 # --- the cost model ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("stage_state", ["coordinator", "hosts"])
-def test_predict_follows_the_documented_formulas(stage_state: str) -> None:
+@pytest.mark.parametrize(("stage_state", "replicate"), [("coordinator", True), ("hosts", True), ("hosts", False)])
+def test_predict_follows_the_documented_formulas(stage_state: str, replicate: bool) -> None:
     # Prepare: two boards, one block each, 4 micro-batches of 8 samples, no DP shards
     a = _board("a", flops_per_s=1e9, mbit_per_s=8.0, rtt_s=0.01, idle_w=1.0, busy_w=3.0)
     b = _board("b", flops_per_s=2e9, mbit_per_s=80.0, rtt_s=0.0, idle_w=2.0, busy_w=2.0, overhead_s=0.005)
@@ -98,15 +98,20 @@ def test_predict_follows_the_documented_formulas(stage_state: str) -> None:
     plan = Plan(stages=(StagePlan(0, 1, ("a",)), StagePlan(1, 2, ("b",))), microbatches=4)
 
     # Execute
-    p = predict(plan, [a, b], model, 32, stage_state=stage_state)
+    p = predict(plan, [a, b], model, 32, stage_state=stage_state, replicate=replicate)
 
     # Assert: σ_a = 1e-6 s/byte, σ_b = 1e-7; X = 1e4 bytes at the cut; hosts owning their stage
-    # move their state only every sync_every (default 50) steps
+    # send their gradients to its replica every step, or without replication move their state
+    # only every sync_every (default 50) steps
     gamma_a = (3e7 + 2 * 1e4 * 1e9 * 1e-6) / 1e9
     gamma_b = (4e7 + 2 * 1e4 * 2e9 * 1e-7) / 2e9
     lam = 0.005 * 4e7 / 7e7 + 1 * 0.01  # b's call cost, in proportion to its stage's share of the FLOPs
-    c = max(2 * 1e6 * 1e-6 + 0.01, 2 * 2e5 * 1e-7) if stage_state == "coordinator" else max(
-        0.01 + 2 * 1e6 * 1e-6 / 50, 2 * 2e5 * 1e-7 / 50)  # owned: parameters and momentum pulled every 50 steps
+    if stage_state == "coordinator":
+        c = max(2 * 1e6 * 1e-6 + 0.01, 2 * 2e5 * 1e-7)
+    elif replicate:  # owned: gradients up to the replica
+        c = max(0.01 + 1e6 * 1e-6, 2e5 * 1e-7)
+    else:  # owned: parameters and momentum pulled every 50 steps
+        c = max(0.01 + 2 * 1e6 * 1e-6 / 50, 2 * 2e5 * 1e-7 / 50)
     step = c + (4 + 2 - 1) * (8 * max(gamma_a, gamma_b) + lam)
     assert p.step_s == pytest.approx(step, rel=1e-12)
     assert p.stage_s == pytest.approx((8 * gamma_a + lam, 8 * gamma_b + lam), rel=1e-12)

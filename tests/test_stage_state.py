@@ -86,16 +86,16 @@ def test_owned_stage_steps_on_the_host_equal_the_coordinators_sgd(endpoint):
     # step 1 attempt 1 commits; step 2 commits; pull at version 3
     losses, failed = owners.place({BLOCKS: owner}, 0, (-1, 0), 0, lambda d: True)
     assert (losses, failed) == ([], {})
-    state.begin(0, *BLOCKS, -1, 0)
+    state.begin(0, *BLOCKS, -1, 0, attempt=0)
     _grads_on_host(host, batches[0])
     state.finish(0, 0, LR)
-    state.begin(1, *BLOCKS, 0, 0)  # step 0 committed: applied now
+    state.begin(1, *BLOCKS, 0, 0, attempt=0)  # step 0 committed: applied now
     _grads_on_host(host, batches[2])  # a failed attempt: its gradients and BN updates are void
     state.abandon()
-    state.begin(1, *BLOCKS, 0, 0)
+    state.begin(1, *BLOCKS, 0, 0, attempt=1)
     _grads_on_host(host, batches[1])
     state.finish(1, 1, LR / 2)
-    state.begin(2, *BLOCKS, 1, 1)
+    state.begin(2, *BLOCKS, 1, 1, attempt=0)
     _grads_on_host(host, batches[2])
     state.finish(2, 0, LR / 4)
     master_before = {n: t.clone() for n, t in master.state_dict().items()}
@@ -210,13 +210,13 @@ def test_nan_gradients_void_the_step_and_a_releasing_pull_gives_the_stage_up(end
     before = {n: t.clone() for n, t in host.state_dict().items()}
 
     # Execute: NaN gradients, then a good step 0, then a new plan without owned stages at version 1
-    state.begin(0, 0, 2, -1, 0)
+    state.begin(0, 0, 2, -1, 0, attempt=0)
     for p in host.block_modules(0, 2)[0].parameters():
         p.grad = torch.full_like(p, float("nan"))
     with pytest.raises(Exception, match="NaN/Inf"):
         state.finish(0, 0, LR)
     voided = {n: t.clone() for n, t in host.state_dict().items()}
-    state.begin(0, 0, 2, -1, 0)  # the voided step is redone from the same version
+    state.begin(0, 0, 2, -1, 0, attempt=1)  # the voided step is redone from the same version
     _grads_on_host(host, torch.randn(4, 3, 32, 32))
     state.finish(0, 1, LR)
     moved = owners.bytes_moved

@@ -9,10 +9,13 @@ Stage [i, j) on group G, with f_G = Σ flops_per_s and row weights w_k = f_k / f
     γ_s = (F + 2 X · max_k f_k σ_k) / f_G      seconds per sample: compute, plus activations
                                               forward and gradients back, each host on its link
     c_k = 2 P σ_k + rtt_k                      stage parameters down, gradients up, every step;
-                                              c_k = rtt_k + 2 P σ_k / K for a stage with one
-                                              host that owns its state (stage_state "hosts", no
-                                              DP shards): parameters and momentum pulled back
-                                              every K = sync_every steps
+                                              for a stage with one host that owns its state
+                                              (stage_state "hosts", no DP shards):
+                                              c_k = rtt_k + P σ_k with replication (the default:
+                                              its gradients go up to the coordinator's replica
+                                              every step), else c_k = rtt_k + 2 P σ_k / K
+                                              (parameters and momentum pulled back every
+                                              K = sync_every steps)
     mem_k = 2 P + min(S − s, M) · w_k · (B / M) · A      params, grads, 1F1B in-flight rows
 Pipeline with B_p samples, b = B_p / M, hosts H:
     o_s = max_G overhead_k · F / F_model     a call's fixed cost, in proportion to the stage's work
@@ -59,7 +62,8 @@ class StageTerms:
     """One stage's cost terms (its blocks on a group of boards), named as in the module docstring."""
 
     c: float
-    """Per-step transfer time when the pipeline runs alone (a single host owning its state: rtt)."""
+    """Per-step transfer time when the pipeline runs alone (a single host owning its state: rtt
+    and its replica's or its pulls' share)."""
     c_all: float
     """The same next to DP shards (every stage moves its parameters and gradients)."""
     gamma: float
@@ -167,7 +171,7 @@ class Problem:
     def __init__(self, fleet: Sequence[BoardCost], model: ModelCost, global_batch: int,
                  eta: float = 0.0, microbatches: Sequence[int] = MICROBATCH_CANDIDATES,
                  battery_floor: float = BATTERY_FLOOR_PERCENT, stage_state: str = "hosts",
-                 sync_every: int = 50) -> None:
+                 sync_every: int = 50, replicate: bool = True) -> None:
         names = [k.name for k in fleet]
         _check(bool(fleet), "the fleet is empty")
         _check(len(set(names)) == len(names), f"board names must be unique, got {names}")
@@ -176,6 +180,8 @@ class Problem:
         self.fleet, self.model, self.B, self.eta = list(fleet), model, global_batch, eta
         self.stage_state = stage_state
         self.sync_every = max(1, sync_every)
+        self.replicate = replicate
+        """Owned stages are replicated (pipeline.replicate): their gradients go up every step."""
         self.by_name = {k.name: k for k in fleet}
         self.L = len(model.blocks)
         self.ms = tuple(sorted({m for m in microbatches if 1 <= m <= global_batch}))
@@ -226,7 +232,7 @@ class Problem:
             c_all = max(2 * p * k.seconds_per_byte + k.rtt_s for k in members)
             owned = self.stage_state == "hosts" and len(members) == 1
             self._stage_cache[key] = StageTerms(
-                c=members[0].rtt_s + 2 * p * members[0].seconds_per_byte / self.sync_every if owned else c_all,
+                c=self._owned_transfer_s(p, members[0]) if owned else c_all,
                 c_all=c_all,
                 gamma=(f + 2 * x * max(k.flops_per_s * k.seconds_per_byte for k in members)) / speed,
                 e=sum(k.busy_w - k.idle_w for k in members) * f / speed, q=q,
@@ -358,10 +364,16 @@ class Problem:
                           fits=all(v <= self.by_name[k].memory_bytes * (1 + 1e-9) for k, v in memory.items()))
 
     def _transfer_s(self, param_bytes: float, k: BoardCost, hosts: int, plan: Plan) -> float:
-        """c_k of a stage host in ``plan``: rtt alone when it owns its stage's state."""
+        """c_k of a stage host in ``plan`` (less when it owns its stage's state)."""
         if self.stage_state == "hosts" and hosts == 1 and not plan.dp_boards:
-            return k.rtt_s + 2 * param_bytes * k.seconds_per_byte / self.sync_every
+            return self._owned_transfer_s(param_bytes, k)
         return 2 * param_bytes * k.seconds_per_byte + k.rtt_s
+
+    def _owned_transfer_s(self, param_bytes: float, k: BoardCost) -> float:
+        """c_k of a host owning its stage: its gradients up to the replica every step, or its
+        parameters and momenta pulled every sync_every steps."""
+        moved = param_bytes if self.replicate else 2 * param_bytes / self.sync_every
+        return k.rtt_s + moved * k.seconds_per_byte
 
     def _validate(self, plan: Plan) -> None:
         names = [b for s in plan.stages for b in s.boards] + list(plan.dp_boards)
@@ -390,11 +402,12 @@ def objective_weight(objective: str | float) -> float:
 
 
 def predict(plan: Plan, fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, *,
-            stage_state: str = "hosts", sync_every: int = 50) -> Prediction:
+            stage_state: str = "hosts", sync_every: int = 50, replicate: bool = True) -> Prediction:
     """Predicted step time, samples/s, energy per sample, per-stage time, per-board memory and
     busy seconds of ``plan`` (formulas in the module docstring; a plan with neither stages nor
     ``dp_boards`` is DP over every board of ``fleet``)."""
-    return Problem(fleet, model, global_batch, stage_state=stage_state, sync_every=sync_every).predict(plan)
+    return Problem(fleet, model, global_batch, stage_state=stage_state, sync_every=sync_every,
+                   replicate=replicate).predict(plan)
 
 
 def objective_cost(prediction: Prediction, fleet: Sequence[BoardCost], objective: str | float) -> float:

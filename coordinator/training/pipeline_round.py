@@ -8,9 +8,11 @@ coordinator.planning.live). Whatever the source, the plan is an `edgetrain.plan.
 
 Before an attempt, every board of the plan must be ready (the round waits for them, or for a new
 plan without them), and stages whose host owns their state are placed on their hosts
-(stage_owners). An attempt counts only if every host and shard answered; a failed attempt is
-recorded (which board failed how) and redone after the failed board had time to miss its
-heartbeats. A plan without stages is data parallelism over its boards (or every board).
+(stage_owners). With `pipeline.replicate` the master keeps a replica of every owned stage: what
+the attempt changes on each owner is pulled while it runs, and applied to the master when the
+step commits. An attempt counts only if every host and shard answered (and, replicating, every
+owner's changes arrived); a failed attempt is recorded (which board failed how) and redone after
+the failed board had time to miss its heartbeats. A plan without stages is data parallelism over its boards (or every board).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ from coordinator.training.rounds import (
     RoundContext,
     RoundPolicy,
 )
-from coordinator.training.stage_owners import Owner, StageOwners
+from coordinator.training.stage_owners import REPLICA_ERRORS, Owner, StageOwners, StepPull
 from coordinator.training.steps import AttemptOutcome
+from edgetrain import transport
 from edgetrain.config import ConfigError, load_plan
 from edgetrain.plan import Plan
 from edgetrain.training import state_tensors
@@ -191,17 +194,23 @@ class PipelineRound(RoundPolicy):
         """The last committed step and the attempt that counted (hosts owning a stage apply it)."""
         self._dp_shares: dict[str, int] | None = None
         self._missing: list[str] = []
+        self._pulls: dict[tuple[int, int], StepPull] = {}
+        """Replication: each owned stage's changes in the attempt in flight, being pulled."""
+        self._changes: tuple[tuple[int, int], float, dict[tuple[int, int], dict]] | None = None
+        """Replication: the changes of the attempt that counted ((step, attempt), its learning
+        rate, blocks -> changes), applied to the master when it commits."""
 
     def configure(self, step: int, attempt: int, indices: list[int]) -> Round | None:
+        self._drop_pulls()  # an attempt that counted but brought no usable update: its pulls are void
         plan, hosts = self._plan_with_boards(step)
         if not plan.stages:
             self._release_owned(step, attempt)
             return self.dp.configure_on(step, attempt, indices, plan.dp_boards)
         job = self.ctx.job
+        lr = self.ctx.aggregator.step_lr(step)
         assignments = assign(plan, self.settings, step=step, attempt=attempt, indices=indices,
                              block_names=self.ctx.model.block_names, hosts=hosts, augment=job.dataset.augment,
-                             data_seed=job.seed, lr=self.ctx.aggregator.step_lr(step), commit=self._committed,
-                             previous_shares=self._dp_shares)
+                             data_seed=job.seed, lr=lr, commit=self._committed, previous_shares=self._dp_shares)
         self._dp_shares = {d: len(a.indices) for d, a in assignments.items() if a.stage is None}
         failed = self._place_owned(step, attempt, assignments)
         self._republish_if_pulled(step)
@@ -210,6 +219,10 @@ class PipelineRound(RoundPolicy):
             self.ctx.stop.wait(job.training.heartbeat_timeout_s)
             return None
         timeout = job.training.step_timeout_s or 3 * self.settings.stage_timeout_s + 30.0  # a backstop
+        if self.settings.replicate:
+            self._pulls = {blocks: self.owners.pull_step(owner, step, attempt, timeout + self.owners.timeout_s)
+                           for blocks, owner in self.owners.owners.items()}
+            self._changes = ((step, attempt), lr, {})
         return Round(step, attempt, assignments, timeout, all_or_nothing=True)
 
     def complete(self, round_: Round, outcome: AttemptOutcome, elapsed_s: float) -> bool:
@@ -223,7 +236,10 @@ class PipelineRound(RoundPolicy):
         failed.update({d: "no answer (its pipeline failed)" for d in round_.assignments
                        if d not in outcome.accepted and d not in failed})
         if not failed:
+            failed = self._receive_changes()
+        if not failed:
             return True
+        self._drop_pulls()
         self._note_failures(round_.step, round_.attempt, failed, round_.assignments)
         # give a board that died time to miss its heartbeats: the next attempt then waits for a
         # plan without it instead of failing again at once
@@ -241,16 +257,25 @@ class PipelineRound(RoundPolicy):
                                        "peak_activation_bytes": c.peak_activation_bytes,
                                        "peer_bytes": c.peer_bytes, "upload_bytes": c.wire_bytes,
                                        "owned": c.stage.owned}
+                pull = self._pulls.get((c.stage.first_block, c.stage.end_block))
+                if c.stage.owned and pull is not None:
+                    stages[c.device_id]["replica_bytes"] = pull.nbytes
         return Collected(merge_pipelines(fresh), stages)
 
     def committed(self, round_: Round) -> None:
         self._committed = (round_.step, round_.attempt)
+        if self._changes is not None and self._changes[0] == self._committed:
+            _, lr, changes = self._changes
+            for blocks, tensors in changes.items():
+                self.owners.apply_step(blocks, tensors, lr, round_.step)
+        self._changes, self._pulls = None, {}
 
     def after_step(self, step: int, saving: bool) -> None:
         if self.owners.owners and (saving or (step + 1) % self.settings.sync_every == 0):
             self._note_losses(step + 1, self.owners.sync(step + 1, self._committed, self.ctx.registry.is_alive))
 
     def close(self) -> None:
+        self._drop_pulls()
         self.owners.close()
 
     # --- internals -----------------------------------------------------------------------------------
@@ -272,6 +297,26 @@ class PipelineRound(RoundPolicy):
                 self._missing = missing
             if self.ctx.stop.wait(0.5):
                 raise JobAborted(f"stopped during step {step}")
+
+    def _receive_changes(self) -> dict[str, str]:
+        """Replication: wait for every owner's changes in the attempt (its result is in, so they
+        are on their way); returns the owners whose changes did not arrive (device id -> reason)."""
+        failed = {}
+        if self._changes is None:
+            return failed
+        for blocks, pull in self._pulls.items():
+            try:
+                self._changes[2][blocks] = pull.result(self.owners.timeout_s)
+            except REPLICA_ERRORS as e:
+                failed[pull.owner.device_id] = (f"the replica of blocks [{blocks[0]}, {blocks[1]}) did not get "
+                                                f"its changes: {transport.describe(e)}")
+        return failed
+
+    def _drop_pulls(self) -> None:
+        """The attempt in flight is over uncounted: its pulls are given up."""
+        for pull in self._pulls.values():
+            pull.cancel()
+        self._pulls, self._changes = {}, None
 
     def _place_owned(self, step: int, attempt: int, assignments: dict[str, Assignment]) -> dict[str, str]:
         """Give owned stages to their planned hosts (taking state back from owners the plan no

@@ -9,22 +9,34 @@ moves the state over each board's StagePeer endpoint — the coordinator is the 
 - `place`: before an attempt, the plan's owned stages must be held by their planned hosts.
   Owners the plan no longer wants give their state back first (a pull); a host that does not
   hold its stage yet gets it from the master (a load).
-- `sync`: pull every owner's state into the master (to evaluate, checkpoint, or every
-  `sync_every` steps); owners keep their stages.
+- `pull_step` / `apply_step` (`pipeline.replicate`, the default): the master is each owned
+  stage's replica. For every attempt the coordinator pulls what the attempt will change on the
+  host (`StagePeer.PullStep`: the gradients the host will apply and the buffers after its
+  forward passes) while the attempt runs, counts the attempt only once every owner's changes
+  arrived, and applies them when the step commits, with the host's arithmetic (the same
+  per-tensor SGD on the same parameters, momenta and gradients, the same learning rate). The
+  master's copy then equals the host's state after every committed step, bit for bit, so a dead
+  host loses nothing and neither `sync` nor a re-plan has anything to pull.
+- `sync`: pull every owner's state the master does not have yet into the master (to evaluate,
+  checkpoint, or every `sync_every` steps without replication); owners keep their stages.
 
-An owner that died cannot give its state back: its blocks restart from the master's copy of the
-last pull (logged, and reported as the steps lost), so `sync_every: 1` loses nothing at the cost
-of moving the owned parameters every step.
+Without replication an owner that died cannot give its state back: its blocks restart from the
+master's copy of the last pull (logged, and reported as the steps lost), so `sync_every: 1`
+loses nothing at the cost of moving the owned parameters and momenta every step (twice the
+bytes of a replica's gradients).
 
 In a fleet the coordinator dials each StagePeer with the gateway's certificate (`security`), and
 the endpoint must prove it holds a board certificate of the fleet; a board's endpoint admits
-LoadState and PullState from the gateway only.
+LoadState, PullState and PullStep from the gateway only.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent import futures
 from dataclasses import dataclass, replace
 
 import grpc
@@ -35,7 +47,7 @@ from edgetrain import serde, transport, trust
 from edgetrain.pipeline import stage_parameter_prefixes
 from edgetrain.streaming import TransferError, check_metas, iter_chunks
 from edgetrain.tensors import bundle_metas, check_finite, pack, unpack
-from edgetrain.training import MOMENTUM_PREFIX
+from edgetrain.training import BUFFER_PREFIX, GRAD_PREFIX, MOMENTUM_PREFIX
 from edgetrain.work import StateRequest
 from protos import stage_pb2 as spb
 from protos import stage_pb2_grpc as spb_grpc
@@ -66,6 +78,54 @@ class Loss:
     reason: str
 
 
+class ReplicaError(Exception):
+    """An owner's changes in an attempt did not arrive (the pull was cancelled or ran out of time)."""
+
+
+class StepPull:
+    """One owner's changes in one attempt, pulled in the background (`StageOwners.pull_step`)."""
+
+    def __init__(self, owner: Owner, step: int, attempt: int, deadline: float) -> None:
+        self.owner, self.step, self.attempt, self.deadline = owner, step, attempt, deadline
+        self.future: futures.Future | None = None
+        self.nbytes = 0
+        """Payload bytes received."""
+        self._lock = threading.Lock()
+        self._call = None
+        self._cancelled = False
+
+    def open(self, stub: spb_grpc.StagePeerStub, request: spb.StepRequest):
+        """The PullStep stream for `request` (ReplicaError once cancelled or past the deadline)."""
+        with self._lock:
+            remaining = self.deadline - time.monotonic()
+            if self._cancelled or remaining <= 0:
+                raise ReplicaError("cancelled" if self._cancelled else "no time left")
+            self._call = stub.PullStep(request, timeout=remaining)
+            return self._call
+
+    def cancel(self) -> None:
+        """Give the pull up (the attempt failed elsewhere); the host's wait ends with the call."""
+        with self._lock:
+            self._cancelled = True
+            if self._call is not None:
+                self._call.cancel()
+        if self.future is not None:
+            self.future.cancel()
+
+    def result(self, timeout_s: float) -> dict[str, torch.Tensor]:
+        """The changes (gradients "grad.<name>", buffers "buf.<name>"), waiting up to `timeout_s`;
+        raises what the pull raised (ReplicaError when it is not done in time)."""
+        try:
+            return self.future.result(timeout=timeout_s)
+        except futures.TimeoutError:
+            self.cancel()
+            raise ReplicaError(f"not received within {timeout_s:g} s of the attempt's end") from None
+
+
+REPLICA_ERRORS = (grpc.RpcError, TransferError, transport.Unreachable, ReplicaError, futures.CancelledError)
+"""How a replica pull fails."""
+
+
 class StageOwners:
     """Who owns which blocks of one job's model, and moving state to and from them."""
 
@@ -92,10 +152,42 @@ class StageOwners:
         """Bytes of stage state loaded and pulled so far."""
         self.master_changed = False
         """Set when a pull updated the master (the trainer then serves the new parameters)."""
+        self.replica_bytes = 0
+        """Bytes of owners' step changes pulled so far (replication)."""
+        self._count_lock = threading.Lock()
+        self._pullers = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="replica-pull")
 
     def close(self) -> None:
-        """Close the channels to the hosts."""
+        """Stop the replica pulls and close the channels to the hosts."""
+        self._pullers.shutdown(wait=False, cancel_futures=True)
         self._channels.close()
+
+    def pull_step(self, owner: Owner, step: int, attempt: int, timeout_s: float) -> StepPull:
+        """Start pulling what attempt (step, attempt) changes on `owner`'s stage (it may not have
+        begun there yet: the host answers once it has computed it), within `timeout_s`."""
+        pull = StepPull(owner, step, attempt, time.monotonic() + timeout_s)
+        pull.future = self._pullers.submit(self._pull_step, pull)
+        return pull
+
+    @torch.no_grad()
+    def apply_step(self, blocks: tuple[int, int], changes: Mapping[str, torch.Tensor], lr: float,
+                   step: int) -> None:
+        """Step committed: apply an owner's changes in it to the master's copy of `blocks`, as
+        the host does (edge_client.stage_state.StageState.settle); the copy is then version
+        step + 1. The master optimizer's momentum buffers are the ones stepped."""
+        params, buffers = self._stage(blocks)
+        group = self.optimizer.param_groups[0]
+        sgd = torch.optim.SGD(list(params.values()), lr=lr, momentum=group["momentum"],
+                              weight_decay=group["weight_decay"], nesterov=group["nesterov"], foreach=False)
+        for name, p in params.items():
+            sgd.state[p] = self.optimizer.state[p]  # the same dict: the master's momentum moves
+            p.grad = changes[GRAD_PREFIX + name]
+        sgd.step()
+        for p in params.values():
+            p.grad = None
+        for name, b in buffers.items():
+            b.copy_(changes[BUFFER_PREFIX + name])
+        self.synced[blocks] = step + 1
 
     def place(self, wanted: Mapping[tuple[int, int], Owner], version: int, commit: tuple[int, int], attempt: int,
               is_alive: Callable[[str], bool]) -> tuple[list[Loss], dict[str, str]]:
@@ -126,10 +218,13 @@ class StageOwners:
         return losses, failed
 
     def sync(self, version: int, commit: tuple[int, int], is_alive: Callable[[str], bool]) -> list[Loss]:
-        """Pull every owner's state (at `version`, after `commit`) into the master; owners whose
-        state is gone are dropped (their blocks keep the master's copy)."""
+        """Pull every owner's state (at `version`, after `commit`) into the master, unless the
+        master has that version already (a replica); owners whose state is gone are dropped
+        (their blocks keep the master's copy)."""
         losses = []
         for blocks, owner in list(self.owners.items()):
+            if self.synced.get(blocks) == version:
+                continue
             loss = self._take_back(owner, version, commit, 0, is_alive, release=False)
             if loss:
                 losses.append(loss)
@@ -229,6 +324,29 @@ class StageOwners:
         self.bytes_moved += total
         self._count_bytes(owner.device_id, up=total)
         self.master_changed = True
+
+    def _pull_step(self, pull: StepPull) -> dict[str, torch.Tensor]:
+        owner = pull.owner
+        params, buffers = self._stage(owner.blocks)
+        templates = {GRAD_PREFIX + n: p.detach() for n, p in params.items()}
+        templates.update({BUFFER_PREFIX + n: b for n, b in buffers.items()})
+        what = f"step {pull.step} attempt {pull.attempt} of blocks {list(owner.blocks)} from {owner.device_id}"
+        stub = self._stub(owner.address)
+
+        def open_stream(offset: int):
+            return pull.open(stub, spb.StepRequest(job_id=self.job_id, first_block=owner.blocks[0],
+                                                   end_block=owner.blocks[1], step=pull.step,
+                                                   attempt=pull.attempt, offset=offset))
+
+        metas, payload = transport.receive_bundle(open_stream, what, retry=transport.TRANSFERS)
+        check_metas(metas, bundle_metas(templates), what)
+        changes = unpack(metas, payload)
+        check_finite(changes, what)
+        pull.nbytes = len(payload)
+        with self._count_lock:
+            self.replica_bytes += len(payload)
+        self._count_bytes(owner.device_id, up=len(payload))
+        return changes
 
     def _stub(self, address: str) -> spb_grpc.StagePeerStub:
         return spb_grpc.StagePeerStub(self._channels.get(address))
