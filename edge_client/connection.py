@@ -47,8 +47,8 @@ class CoordinatorUnreachable(ConnectionError):
     """The coordinator stayed unavailable for longer than the retry budget."""
 
 
-CALLS = transport.RetryPolicy(budget_s=10.0)
-"""A board's call is retried this long on UNAVAILABLE; then the client's outage loop takes over
+CALLS = transport.RetryPolicy(budget_s=10.0, max_s=2.0)
+"""A board's call is retried this long on UNAVAILABLE (at most 2 s apart); then the client's outage loop takes over
 (edge_client.main.Outage: it keeps trying, and looks over mDNS), so a restarted coordinator is
 found again however long it was away."""
 

@@ -8,7 +8,7 @@ import time
 from dataclasses import replace
 
 import edgetrain
-from edge_client.connection import CoordinatorConnection, CoordinatorUnreachable
+from edge_client.connection import CALLS, CoordinatorConnection, CoordinatorUnreachable
 from edge_client.credentials import BoardCredentials, obtain, trusted_calls
 from edge_client.emulation import BoardEmulation
 from edge_client.lobby import Lobby
@@ -53,7 +53,7 @@ class Outage:
     """The board's time without a coordinator: one log line when it begins and one when it ends,
     tries spaced by a backoff capped at a few seconds, and, with a budget, an end to trying."""
 
-    def __init__(self, budget_s: float | None, *, retry: transport.RetryPolicy = transport.CALLS,
+    def __init__(self, budget_s: float | None, *, retry: transport.RetryPolicy = CALLS,
                  clock=time.monotonic) -> None:
         self.budget_s = budget_s
         """Give up after this many seconds without reaching a coordinator (None: never)."""

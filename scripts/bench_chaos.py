@@ -227,7 +227,8 @@ def chaos_run(workdir: Path, job_file: Path, name: str, lan: VirtualLan | None, 
             elif what == "cut":
                 fleet.cut(cut_board, args.cut_s)
                 events.append(f"step {at}: {'cut the link of' if lan else 'froze'} {cut_board} for {args.cut_s:g} s")
-            else:
+            else:  # the resume needs a checkpoint (by default one every 60 s of training)
+                _wait(lambda: read_records(run_dir, "checkpoint"), args.timeout, "a first checkpoint", fleet)
                 fleet.coordinator.kill()
                 fleet.coordinator.wait()
                 alive_at_coordinator_kill = set(NAMES)
@@ -280,6 +281,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800.0, help="longest a run may take")
     parser.add_argument("--load-boards", type=int, default=256, help="light boards of the load phase (0: skip)")
     parser.add_argument("--load-seconds", type=float, default=20.0)
+    parser.add_argument("--keep", type=Path, default=None, help="keep the runs and logs in this directory")
     args = parser.parse_args()
 
     use_lan, why = netns_available()
@@ -289,6 +291,9 @@ def main() -> None:
           f"{args.steps} steps; {network}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-chaos-") as tmp:
         tmp = Path(tmp)
+        if args.keep:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            tmp = args.keep
         results = {}
         for arm in ("clean", "chaos"):
             workdir = tmp / arm
