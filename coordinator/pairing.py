@@ -95,6 +95,14 @@ def pairing_address(address: str) -> str:
     return f"{host}:{int(port) + 1}"
 
 
+GATEWAY_WORKERS = 1024
+"""Threads of a gateway's fleet port. grpcio's sync server holds a thread for each call in
+progress, and every idle board always holds one (its long work poll; two with a heartbeat
+stream): at 256 boards 128 threads were all taken by polls and heartbeats queued for 9 s (alive
+189 of 256). 1024 leaves room for 256 boards' polls, streams and transfers at once; the pool
+makes a thread only when no idle one is left."""
+
+
 @dataclass
 class GatewayServer:
     """A gateway's servers: its fleet port (mutual TLS) and its pairing port (server TLS only,
@@ -113,7 +121,7 @@ class GatewayServer:
 
 
 def serve_gateway(bind: str, services: list, *, authority: trust.Authority | None, pair_bind: str | None = None,
-                  max_workers: int = 128) -> GatewayServer:
+                  max_workers: int = GATEWAY_WORKERS) -> GatewayServer:
     """Serve `services` ((add_to_server, servicer) pairs) on `bind`: plaintext without an
     authority (`--insecure`), else mutual TLS with Renew, plus Pair on the pairing port — by
     default the next port (with port 0, a free pair of ports is found), "none" for no pairing

@@ -97,6 +97,21 @@ def _devices(address: str, authority_dir: Path, env: dict[str, str]) -> list[dic
     return coordinator["devices"]
 
 
+class _CpuMeter:
+    """CPU time used by some processes from now on."""
+
+    def __init__(self, processes: Sequence[subprocess.Popen]) -> None:
+        self._processes = [psutil.Process(p.pid) for p in processes]
+        self._start = self._used()
+
+    def _used(self) -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in self._processes)
+
+    def cores(self, seconds: float) -> float:
+        """Cores used on average over the last `seconds` (since the meter was made)."""
+        return round((self._used() - self._start) / seconds, 3)
+
+
 def _end(processes: Sequence[subprocess.Popen]) -> None:
     for process in processes:
         if process.poll() is None:
@@ -110,7 +125,7 @@ def _end(processes: Sequence[subprocess.Popen]) -> None:
 
 
 def summarize(results: list[dict], devices: list[dict], *, boards: int, processes: int, seconds: float,
-              interval_s: float, work_polls: bool, register_s: float, coordinator_cpu_s: float) -> dict:
+              interval_s: float, work_polls: bool, register_s: float) -> dict:
     """The figures of one load run from what the boards measured and what the coordinator listed."""
     rtts = [r for board in results for r in board["rtts_ms"]]
     ours = {board["device_id"] for board in results if board["device_id"]}
@@ -124,7 +139,7 @@ def summarize(results: list[dict], devices: list[dict], *, boards: int, processe
         "p99_ms": round(percentile(rtts, 0.99), 2) if rtts else None,
         "max_ms": round(max(rtts), 2) if rtts else None,
         "max_seen_ago_s": round(max((d.get("seconds_since_seen", 0.0) for d in alive), default=0.0), 2),
-        "register_s": round(register_s, 2), "coordinator_cpu_cores": round(coordinator_cpu_s / seconds, 3),
+        "register_s": round(register_s, 2),
         "errors": sorted({b["last_error"] for b in results if b["last_error"]})[:5], "note": SYNTHETIC_NOTE,
     }
 
@@ -165,17 +180,17 @@ def run_fleet_load(boards: int = 256, processes: int = 8, seconds: float = 20.0,
         if failed:
             raise RuntimeError(f"{len(failed)} light board(s) could not register, e.g. {next(iter(failed.items()))}")
         register_s = time.perf_counter() - began
-        usage = psutil.Process(coordinator.pid)
-        cpu_before = sum(usage.cpu_times()[:2])
+        coordinator_cpu, boards_cpu = _CpuMeter([coordinator]), _CpuMeter(fleet)
+        load_before = os.getloadavg()[0]
         _tell(fleet, "measure")
         time.sleep(seconds)  # the measurement window: the boards heartbeat meanwhile
-        coordinator_cpu_s = sum(usage.cpu_times()[:2]) - cpu_before
+        cpu = {"coordinator_cpu_cores": coordinator_cpu.cores(seconds), "boards_cpu_cores": boards_cpu.cores(seconds),
+               "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
         devices = _devices(address, authority.directory, env)
         _tell(fleet, "stop")
         results = [board for p in fleet for board in _read_line(p, "reporting")["boards"]]
         return summarize(results, devices, boards=boards, processes=processes, seconds=seconds,
-                         interval_s=heartbeat_interval_s, work_polls=work_polls, register_s=register_s,
-                         coordinator_cpu_s=coordinator_cpu_s)
+                         interval_s=heartbeat_interval_s, work_polls=work_polls, register_s=register_s) | cpu
     finally:
         _end(started)
         if made_here:
