@@ -11,7 +11,7 @@ processes; run alone:
 
 DIR/NAME holds each board's key, certificate and CA (trust.Identity.save). The process speaks
 JSON lines: it prints {"registered": n, "failed": {...}} once every board has registered (or
-failed to), starts recording round trips when a "measure" line arrives on stdin, and on "stop"
+failed to), records round trips from a "measure" line on stdin to a "pause" line, and on "stop"
 (or the end of stdin) prints {"boards": [...]} with each board's round trips and errors.
 """
 
@@ -175,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in sys.stdin:
         if line.strip() == "measure":
             fleet.measuring.set()
+        elif line.strip() == "pause":
+            fleet.measuring.clear()
         elif line.strip() == "stop":
             break
     print(json.dumps(fleet.finish()), flush=True)

@@ -5,8 +5,8 @@ real coordinator (``python -m edgetrain coordinator``, mutual TLS) on a job that
 training (it waits for one board more than the fleet), and starts the boards in several
 ``python -m edge_client.light_boards`` processes, each board its own thread and channel with its
 own certificate. Once every board has registered and profiled, the boards record their
-heartbeat round trips for `seconds`; then the coordinator is asked over ListDevices (`edgetrain
-devices`, as the operator) how many of them it holds alive. Profiles and telemetry are
+heartbeat round trips for `seconds`; then, while they go on heartbeating, the coordinator is
+asked over ListDevices (`edgetrain devices`, as the operator) how many of them it holds alive. Profiles and telemetry are
 SYNTHETIC; the calls, TLS and the coordinator are real. All processes share this machine's
 cores, so the boards' own CPU use slows the coordinator they measure.
 """
@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -95,6 +96,32 @@ def _devices(address: str, authority_dir: Path, env: dict[str, str]) -> list[dic
     if coordinator["error"]:
         raise RuntimeError(f"ListDevices failed: {coordinator['error']}")
     return coordinator["devices"]
+
+
+class WakeupMeter:
+    """How late a sleeping thread of an otherwise idle process wakes on this machine, measured
+    in a thread from now until ``stop``: the floor other load sets under any round trip (a
+    coordinator thread woken by a heartbeat waits for a core as long)."""
+
+    NAP_S = 0.005
+
+    def __init__(self) -> None:
+        self.late_ms: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="wakeup-meter", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            time.sleep(self.NAP_S)
+            self.late_ms.append((time.perf_counter() - started - self.NAP_S) * 1000)
+
+    def stop(self) -> float:
+        """The p99 lateness in milliseconds."""
+        self._stop.set()
+        self._thread.join()
+        return round(percentile(self.late_ms, 0.99), 2)
 
 
 class _CpuMeter:
@@ -181,16 +208,18 @@ def run_fleet_load(boards: int = 256, processes: int = 8, seconds: float = 20.0,
             raise RuntimeError(f"{len(failed)} light board(s) could not register, e.g. {next(iter(failed.items()))}")
         register_s = time.perf_counter() - began
         coordinator_cpu, boards_cpu = _CpuMeter([coordinator]), _CpuMeter(fleet)
-        load_before = os.getloadavg()[0]
+        load_before, wakeups = os.getloadavg()[0], WakeupMeter()
         _tell(fleet, "measure")
         time.sleep(seconds)  # the measurement window: the boards heartbeat meanwhile
-        cpu = {"coordinator_cpu_cores": coordinator_cpu.cores(seconds), "boards_cpu_cores": boards_cpu.cores(seconds),
-               "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+        _tell(fleet, "pause")  # listing 256 boards is an operator's one-off, not the boards' steady load
+        machine = {"coordinator_cpu_cores": coordinator_cpu.cores(seconds),
+                   "boards_cpu_cores": boards_cpu.cores(seconds), "wakeup_p99_ms": wakeups.stop(),
+                   "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
         devices = _devices(address, authority.directory, env)
         _tell(fleet, "stop")
         results = [board for p in fleet for board in _read_line(p, "reporting")["boards"]]
         return summarize(results, devices, boards=boards, processes=processes, seconds=seconds,
-                         interval_s=heartbeat_interval_s, work_polls=work_polls, register_s=register_s) | cpu
+                         interval_s=heartbeat_interval_s, work_polls=work_polls, register_s=register_s) | machine
     finally:
         _end(started)
         if made_here:
