@@ -9,8 +9,9 @@ heartbeat of the window) and how many boards the coordinator lists as alive at i
 (ListDevices as the operator). Target: p99 < 100 ms at 256 boards.
 
 Everything runs on this machine: the boards' processes take CPU from the coordinator they
-measure, and other work on the machine does too — the table gives the cores, the CPU each side
-used and the load average, and the runs of one size are repeated to show the spread.
+measure, and other work on the machine does too — the table gives the cores each side used, the
+load average (before -> after the window) and how late an idle thread woke meanwhile (wake p99,
+ms: scheduling delay alone), and the runs of one size are repeated to show the spread.
 
     python scripts/bench_fleet_load.py [--boards 64,128,256] [--processes 8] [--seconds 20] [--repeat 3]
                                        [--no-work-polls]
@@ -29,10 +30,10 @@ from edgetrain.emulator.fleet_load import SYNTHETIC_NOTE, run_fleet_load
 
 TARGET_P99_MS = 100.0
 COLUMNS = (("boards", 7), ("processes", 6), ("alive", 6), ("heartbeats", 11), ("heartbeat_errors", 7),
-           ("p50_ms", 8), ("p99_ms", 8), ("max_ms", 8), ("coordinator_cpu_cores", 9), ("boards_cpu_cores", 9),
-           ("load_average", 14))
-HEADERS = ("boards", "procs", "alive", "heartbeats", "errors", "p50 ms", "p99 ms", "max ms", "coord cpu",
-           "board cpu", "load avg")
+           ("p50_ms", 8), ("p99_ms", 9), ("max_ms", 9), ("coordinator_cpu_cores", 12), ("boards_cpu_cores", 12),
+           ("wakeup_p99_ms", 11), ("load_average", 13))
+HEADERS = ("boards", "procs", "alive", "heartbeats", "errors", "p50 ms", "p99 ms", "max ms", "coord cores",
+           "board cores", "wake p99", "load avg")
 
 
 def _row(values: list[str]) -> str:
