@@ -12,4 +12,6 @@
 - ``profiler.py``   join-time profile: training speed at the job's batch sizes, memory.
 - ``telemetry.py``  psutil readings, link meter and probe, telemetry samples.
 - ``emulation.py``  an emulated board's link, battery and energy (from its board file).
+- ``light_boards.py`` many light fake boards in one process (real calls, synthetic profile and
+                    telemetry) for the load benchmark.
 """

@@ -9,4 +9,5 @@ It starts the roles as processes (``python -m edgetrain ...``), never imports th
 - ``shaping.py``      application-level link emulation (rate, delay, loss).
 - ``battery.py``      an emulated battery draining with work; the real battery through psutil.
 - ``launch.py``       local runs: a coordinator and emulated boards as processes (``edgetrain local``).
+- ``fleet_load.py``   load on one coordinator: hundreds of light boards' heartbeat round trips.
 """
