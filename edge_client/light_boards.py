@@ -3,7 +3,7 @@
 Each board is its own thread with its own fleet certificate and its own channel
 (``CoordinatorConnection``, the real client's calls): it registers, reports a SYNTHETIC profile,
 sends a heartbeat with SYNTHETIC telemetry every heartbeat interval of the job, and — as an idle
-real board does — long-polls for work. What it measures is each heartbeat's round trip as the
+real board does — holds its presence stream open and long-polls for work. What it measures is each heartbeat's round trip as the
 board sees it. The emulated fleet's load benchmark (edgetrain.emulator.fleet_load) starts these
 processes; run alone:
 
@@ -56,10 +56,13 @@ class LightBoard:
     last_error: str = ""
     polls: int = 0
     """Work polls answered (with nothing to do, or the end of the job)."""
+    presence_events: int = 0
+    """Messages received on the presence stream."""
 
     def result(self) -> dict:
         return {"name": self.name, "device_id": self.device_id, "rtts_ms": [round(r, 3) for r in self.rtts_ms],
-                "heartbeat_errors": self.heartbeat_errors, "last_error": self.last_error, "polls": self.polls}
+                "heartbeat_errors": self.heartbeat_errors, "last_error": self.last_error, "polls": self.polls,
+                "presence_events": self.presence_events}
 
 
 def synthetic_telemetry(rtt_ms: float | None) -> TelemetrySample:
@@ -72,11 +75,13 @@ def synthetic_telemetry(rtt_ms: float | None) -> TelemetrySample:
 class LightFleet:
     """The light boards of this process, sharing a stop and a measuring switch."""
 
-    def __init__(self, address: str, identities: Path, names: list[str], *, work_polls: bool = True) -> None:
+    def __init__(self, address: str, identities: Path, names: list[str], *, idle_calls: bool = True) -> None:
         self.address = address
         self.identities = Path(identities)
         self.boards = [LightBoard(name) for name in names]
-        self.work_polls = work_polls
+        self.idle_calls = idle_calls
+        """Whether each board also holds what an idle real board holds open: its presence stream and
+        a work poll (each takes a coordinator thread while open)."""
         self.measuring = threading.Event()
         self.stop = threading.Event()
         self._settled = threading.Semaphore(0)
@@ -111,6 +116,7 @@ class LightFleet:
             credentials = BoardCredentials(trust.Identity.load(path), path)
             connection = CoordinatorConnection(self.address, credentials=credentials)
             board.device_id, job = connection.register(board.name, None, "")
+            presence = connection.attach(board.device_id) if self.idle_calls else None
             connection.report_profile(board.device_id, SYNTHETIC_PROFILE)
         except (grpc.RpcError, ConnectionError, trust.TrustError) as e:
             self._failed[board.name] = transport.describe(e)
@@ -119,12 +125,16 @@ class LightFleet:
                 connection.close()
             return
         self._settled.release()
-        if self.work_polls:
+        if presence is not None:
+            threading.Thread(target=self._follow, args=(presence, board), name=f"{board.name}-presence",
+                             daemon=True).start()
             threading.Thread(target=self._poll, args=(connection, board), name=f"{board.name}-poll",
                              daemon=True).start()
         try:
             self._heartbeats(connection, board, job.heartbeat_interval_s)
         finally:
+            if presence is not None:
+                presence.cancel()
             connection.close()
 
     def _heartbeats(self, connection: CoordinatorConnection, board: LightBoard, interval_s: float) -> None:
@@ -146,6 +156,15 @@ class LightFleet:
             if self.stop.wait(interval_s):
                 return
 
+    def _follow(self, presence, board: LightBoard) -> None:
+        """Read the presence stream until it ends (a break the board did not ask for is noted)."""
+        try:
+            for _ in presence:
+                board.presence_events += 1
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                board.last_error = transport.describe(e)
+
     def _poll(self, connection: CoordinatorConnection, board: LightBoard) -> None:
         """Long-poll for work as an idle board does (the job never starts: nothing comes)."""
         while not self.stop.is_set():
@@ -165,11 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m edge_client.light_boards", description=__doc__.split("\n")[0])
     parser.add_argument("--coordinator", required=True, metavar="HOST:PORT")
     parser.add_argument("--identities", required=True, type=Path, help="DIR/NAME holds each board's credentials")
-    parser.add_argument("--no-work-polls", action="store_true", help="only heartbeats, no idle work polls")
+    parser.add_argument("--heartbeats-only", action="store_true",
+                        help="no presence stream and no work poll held open, only heartbeats")
     parser.add_argument("names", nargs="+", metavar="NAME")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    fleet = LightFleet(args.coordinator, args.identities, args.names, work_polls=not args.no_work_polls)
+    fleet = LightFleet(args.coordinator, args.identities, args.names, idle_calls=not args.heartbeats_only)
     fleet.start()
     print(json.dumps(fleet.wait_registered()), flush=True)
     for line in sys.stdin:

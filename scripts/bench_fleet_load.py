@@ -4,7 +4,7 @@ Light fake boards (edge_client/light_boards.py) in several processes, each board
 channel and certificate under the run's fleet CA, register with a real coordinator (`python -m
 edgetrain coordinator`, mutual TLS, a job that never starts training), report a SYNTHETIC
 profile, send a heartbeat with SYNTHETIC telemetry every second and, as idle real boards do,
-long-poll for work. Measured: the heartbeat round trips the boards see (p50/p99/max over every
+hold their presence stream open and long-poll for work. Measured: the heartbeat round trips the boards see (p50/p99/max over every
 heartbeat of the window) and how many boards the coordinator lists as alive at its end
 (ListDevices as the operator). Target: p99 < 100 ms at 256 boards.
 
@@ -14,7 +14,7 @@ load average (before -> after the window) and how late an idle thread woke meanw
 ms: scheduling delay alone), and the runs of one size are repeated to show the spread.
 
     python scripts/bench_fleet_load.py [--boards 64,128,256] [--processes 8] [--seconds 20] [--repeat 3]
-                                       [--no-work-polls]
+                                       [--heartbeats-only]
 
 The last line printed is one JSON object (the largest fleet's median run, and every run).
 """
@@ -51,18 +51,19 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=8, help="light-board processes (at most one per board)")
     parser.add_argument("--seconds", type=float, default=20.0, help="measurement window per run")
     parser.add_argument("--repeat", type=int, default=1, help="runs per fleet size")
-    parser.add_argument("--no-work-polls", action="store_true", help="boards send heartbeats only")
+    parser.add_argument("--heartbeats-only", action="store_true",
+                        help="boards hold no presence stream and no work poll open")
     args = parser.parse_args()
     sizes = [int(s) for s in args.boards.split(",") if s.strip()]
-    polls = not args.no_work_polls
+    polls = not args.no_idle_calls
     print(f"# {os.cpu_count()} cores shared by the coordinator and the boards; heartbeat every 1 s"
-          f"{', idle work polls' if polls else ', no work polls'}; {SYNTHETIC_NOTE}", flush=True)
+          f"{', presence stream and work poll held open' if polls else ', heartbeats only'}; {SYNTHETIC_NOTE}", flush=True)
     print(_row(list(HEADERS)), flush=True)
     started = time.monotonic()
     runs: list[dict] = []
     for boards in sizes:
         for _ in range(args.repeat):
-            run = run_fleet_load(boards, min(args.processes, boards), args.seconds, work_polls=polls)
+            run = run_fleet_load(boards, min(args.processes, boards), args.seconds, idle_calls=polls)
             runs.append(run)
             print(_row(_cells(run)), flush=True)
     largest = [r for r in runs if r["boards"] == max(sizes)]
@@ -73,7 +74,7 @@ def main() -> None:
           f"{sorted(r['p99_ms'] for r in largest if r['p99_ms'] is not None)}), {median['alive']} alive; target p99 < {TARGET_P99_MS:.0f} ms {'met' if met else 'NOT met'}; "
           f"{time.monotonic() - started:.0f} s in all", flush=True)
     print(json.dumps({**{k: median[k] for k in ("boards", "processes", "cores", "alive", "p50_ms", "p99_ms",
-                                                "max_ms", "work_polls")},
+                                                "max_ms", "idle_calls")},
                       "target_p99_ms": TARGET_P99_MS, "met": met, "synthetic": SYNTHETIC_NOTE, "runs": runs}))
 
 

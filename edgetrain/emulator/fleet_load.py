@@ -64,8 +64,8 @@ def _python_env(home: Path) -> dict[str, str]:
 
 
 def _start_boards(address: str, identities: Path, groups: list[list[str]], env: dict[str, str], log: Path,
-                  work_polls: bool) -> list[subprocess.Popen]:
-    extra = [] if work_polls else ["--no-work-polls"]
+                  idle_calls: bool) -> list[subprocess.Popen]:
+    extra = [] if idle_calls else ["--heartbeats-only"]
     with log.open("ab") as err:
         return [subprocess.Popen([sys.executable, "-m", "edge_client.light_boards", "--coordinator", address,
                                   "--identities", str(identities), *extra, *names],
@@ -152,14 +152,14 @@ def _end(processes: Sequence[subprocess.Popen]) -> None:
 
 
 def summarize(results: list[dict], devices: list[dict], *, boards: int, processes: int, seconds: float,
-              interval_s: float, work_polls: bool, register_s: float) -> dict:
+              interval_s: float, idle_calls: bool, register_s: float) -> dict:
     """The figures of one load run from what the boards measured and what the coordinator listed."""
     rtts = [r for board in results for r in board["rtts_ms"]]
     ours = {board["device_id"] for board in results if board["device_id"]}
     alive = [d for d in devices if d["device_id"] in ours and d.get("state", "gone") != "gone"]
     return {
         "boards": boards, "processes": processes, "seconds": seconds, "heartbeat_interval_s": interval_s,
-        "work_polls": work_polls, "cores": os.cpu_count(), "registered": len(ours), "alive": len(alive),
+        "idle_calls": idle_calls, "cores": os.cpu_count(), "registered": len(ours), "alive": len(alive),
         "heartbeats": len(rtts), "heartbeat_errors": sum(b["heartbeat_errors"] for b in results),
         "boards_answered": sum(bool(b["rtts_ms"]) for b in results),
         "p50_ms": round(percentile(rtts, 0.50), 2) if rtts else None,
@@ -171,12 +171,13 @@ def summarize(results: list[dict], devices: list[dict], *, boards: int, processe
     }
 
 
-def run_fleet_load(boards: int = 256, processes: int = 8, seconds: float = 20.0, *, work_polls: bool = True,
+def run_fleet_load(boards: int = 256, processes: int = 8, seconds: float = 20.0, *, idle_calls: bool = True,
                    heartbeat_interval_s: float = 1.0, workdir: Path | None = None) -> dict:
     """Hold `boards` light boards (in `processes` processes) on one real coordinator for `seconds`
     of heartbeats; returns the round trips the boards saw (p50_ms, p99_ms, max_ms), how many boards
     the coordinator lists as alive, and the machine's core count (see ``summarize``). With
-    `work_polls` each board also long-polls for work, as an idle real board does."""
+    `idle_calls` each board also holds open its presence stream and a work poll, as an idle real
+    board does."""
     if boards < 1 or not 1 <= processes <= boards or seconds <= 0:
         raise ValueError(f"need boards >= 1, 1 <= processes <= boards and seconds > 0, got {boards}, "
                          f"{processes}, {seconds}")
@@ -201,7 +202,7 @@ def run_fleet_load(boards: int = 256, processes: int = 8, seconds: float = 20.0,
         address = _wait_for_address(port_file, coordinator, timeout_s=120)
         began = time.perf_counter()
         fleet = _start_boards(address, identities, [names[i::processes] for i in range(processes)], env, log,
-                              work_polls)
+                              idle_calls)
         started.extend(fleet)
         failed = {k: v for p in fleet for k, v in _read_line(p, "registering").get("failed", {}).items()}
         if failed:
@@ -219,7 +220,7 @@ def run_fleet_load(boards: int = 256, processes: int = 8, seconds: float = 20.0,
         _tell(fleet, "stop")
         results = [board for p in fleet for board in _read_line(p, "reporting")["boards"]]
         return summarize(results, devices, boards=boards, processes=processes, seconds=seconds,
-                         interval_s=heartbeat_interval_s, work_polls=work_polls, register_s=register_s) | machine
+                         interval_s=heartbeat_interval_s, idle_calls=idle_calls, register_s=register_s) | machine
     finally:
         _end(started)
         if made_here:
