@@ -97,8 +97,8 @@ def pairing_address(address: str) -> str:
 
 GATEWAY_WORKERS = 1024
 """Threads of a gateway's fleet port. grpcio's sync server holds a thread for each call in
-progress, and every idle board always holds one (its long work poll; two with a heartbeat
-stream): at 256 boards 128 threads were all taken by polls and heartbeats queued for 9 s (alive
+progress, and every idle board always holds two (its presence stream and its long work poll):
+at 256 boards 128 threads were all taken by the polls alone and heartbeats queued for 9 s (alive
 189 of 256). 1024 leaves room for 256 boards' polls, streams and transfers at once; the pool
 makes a thread only when no idle one is left."""
 
