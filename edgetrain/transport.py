@@ -292,14 +292,8 @@ def require_peer(context: grpc.ServicerContext, name: str, what: str) -> None:
               f"{peer.role} {peer.name} cannot {what} of {name}", epb.NOT_PERMITTED)
 
 
-SERVER_THREADS = 1024
-"""Most calls a server runs at once. grpcio's sync server holds a thread per call in flight, and a
-coordinator holds one presence stream and one work poll per board: 1024 covers a few hundred
-boards (threads are started only as calls need them)."""
-
-
 def create_server(address: str, services: Sequence[tuple[Callable[[Any, grpc.Server], None], Any]], *,
-                  max_workers: int = SERVER_THREADS, security: Security = INSECURE,
+                  max_workers: int = 64, security: Security = INSECURE,
                   guard: Guard | None = None) -> tuple[grpc.Server, int]:
     """A started gRPC server for `services` ((add_XServicer_to_server, servicer) pairs) bound to
     `address` ("host:0" picks a free port); returns it with the bound port. With a secure

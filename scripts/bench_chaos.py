@@ -27,7 +27,7 @@ Reported (last line: one JSON object):
 - `false_lost`: boards declared lost in the clean run.
 - `accuracy_clean`, `accuracy_chaos`: final test accuracy (synthetic test set), same seed.
 - `heartbeat_p99_ms_at_256`: 256 light boards with their own certificates on one coordinator
-  (edgetrain.emulator.lightboards), heartbeat round trips.
+  (edgetrain.emulator.fleet_load), heartbeat round trips.
 
     python scripts/bench_chaos.py [--steps 120] [--kill-every 25] [--cut-s 20] [--down-s 30]
 """
@@ -321,7 +321,7 @@ def main() -> None:
             print(f"  {line}")
         heartbeat_p99 = None
         if args.load_boards:
-            from edgetrain.emulator.lightboards import run_fleet_load
+            from edgetrain.emulator.fleet_load import run_fleet_load
 
             load = run_fleet_load(boards=args.load_boards, seconds=args.load_seconds)
             heartbeat_p99 = load["p99_ms"]
