@@ -4,9 +4,12 @@ A shape is a structure up to interchangeable boards: each stage's blocks and its
 class of identical boards. From each start (the beams' best structures, see
 ``coordinator.planning.planner``), a best-improvement hill climb scores every neighbour with the
 exact cost on the whole fleet: shift a cut anywhere between its neighbours, merge two stages,
-split one (blocks and boards), and per class add, drop, move or trade a board. The best local
-optimum then climbs again from its LOOKAHEAD best neighbours while that improves it (two moves
-that only pay together, e.g. two more boards into two stages).
+split one (blocks and boards), and per class add, drop, move or trade a board, or add one board
+to each of two stages at once. The pair is one move because a pipeline is as slow as its slowest
+stage: when two stages are about as slow (often those the boards' DP shards balance against),
+a board into either alone gains nothing, and a climb that reached such a shape from a start
+other than the best would stop there. The best local optimum then climbs again from its
+LOOKAHEAD best neighbours while that improves it (other moves that only pay together).
 """
 
 from __future__ import annotations
@@ -113,9 +116,9 @@ class _Climb:
 
     def moves(self, shape: Shape) -> Iterator[Shape]:
         """Shift a cut anywhere between its neighbours, merge two neighbouring stages, split a
-        stage in two (blocks and boards), and per class: add a board from outside, drop one, move
-        one to another stage, trade one for another class's board from outside or from another
-        stage."""
+        stage in two (blocks and boards), and per class: add a board from outside (to one stage,
+        or with one of any class to a later stage too), drop one, move one to another stage,
+        trade one for another class's board from outside or from another stage."""
         classes, stages = range(len(self.sizes)), list(shape)
         spare = [n - sum(g[c] for *_, g in shape) for c, n in enumerate(self.sizes)]
 
@@ -140,6 +143,10 @@ class _Climb:
             for c in classes:
                 if spare[c]:
                     yield tuple(put(stages, s, plus(g, c, 1)))
+                    for t in range(s + 1, len(stages)):
+                        for d in classes:
+                            if spare[d] > (d == c):
+                                yield tuple(put(put(stages, s, plus(g, c, 1)), t, plus(stages[t][2], d, 1)))
                 if not g[c]:
                     continue
                 less = plus(g, c, -1)
