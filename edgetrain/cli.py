@@ -191,6 +191,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch", type=int, default=None, help="global batch (default: the fleet's job's)")
     plan.add_argument("--stage-state", choices=("hosts", "coordinator"), default="hosts",
                       help="where single-host stages keep parameters and optimizer state")
+    plan.add_argument("--no-replicate", dest="replicate", action="store_false",
+                      help="with --stage-state hosts: no replica of owned stages on the coordinator "
+                           "(pipeline.replicate: false), so their gradients do not go up every step")
     plan.add_argument("--json", action="store_true", help="one JSON object")
     plan.add_argument("--remeasure", action="store_true",
                       help="measure this machine again instead of using the figures kept from an earlier run")
@@ -321,7 +324,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     try:
         print(plan_report(args.fleet, model=args.model, objective=args.objective, batch=args.batch,
-                          stage_state=args.stage_state, as_json=args.json, remeasure=args.remeasure))
+                          stage_state=args.stage_state, replicate=args.replicate, as_json=args.json,
+                          remeasure=args.remeasure))
     except ValueError as e:
         print(f"edgetrain plan: error: {e}", file=sys.stderr)
         return 2

@@ -31,6 +31,8 @@
         equal          data parallelism, equal shares
         proportional   data parallelism, shares from measured speed and link time
         pipeline       every board one stage (cuts chosen by the cost model), 1F1B
+    (hybrid and pipeline runs keep the default `pipeline.replicate`: the coordinator holds a
+    replica of each stage a host owns, so its gradients go up every step, and plans are costed so)
     samples/s over the steps after warm-up, and each as a fraction of ideal.
 (c) Prediction. The hybrid runs' predicted step time (the plan in force) against the measured
     median step time.
@@ -191,13 +193,13 @@ def run_mode(mode: str, fleet: str, model_name: str, links, batch: int, args, wo
                            heartbeat_timeout_s=120.0)
     if mode == "hybrid":
         job["planner"] = {"enabled": True, "link_wait_s": 30}
-        job["pipeline"] = {"stage_timeout_s": 600, "sync_every": 1000}
+        job["pipeline"] = {"stage_timeout_s": 600}
     if mode == "pipeline":
         specs = [BoardSpec(name=f"board{i}", speed=s, link=LinkSpec(mbit_per_s=m)) for i, (s, m) in
                  enumerate(zip(SPEEDS, links))]
         plan = best_pure_pipeline(boards_from_fleet(specs, model, one_core, cpu_s_per_byte=transfer_cpu_s_per_byte()),
                                   model, batch)
-        job["pipeline"] = {**plan.to_pipeline_section(), "stage_timeout_s": 600, "sync_every": 1000}
+        job["pipeline"] = {**plan.to_pipeline_section(), "stage_timeout_s": 600}
     run_dir = run_on_emulated_boards(job, list(zip(SPEEDS, links)), workdir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "train" and r["step"] >= args.warmup]

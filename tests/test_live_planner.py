@@ -46,6 +46,21 @@ def test_first_plan_then_nothing_until_the_fleet_changes():
     assert again is None and noise is None
 
 
+def test_plans_are_costed_as_the_job_keeps_stage_state():
+    # Prepare: boards of 20 MB hold no whole model (21 MB of parameters and gradients) and block
+    # 3 (8 MB) only alone: a pipeline [0, 3) [3, 4), each stage owned by its host
+    fleet = [replace(b, memory_bytes=2e7, mbit_per_s=20.0) for b in _fleet()[:2]]
+
+    # Execute
+    replicated = _planner().decide(0, fleet).plan
+    pulled = LivePlanner(PlannerConfig(enabled=True), MODEL, 64, "hosts", 50, replicate=False).decide(0, fleet).plan
+
+    # Assert: block 3's host sends its 8 MB of gradients to the replica every step (σ = 4e-7 s/byte
+    # at 20 Mbit/s) instead of its parameters and momenta every 50 steps
+    assert [(s.begin, s.end) for s in replicated.stages] == [(s.begin, s.end) for s in pulled.stages] == [(0, 3), (3, 4)]
+    assert replicated.prediction.step_s - pulled.prediction.step_s == pytest.approx(8e6 * 4e-7 * (1 - 2 / 50), rel=1e-9)
+
+
 def test_a_link_drop_beyond_the_threshold_re_plans_and_the_board_loses_its_role():
     live = _planner()
     first = live.decide(0, _fleet())
@@ -135,6 +150,23 @@ def test_edgetrain_plan_explains_the_plan_of_a_fleet_file(fleet_file):
     energies = [p["predicted_energy_per_sample_j"] for p in out["plans"]]
     assert steps == sorted(steps) and energies == sorted(energies, reverse=True)  # a Pareto front
     assert all(p["predicted_samples_per_s"] <= out["ideal_samples_per_s"] for p in out["plans"])
+
+
+def test_edgetrain_plan_without_replicas_costs_owned_stages_less(tmp_path):
+    solo = tmp_path / "solo.yaml"
+    solo.write_text("""
+name: solo
+job: {model: small_cnn, training: {global_batch: 32}}
+boards:
+  - {name: only, speed: 0.5, link: {mbit_per_s: 20}}
+""")
+
+    replicated = json.loads(_run_plan(str(solo), "--json").stdout)["plans"][0]
+    pulled = json.loads(_run_plan(str(solo), "--json", "--no-replicate").stdout)["plans"][0]
+
+    # the board owns the whole model as one stage: a replica takes its gradients every step
+    assert replicated["stages"] == pulled["stages"] == [{"blocks": 4, "boards": ["only"]}]
+    assert pulled["predicted_step_s"] < replicated["predicted_step_s"]
 
 
 def test_pareto_text_explains_a_spread_of_the_front() -> None:

@@ -263,6 +263,32 @@ def test_microbatch_count_balances_bubble_against_per_call_overhead() -> None:
     assert 1 < dear_calls.microbatches < 32
 
 
+def test_every_search_costs_owned_stages_with_or_without_their_replica() -> None:
+    # Prepare: each board holds half the model (blocks of 10 MB), so the plan is two stages of
+    # two blocks, each owned by its host; at 20 Mbit/s, σ = 4e-7 s/byte
+    model = _model(4, param_bytes=1e7, activation_bytes=1e3)
+    fleet = [_board(n, memory_bytes=5e7, mbit_per_s=20.0) for n in ("a", "b")]
+
+    # Execute
+    steps = {}
+    for replicate in (True, False):
+        plan = plan_optimal(fleet, model, 64, replicate=replicate)
+        front = pareto(fleet, model, 64, replicate=replicate)
+        best = brute_force(fleet, model, 64, replicate=replicate)
+        again = predict(plan, fleet, model, 64, replicate=replicate)
+        steps[replicate] = plan.prediction.step_s
+
+        # Assert: the search, the front, brute force and predict agree under each setting
+        assert [(s.begin, s.end) for s in plan.stages] == [(0, 2), (2, 4)]
+        assert again.step_s == pytest.approx(plan.prediction.step_s, rel=1e-12)
+        assert best.prediction.step_s == pytest.approx(plan.prediction.step_s, rel=1e-12)
+        assert front[0].prediction.step_s == pytest.approx(plan.prediction.step_s, rel=1e-12)
+
+    # Assert: a replica takes the stage's 20 MB of gradients each step, instead of parameters and
+    # momenta every 50 steps
+    assert steps[True] - steps[False] == pytest.approx(2e7 * 4e-7 * (1 - 2 / 50), rel=1e-9)
+
+
 # --- constraints and policies ------------------------------------------------------------------
 
 def test_a_board_too_small_for_a_stage_never_gets_it() -> None:

@@ -80,7 +80,8 @@ class PlannerSpeed:
         fleet = boards_from_fleet([self.boards[n] for n in known], model, one_core, cpu_s_per_byte=_cpu_s_per_byte())
         names = known
         batch = config.training.global_batch
-        kw = dict(stage_state=config.pipeline.stage_state, sync_every=config.pipeline.sync_every)
+        kw = dict(stage_state=config.pipeline.stage_state, sync_every=config.pipeline.sync_every,
+                  replicate=config.pipeline.replicate)
         try:
             if config.planner.enabled:
                 return plan_optimal(fleet, model, batch, config.planner.weight, **kw).prediction.samples_per_s

@@ -4,9 +4,12 @@ A shape is a structure up to interchangeable boards: each stage's blocks and its
 class of identical boards. From each start (the beams' best structures, see
 ``coordinator.planning.planner``), a best-improvement hill climb scores every neighbour with the
 exact cost on the whole fleet: shift a cut anywhere between its neighbours, merge two stages,
-split one (blocks and boards), and per class add, drop, move or trade a board. The best local
-optimum then climbs again from its LOOKAHEAD best neighbours while that improves it (two moves
-that only pay together, e.g. two more boards into two stages).
+split one (blocks and boards), per class add, drop, move or trade a board, and add a board
+(of any classes) to each of the two slowest stages at once. The pair is one move because a
+pipeline is as slow as its slowest stage: when two stages are about as slow, a board into either
+alone gains nothing (and costs a DP shard), and a climb that reached such a shape from a start
+other than the best would stop there. The best local optimum then climbs again from its
+LOOKAHEAD best neighbours while that improves it (other moves that only pay together).
 """
 
 from __future__ import annotations
@@ -64,6 +67,14 @@ class _Climb:
             out.append((i, j, tuple(members)))
         return out
 
+    def terms(self, i: int, j: int, g: tuple[int, ...]) -> StageTerms:
+        """``prob.stage`` of blocks [i, j) on boards of each class as counted by ``g``, cached."""
+        st = self._terms.get((i, j, g))
+        if st is None:
+            members = [k for pool, n in zip(self.pools, g) for k in pool[:n]]
+            st = self._terms[i, j, g] = self.prob.stage(i, j, members)
+        return st
+
     def score(self, shape: Shape) -> Point | None:
         """``prob.best`` of the shape's stages, with stage terms and shards cached by class counts."""
         if shape in self.scores:
@@ -74,10 +85,7 @@ class _Climb:
         used = [0] * len(self.pools)
         point = None
         for s, (i, j, g) in enumerate(shape):
-            st = self._terms.get((i, j, g))
-            if st is None:
-                members = [k for pool, n in zip(self.pools, g) for k in pool[:n]]
-                st = self._terms[i, j, g] = prob.stage(i, j, members)
+            st = self.terms(i, j, g)
             t = prob.fit_index(st.q, depth - s)
             if t is None:
                 break
@@ -113,9 +121,9 @@ class _Climb:
 
     def moves(self, shape: Shape) -> Iterator[Shape]:
         """Shift a cut anywhere between its neighbours, merge two neighbouring stages, split a
-        stage in two (blocks and boards), and per class: add a board from outside, drop one, move
-        one to another stage, trade one for another class's board from outside or from another
-        stage."""
+        stage in two (blocks and boards), add a board from outside to each of the two slowest
+        stages (largest γ), and per class: add a board from outside, drop one, move one to
+        another stage, trade one for another class's board from outside or from another stage."""
         classes, stages = range(len(self.sizes)), list(shape)
         spare = [n - sum(g[c] for *_, g in shape) for c, n in enumerate(self.sizes)]
 
@@ -125,6 +133,12 @@ class _Climb:
         def plus(g: tuple[int, ...], c: int, d: int) -> tuple[int, ...]:
             return g[:c] + (g[c] + d,) + g[c + 1:]
 
+        if len(stages) > 1:  # a board from outside into each of the two slowest stages
+            s, t = sorted(sorted(range(len(stages)), key=lambda x: -self.terms(*stages[x]).gamma)[:2])
+            for c in classes:
+                for d in classes:
+                    if spare[c] and spare[d] > (d == c):
+                        yield tuple(put(put(stages, s, plus(stages[s][2], c, 1)), t, plus(stages[t][2], d, 1)))
         for s in range(len(stages) - 1):
             (i, j, g), (_, end, h) = stages[s], stages[s + 1]
             for cut in range(i + 1, end):

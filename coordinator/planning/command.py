@@ -64,10 +64,11 @@ def _measured(costs: MachineCosts) -> str:
 
 
 def plan_report(fleet_file: str | Path, *, model: str | None = None, objective: str = "time",
-                batch: int | None = None, stage_state: str = "hosts", as_json: bool = False,
-                remeasure: bool = False) -> str:
+                batch: int | None = None, stage_state: str = "hosts", replicate: bool = True,
+                as_json: bool = False, remeasure: bool = False) -> str:
     """The report `edgetrain plan` prints (text, or one JSON object). This machine's figures come
-    from the measurement cache when it has them (`remeasure`: measure them again regardless)."""
+    from the measurement cache when it has them (`remeasure`: measure them again regardless).
+    `stage_state` and `replicate` as in the job's pipeline section."""
     fleet = load_fleet(fleet_file)
     model_name = model or fleet.job.model
     batch = batch or fleet.job.training.global_batch
@@ -77,9 +78,9 @@ def plan_report(fleet_file: str | Path, *, model: str | None = None, objective: 
     boards = boards_from_fleet(list(fleet.boards), cost, one_core, cpu_s_per_byte=per_byte)
     ideal = sum(b.flops_per_s for b in boards) / train_flops_per_sample(cost)
     dp = Plan(dp_boards=tuple(b.name for b in boards), dp_share=1.0)
-    dp_pred = predict(dp, boards, cost, batch, stage_state=stage_state)
-    plans = pareto(boards, cost, batch, stage_state=stage_state) if aim == "pareto" else [
-        plan_optimal(boards, cost, batch, aim, stage_state=stage_state)]
+    kw = dict(stage_state=stage_state, replicate=replicate)
+    dp_pred = predict(dp, boards, cost, batch, **kw)
+    plans = pareto(boards, cost, batch, **kw) if aim == "pareto" else [plan_optimal(boards, cost, batch, aim, **kw)]
     if as_json:
         return json.dumps({
             "fleet": fleet.name, "model": model_name, "global_batch": batch, "objective": objective,

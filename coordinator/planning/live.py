@@ -61,12 +61,12 @@ class LivePlanner:
     """The plan in force for one job, and when to change it."""
 
     def __init__(self, cfg: PlannerConfig, model: ModelCost, global_batch: int, stage_state: str = "hosts",
-                 sync_every: int = 50) -> None:
+                 sync_every: int = 50, replicate: bool = True) -> None:
         self.cfg = cfg
         self.model = model
         self.global_batch = global_batch
-        self.stage_state = stage_state
-        self.sync_every = sync_every
+        self.stage_options = {"stage_state": stage_state, "sync_every": sync_every, "replicate": replicate}
+        """How stages keep their state (the job's pipeline section), for every plan and prediction."""
         self.current: Plan | None = None
         self._reference: dict[str, BoardCost] = {}
 
@@ -80,13 +80,12 @@ class LivePlanner:
         reasons = self.changes(boards)
         if not reasons:
             return None
-        kw = {"battery_floor": self.cfg.battery_floor, "stage_state": self.stage_state, "sync_every": self.sync_every}
-        candidate = plan_optimal(list(boards), self.model, self.global_batch, self.cfg.weight, **kw)
+        candidate = plan_optimal(list(boards), self.model, self.global_batch, self.cfg.weight,
+                                 battery_floor=self.cfg.battery_floor, **self.stage_options)
         cost = objective_cost(candidate.prediction, boards, self.cfg.weight)
         current_cost = None
         if self.current is not None and self._runnable(self.current, boards):
-            now = predict(self.current, list(boards), self.model, self.global_batch, stage_state=self.stage_state,
-                          sync_every=self.sync_every)
+            now = predict(self.current, list(boards), self.model, self.global_batch, **self.stage_options)
             current_cost = objective_cost(now, boards, self.cfg.weight)
             if measured_step_s and self.current.prediction is not None:
                 current_cost *= measured_step_s / self.current.prediction.step_s
@@ -102,7 +101,7 @@ class LivePlanner:
             kept = replace(self.current, dp_boards=active, dp_share=self.current.dp_share if active else 0.0,
                            left_out=self.current.left_out + idle)
             self.current = replace(kept, prediction=predict(kept, list(boards), self.model, self.global_batch,
-                                                            stage_state=self.stage_state, sync_every=self.sync_every))
+                                                            **self.stage_options))
         return PlanDecision(step, tuple(reasons), self.current, switch, cost, current_cost, tuple(boards))
 
     def changes(self, boards: Sequence[BoardCost]) -> list[str]:

@@ -79,12 +79,13 @@ _ENERGY_LABEL_COST = 3
 def plan_optimal(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int,
                  objective: str | float = "time", *, microbatches: Sequence[int] = MICROBATCH_CANDIDATES,
                  battery_floor: float = BATTERY_FLOOR_PERCENT, exact_budget: int = EXACT_BUDGET,
-                 stage_state: str = "hosts", sync_every: int = 50) -> Plan:
+                 stage_state: str = "hosts", sync_every: int = 50, replicate: bool = True) -> Plan:
     """The plan minimising ``objective`` ("time", "energy" or a weight η of energy in [0, 1]):
     exact over pipelines, hybrids and pure DP when the DP fits ``exact_budget``, else the
     heuristic (beam searches plus a hill climb, see the module docstring). Raises ValueError
     when nothing fits in memory."""
-    prob = Problem(fleet, model, global_batch, objective_weight(objective), microbatches, battery_floor, stage_state, sync_every)
+    prob = Problem(fleet, model, global_batch, objective_weight(objective), microbatches, battery_floor, stage_state,
+                   sync_every, replicate)
     prob.every_split = prob.eta > 0
     searches, exact = _candidates(prob, exact_budget, prob.eta > 0)
     ranked = []
@@ -105,10 +106,11 @@ def plan_optimal(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int
 
 def pareto(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, *,
            microbatches: Sequence[int] = MICROBATCH_CANDIDATES, battery_floor: float = BATTERY_FLOOR_PERCENT,
-           exact_budget: int = EXACT_BUDGET, stage_state: str = "hosts", sync_every: int = 50) -> list[Plan]:
+           exact_budget: int = EXACT_BUDGET, stage_state: str = "hosts", sync_every: int = 50,
+           replicate: bool = True) -> list[Plan]:
     """The (step time, energy) non-dominated plans among the candidates the search considers,
     fastest first (beyond the exact budget, plus the hill-climbed time and energy optima)."""
-    prob = Problem(fleet, model, global_batch, 0.0, microbatches, battery_floor, stage_state, sync_every)
+    prob = Problem(fleet, model, global_batch, 0.0, microbatches, battery_floor, stage_state, sync_every, replicate)
     searches, exact = _candidates(prob, exact_budget, True)
     pool = [(lambda lab=lab, units=units: concrete(units, lab), p) for found in searches for lab, units, p in found]
     if not pool:
