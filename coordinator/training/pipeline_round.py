@@ -114,7 +114,7 @@ class LivePlans:
         self.ctx = ctx
         self.model_cost = measure_model_cost(job.model)
         self.planner = LivePlanner(job.planner, self.model_cost, job.training.global_batch,
-                                   job.pipeline.stage_state, job.pipeline.sync_every)
+                                   job.pipeline.stage_state, job.pipeline.sync_every, job.pipeline.replicate)
         self.history: list[dict] = []
         """Every plan put in force (step, kind, predicted step seconds), for the run's summary."""
 
