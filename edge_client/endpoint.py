@@ -114,6 +114,12 @@ class Mailbox:
         with self._cond:
             return (step, attempt) < self._newest
 
+    def redone(self, step: int, attempt: int) -> bool:
+        """Whether the coordinator has opened a later attempt of the same step: this one is over
+        (its samples are being redone), so its update would be refused."""
+        with self._cond:
+            return self._newest[0] == step and self._newest[1] > attempt
+
     def supersede(self, step: int, attempt: int) -> None:
         """The coordinator's newest attempt: waits for older ones end at once."""
         with self._cond:

@@ -275,6 +275,10 @@ class EdgeWorker:
                 # of an owned stage wait for it (they first end superseded attempts)
                 with self.endpoint.state.lock:
                     update = self._compute(work)
+                if work.stage is None and self.endpoint.mailbox.redone(work.step, work.attempt):
+                    logger.info("[Client.Step] step %d attempt %d is being redone without this board's update "
+                                "(a board left); not uploading it", work.step, work.attempt)
+                    return
                 energy = self.emulation.energy.energy_j()
                 report = update.report
                 if energy is not None and self._energy_mark is not None:

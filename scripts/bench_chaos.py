@@ -16,8 +16,9 @@ The chaos run, driven by the job's progress (metrics.jsonl):
 Checkpoints use the default policy (every 60 s by time, and at the end).
 
 Reported (last line: one JSON object):
-- `kills`: board kills. `board_recovery_s`: per kill, from the kill to the first step attempt
-  opened without the victim (the redone attempt when it was in one), median.
+- `kills`: board kills. `board_recovery_s`: per kill, from the kill to the moment every
+  surviving board had taken the first step attempt opened without the victim (the redone attempt
+  when it was in one), median; `redo_opened_s_each`: from the kill to that attempt's opening.
 - `coordinator_recovery_s`: from the restart to the next completed step.
 - `boards_rejoined`: fraction of the boards alive at the coordinator kill (and not killed
   since) that trained again on the restarted coordinator without being restarted.
@@ -29,7 +30,7 @@ Reported (last line: one JSON object):
 - `heartbeat_p99_ms_at_256`: 256 light boards with their own certificates on one coordinator
   (edgetrain.emulator.fleet_load), heartbeat round trips.
 
-    python scripts/bench_chaos.py [--steps 120] [--kill-every 25] [--cut-s 20] [--down-s 30]
+    python scripts/bench_chaos.py [--steps 150] [--kill-every 12] [--cut-s 20] [--down-s 30]
 """
 
 from __future__ import annotations
@@ -244,19 +245,21 @@ def chaos_run(workdir: Path, job_file: Path, name: str, lan: VirtualLan | None, 
         fleet.close()
     records = read_records(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
-    recoveries = []
+    recoveries, opened = [], []
     for victim, killed in kills:
         later = [e for r in records for e in r["attempt_log"] if e["opened"] > killed
                  and not any(b.rsplit("-", 1)[0] == victim for b in e["boards"])]
         if later:
-            recoveries.append(min(e["opened"] for e in later) - killed)
+            first = min(later, key=lambda e: e["opened"])
+            opened.append(first["opened"] - killed)
+            recoveries.append(max(first["taken"].values(), default=first["opened"]) - killed)
     after = [r for r in records if r["time"] > restart_at] if restart_at else []
     first_after = min((r["time"] for r in after), default=None)
     came_back = {d.rsplit("-", 1)[0] for r in after for d in r["devices"]}
     seen: dict[int, int] = {}
     for r in records:
         seen[r["step"]] = seen.get(r["step"], 0) + 1
-    return {"summary": summary, "kills": len(kills), "recoveries": recoveries,
+    return {"summary": summary, "kills": len(kills), "recoveries": recoveries, "opened": opened,
             "coordinator_recovery_s": None if first_after is None else first_after - restart_at,
             "rejoined": len(came_back & alive_at_coordinator_kill) / max(1, len(alive_at_coordinator_kill)),
             "redone_steps": sum(n - 1 for n in seen.values()), "resumed_from": resumed_step if restart_at else None,
@@ -273,8 +276,8 @@ def ledger_counts(run_dir: Path, steps: int) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--kill-every", type=int, default=25, help="steps between two board kills")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--kill-every", type=int, default=12, help="steps between two board kills")
     parser.add_argument("--cut-s", type=float, default=20.0, help="how long a board's link is cut")
     parser.add_argument("--down-s", type=float, default=30.0, help="how long the coordinator stays dead")
     parser.add_argument("--seed", type=int, default=0)
@@ -334,6 +337,7 @@ def main() -> None:
         "kills": chaos["kills"], "lost_steps": lost, "redone_steps": chaos["redone_steps"], "doubled_steps": doubled,
         "board_recovery_s": round(statistics.median(chaos["recoveries"]), 2) if chaos["recoveries"] else None,
         "board_recovery_s_each": [round(r, 2) for r in chaos["recoveries"]],
+        "redo_opened_s_each": [round(r, 2) for r in chaos["opened"]],
         "coordinator_recovery_s": None if chaos["coordinator_recovery_s"] is None
         else round(chaos["coordinator_recovery_s"], 2),
         "resumed_from_step": chaos["resumed_from"],

@@ -83,7 +83,7 @@ class DataParallelRound(RoundPolicy):
         choices = self._choose_codecs(shares, speeds, fleet)
         assignments = self._assign(step, attempt, indices, shares, choices, fleet)
         return Round(step, attempt, assignments, self._timeout(shares, speeds, attempt, choices, fleet),
-                     keep_late=bool(self.deadline and self.deadline.keep_late))
+                     keep_late=bool(self.deadline and self.deadline.keep_late), ends_on_loss=self.deadline is None)
 
     def complete(self, round_: Round, outcome: AttemptOutcome, elapsed_s: float) -> bool:
         registry, step, attempt = self.ctx.registry, round_.step, round_.attempt

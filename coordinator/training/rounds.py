@@ -59,6 +59,9 @@ class Round:
     """Unanswered tickets stay open past the deadline (their updates count later, down-weighted)."""
     all_or_nothing: bool = False
     """The attempt fails as soon as one board fails or leaves (a pipeline)."""
+    ends_on_loss: bool = False
+    """The attempt ends as soon as one board leaves: it cannot count without it (synchronous data
+    parallelism), so the redo starts now instead of after the others' useless uploads."""
 
 
 @dataclass

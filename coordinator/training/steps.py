@@ -113,6 +113,8 @@ class AttemptOutcome:
     """Devices that left (or, when late tickets are closed, missed the deadline) without answering."""
     late: list[str] = field(default_factory=list)
     """Devices still alive whose tickets were unanswered at the deadline."""
+    taken: dict[str, float] = field(default_factory=dict)
+    """When each board took its work (GetWork), on the step board's clock."""
 
 
 class StepBoard:
@@ -140,7 +142,8 @@ class StepBoard:
             self._cond.notify_all()
 
     def wait_attempt(self, step: int, attempt: int, deadline: float, is_alive: Callable[[str], bool], *,
-                     keep_late: bool = False, all_or_nothing: bool = False) -> AttemptOutcome:
+                     keep_late: bool = False, all_or_nothing: bool = False,
+                     ends_on_loss: bool = False) -> AttemptOutcome:
         """Block until every ticket of (step, attempt) is answered or its device left, or `deadline`.
 
         Unanswered tickets of devices that left are closed. Those of live devices are closed
@@ -157,6 +160,8 @@ class StepBoard:
                     break
                 if all_or_nothing and (gone or any(t.rejected is not None for t in mine.values())):
                     break  # a pipeline that lost a host cannot finish this attempt
+                if ends_on_loss and gone:
+                    break  # it cannot count without the board that left
                 self._cond.wait(timeout=min(0.2, max(0.0, deadline - self._clock())))
             late = [d for d in pending if d not in gone] if keep_late else []
             for device_id, ticket in mine.items():
@@ -166,7 +171,8 @@ class StepBoard:
             self._closed.add((step, attempt))
             accepted = {d: t.accepted for d, t in mine.items() if t.accepted is not None}
             rejected = {d: t.rejected for d, t in mine.items() if t.rejected is not None}
-            return AttemptOutcome(accepted, rejected, [d for d in pending if d not in late], late)
+            taken = {d: t.taken_at for d, t in mine.items() if t.taken_at is not None}
+            return AttemptOutcome(accepted, rejected, [d for d in pending if d not in late], late, taken)
 
     def take_late(self, oldest_step: int) -> tuple[list[Contribution], dict[str, str]]:
         """Answers that arrived for kept-open tickets since the last call; tickets of steps before

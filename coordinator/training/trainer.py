@@ -73,8 +73,8 @@ class StepRecord:
     updates were refused when none was usable."""
     attempt_log: list[dict] = field(default_factory=list)
     """Every attempt of the step: when it was opened and ended (wall clock), the boards it was
-    handed to, those lost in it (gone or silent), and how it ended: applied, redone (it did not
-    count) or void (it counted, but no update was usable)."""
+    handed to and when each took its work, those lost in it (gone or silent), and how it ended:
+    applied, redone (it did not count) or void (it counted, but no update was usable)."""
 
     @property
     def lost(self) -> list[str]:
@@ -201,8 +201,11 @@ class Trainer:
             entry = {"attempt": attempt, "opened": round(time.time(), 3), "boards": sorted(round_.assignments)}
             attempt_log.append(entry)
             outcome = self.board.wait_attempt(step, attempt, opened + round_.timeout_s, self.registry.is_alive,
-                                              keep_late=round_.keep_late, all_or_nothing=round_.all_or_nothing)
-            entry.update(ended=round(time.time(), 3), lost=sorted(outcome.missing), outcome="redone")
+                                              keep_late=round_.keep_late, all_or_nothing=round_.all_or_nothing,
+                                              ends_on_loss=round_.ends_on_loss)
+            wall = time.time() - time.monotonic()  # the step board's clock is monotonic: to wall-clock time
+            entry.update(ended=round(time.time(), 3), lost=sorted(outcome.missing), outcome="redone",
+                         taken={d: round(t + wall, 3) for d, t in sorted(outcome.taken.items())})
             if self.stop.is_set():
                 raise JobAborted(f"stopped during step {step}")
             if self.policy.complete(round_, outcome, time.monotonic() - opened):
