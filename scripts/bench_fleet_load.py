@@ -55,7 +55,7 @@ def main() -> None:
                         help="boards hold no presence stream and no work poll open")
     args = parser.parse_args()
     sizes = [int(s) for s in args.boards.split(",") if s.strip()]
-    polls = not args.no_idle_calls
+    polls = not args.heartbeats_only
     print(f"# {os.cpu_count()} cores shared by the coordinator and the boards; heartbeat every 1 s"
           f"{', presence stream and work poll held open' if polls else ', heartbeats only'}; {SYNTHETIC_NOTE}", flush=True)
     print(_row(list(HEADERS)), flush=True)
