@@ -31,6 +31,8 @@ bench: $(STAMP)
 	$(PY) scripts/bench_planner.py
 	$(PY) scripts/bench_jobs.py
 	$(PY) scripts/bench_tls.py
+	$(PY) scripts/bench_chaos.py
+	$(PY) scripts/bench_fleet_load.py --repeat 3
 
 protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto
