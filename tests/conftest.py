@@ -206,18 +206,23 @@ class ClientProcess:
         self._process.kill()
 
 
+def spawn_edgetrain(argv: list[str], log_path: Path, name: str) -> ClientProcess:
+    """`edgetrain ARGV` (a client, a coordinator) as a separate process under the session's
+    authority, forked from a process that has already imported torch (FORK_PRELOAD), which
+    `python -m edgetrain` would do again; its output goes to `log_path`."""
+    env = {key: os.environ.get(key) for key in ("EDGETRAIN_HOME", "EDGETRAIN_JOIN_TOKEN")}
+    process = _forks().Process(target=_client_main, args=(argv, str(log_path), env), name=name)
+    process.start()
+    return ClientProcess(process)
+
+
 def spawn_client(address: str, name: str, *, speed: float | None = None, log_dir: Path,
                  extra: tuple[str, ...] = ()) -> ClientProcess:
-    """An edge client as a separate process: `edgetrain client` forked from a process that has
-    already imported torch (FORK_PRELOAD), which `python -m edgetrain client` would do again."""
+    """An edge client as a separate process (`edgetrain client`, see spawn_edgetrain)."""
     args = ["client", "--coordinator", address, "--name", name, "--threads", "1"]
     if speed:
         args += ["--speed", str(speed)]
-    args += list(extra)
-    env = {key: os.environ.get(key) for key in ("EDGETRAIN_HOME", "EDGETRAIN_JOIN_TOKEN")}
-    process = _forks().Process(target=_client_main, args=(args, str(log_dir / f"{name}.log"), env), name=name)
-    process.start()
-    return ClientProcess(process)
+    return spawn_edgetrain(args + list(extra), log_dir / f"{name}.log", name)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ClientProcess, _client_main, _forks, small_job, wait_for
+from conftest import ClientProcess, small_job, spawn_edgetrain, wait_for
 from reference import max_abs_difference, reference_state
 
 from coordinator.main import run_coordinator
@@ -275,10 +275,7 @@ def _forked_coordinator(job_file: Path, tmp_path: Path, log: str, *flags: str) -
     (tmp_path / "address").unlink(missing_ok=True)
     argv = ["coordinator", "--config", str(job_file), "--bind", "127.0.0.1:0", "--port-file", str(tmp_path / "address"),
             "--runs-dir", str(tmp_path / "runs"), "--data-dir", str(tmp_path / "data"), "--no-advertise", *flags]
-    env = {key: os.environ.get(key) for key in ("EDGETRAIN_HOME", "EDGETRAIN_JOIN_TOKEN")}
-    process = _forks().Process(target=_client_main, args=(argv, str(tmp_path / log), env), name=log)
-    process.start()
-    return ClientProcess(process)
+    return spawn_edgetrain(argv, tmp_path / log, log)
 
 
 def _address(tmp_path: Path, process: ClientProcess, log: str) -> str:

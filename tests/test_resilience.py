@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import _client_main, _forks, small_job, wait_for
+from conftest import small_job, spawn_edgetrain, wait_for
 
 from edgetrain.config import job_to_dict
 
@@ -75,10 +75,7 @@ def _coordinator_process(job_file: Path, port: int, runs_dir: Path, log: Path,
     """`edgetrain coordinator` as its own process on 127.0.0.1:`port`, under the session's authority."""
     args = ["coordinator", "--config", str(job_file), "--bind", f"127.0.0.1:{port}", "--runs-dir", str(runs_dir),
             "--data-dir", str(runs_dir / "data"), *extra]
-    env = {key: os.environ.get(key) for key in ("EDGETRAIN_HOME", "EDGETRAIN_JOIN_TOKEN")}
-    process = _forks().Process(target=_client_main, args=(args, str(log), env), name=f"coordinator-{runs_dir.name}")
-    process.start()
-    return process
+    return spawn_edgetrain(args, log, f"coordinator-{runs_dir.name}")
 
 
 @pytest.mark.timeout(300)
@@ -97,7 +94,7 @@ def test_boards_outlive_a_killed_coordinator_and_rejoin_the_restarted_one(tmp_pa
 
         # Execute: kill it; once both boards have noticed, a new one starts on the same address
         first.kill()
-        first.join(10)
+        first.wait(10)
         logs = [tmp_path / f"{name}.log" for name in ("p", "q")]
         wait_for(lambda: all("lost the coordinator" in log.read_text() for log in logs), 60,
                  "both boards to notice the coordinator is gone")
@@ -129,25 +126,22 @@ def test_board_finds_a_coordinator_that_came_back_on_another_address_over_mdns(t
     mdns = ("--cluster", cluster, "--advertise", "127.0.0.1")
     first = _coordinator_process(job_file, _free_port_pair(), tmp_path / "first", tmp_path / "first.log", extra=mdns)
     board_log = tmp_path / "board.log"
-    env = {key: os.environ.get(key) for key in ("EDGETRAIN_HOME", "EDGETRAIN_JOIN_TOKEN")}
-    board = _forks().Process(target=_client_main, args=(
-        ["client", "--name", "roamer", "--threads", "1", "--cluster", cluster, "--interface", "127.0.0.1"],
-        str(board_log), env), name="roamer")
-    board.start()
+    board = spawn_edgetrain(["client", "--name", "roamer", "--threads", "1", "--cluster", cluster,
+                             "--interface", "127.0.0.1"], board_log, "roamer")
     second = None
     try:
         wait_for(lambda: len(read_records(tmp_path / "first" / job.name)) >= 1, 150, "a step on the first coordinator")
 
         # Execute: the coordinator dies and comes back on another port
         first.kill()
-        first.join(10)
+        first.wait(10)
         wait_for(lambda: "lost the coordinator" in board_log.read_text(), 60, "the board to notice")
         second = _coordinator_process(job_file, _free_port_pair(), tmp_path / "second", tmp_path / "second.log",
                                       extra=mdns)
 
         # Assert: the board found it over mDNS and trains there, nobody touching it
         wait_for(lambda: read_records(tmp_path / "second" / job.name), 150, "a step on the second coordinator")
-        assert board.exitcode is None
+        assert board.poll() is None
         text = board_log.read_text()
         assert "coordinator reached at" in text and "Traceback" not in text
     finally:
