@@ -53,17 +53,21 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs per fleet size")
     parser.add_argument("--heartbeats-only", action="store_true",
                         help="boards hold no presence stream and no work poll open")
+    parser.add_argument("--board-nice", type=int, default=0,
+                        help="run the boards' processes at this nice level (they stand for other machines)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.boards.split(",") if s.strip()]
     polls = not args.heartbeats_only
-    print(f"# {os.cpu_count()} cores shared by the coordinator and the boards; heartbeat every 1 s"
+    print(f"# {os.cpu_count()} cores shared by the coordinator and the boards"
+          f"{f' (boards at nice {args.board_nice})' if args.board_nice else ''}; heartbeat every 1 s"
           f"{', presence stream and work poll held open' if polls else ', heartbeats only'}; {SYNTHETIC_NOTE}", flush=True)
     print(_row(list(HEADERS)), flush=True)
     started = time.monotonic()
     runs: list[dict] = []
     for boards in sizes:
         for _ in range(args.repeat):
-            run = run_fleet_load(boards, min(args.processes, boards), args.seconds, idle_calls=polls)
+            run = run_fleet_load(boards, min(args.processes, boards), args.seconds, idle_calls=polls,
+                                 board_nice=args.board_nice)
             runs.append(run)
             print(_row(_cells(run)), flush=True)
     largest = [r for r in runs if r["boards"] == max(sizes)]

@@ -64,12 +64,13 @@ def _python_env(home: Path) -> dict[str, str]:
 
 
 def _start_boards(address: str, identities: Path, groups: list[list[str]], env: dict[str, str], log: Path,
-                  idle_calls: bool) -> list[subprocess.Popen]:
+                  idle_calls: bool, nice: int) -> list[subprocess.Popen]:
     extra = [] if idle_calls else ["--heartbeats-only"]
     with log.open("ab") as err:
         return [subprocess.Popen([sys.executable, "-m", "edge_client.light_boards", "--coordinator", address,
                                   "--identities", str(identities), *extra, *names],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+                                 preexec_fn=(lambda: os.nice(nice)) if nice else None)
                 for names in groups]
 
 
@@ -172,12 +173,14 @@ def summarize(results: list[dict], devices: list[dict], *, boards: int, processe
 
 
 def run_fleet_load(boards: int = 256, processes: int = 8, seconds: float = 20.0, *, idle_calls: bool = True,
-                   heartbeat_interval_s: float = 1.0, workdir: Path | None = None) -> dict:
+                   heartbeat_interval_s: float = 1.0, workdir: Path | None = None, board_nice: int = 0) -> dict:
     """Hold `boards` light boards (in `processes` processes) on one real coordinator for `seconds`
     of heartbeats; returns the round trips the boards saw (p50_ms, p99_ms, max_ms), how many boards
     the coordinator lists as alive, and the machine's core count (see ``summarize``). With
     `idle_calls` each board also holds open its presence stream and a work poll, as an idle real
-    board does."""
+    board does. `board_nice` > 0 runs the boards' processes at that nice level: they stand for other
+    machines, so the coordinator gets the CPU it would have on its own gateway (the boards still
+    get what it leaves)."""
     if boards < 1 or not 1 <= processes <= boards or seconds <= 0:
         raise ValueError(f"need boards >= 1, 1 <= processes <= boards and seconds > 0, got {boards}, "
                          f"{processes}, {seconds}")
@@ -202,7 +205,7 @@ def run_fleet_load(boards: int = 256, processes: int = 8, seconds: float = 20.0,
         address = _wait_for_address(port_file, coordinator, timeout_s=120)
         began = time.perf_counter()
         fleet = _start_boards(address, identities, [names[i::processes] for i in range(processes)], env, log,
-                              idle_calls)
+                              idle_calls, board_nice)
         started.extend(fleet)
         failed = {k: v for p in fleet for k, v in _read_line(p, "registering").get("failed", {}).items()}
         if failed:
@@ -220,7 +223,8 @@ def run_fleet_load(boards: int = 256, processes: int = 8, seconds: float = 20.0,
         _tell(fleet, "stop")
         results = [board for p in fleet for board in _read_line(p, "reporting")["boards"]]
         return summarize(results, devices, boards=boards, processes=processes, seconds=seconds,
-                         interval_s=heartbeat_interval_s, idle_calls=idle_calls, register_s=register_s) | machine
+                         interval_s=heartbeat_interval_s, idle_calls=idle_calls, register_s=register_s) | machine \
+            | {"board_nice": board_nice}
     finally:
         _end(started)
         if made_here:
