@@ -254,14 +254,7 @@ class StagePeerServicer(spb_grpc.StagePeerServicer):
                     transport.abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e),
                                     Refusal.STAGE_STATE_MISMATCH)
                 self._pulled = (key, metas, payload)
-        if request.offset > len(payload):
-            transport.abort(context, grpc.StatusCode.OUT_OF_RANGE, f"offset {request.offset} is past the "
-                            f"{len(payload)} bytes of the state")
-        yield spb.StateMessage(header=serde.header_to_proto(metas))
-        for chunk in iter_chunks(payload, start=request.offset, chunk_bytes=self.chunk_bytes):
-            if self.shaper:
-                self.shaper.before_send(len(chunk.data))
-            yield spb.StateMessage(chunk=serde.chunk_to_proto(chunk))
+        yield from self._state_stream(metas, payload, request.offset, "the state", context)
 
     def PullStep(self, message: spb.StepRequest, context) -> Iterator[spb.StateMessage]:
         key = (message.job_id, message.first_block, message.end_block, message.step, message.attempt)
@@ -292,11 +285,16 @@ class StagePeerServicer(spb_grpc.StagePeerServicer):
             with self._stepped_lock:
                 self._stepped = held
         _, metas, payload = held
-        if message.offset > len(payload):
-            transport.abort(context, grpc.StatusCode.OUT_OF_RANGE, f"offset {message.offset} is past the "
+        yield from self._state_stream(metas, payload, message.offset, what, context)
+
+    def _state_stream(self, metas, payload, offset: int, what: str, context) -> Iterator[spb.StateMessage]:
+        """A state bundle from byte `offset` (a resumed pull): its header, then chunks through the
+        board's link."""
+        if offset > len(payload):
+            transport.abort(context, grpc.StatusCode.OUT_OF_RANGE, f"offset {offset} is past the "
                             f"{len(payload)} bytes of {what}")
         yield spb.StateMessage(header=serde.header_to_proto(metas))
-        for chunk in iter_chunks(payload, start=message.offset, chunk_bytes=self.chunk_bytes):
+        for chunk in iter_chunks(payload, start=offset, chunk_bytes=self.chunk_bytes):
             if self.shaper:
                 self.shaper.before_send(len(chunk.data))
             yield spb.StateMessage(chunk=serde.chunk_to_proto(chunk))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -241,6 +242,14 @@ def client_factory(tmp_path: Path) -> Iterator:
         if proc.poll() is None:
             proc.kill()
         proc.wait(10)
+
+
+def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
+    """The records of one kind in a run's metrics.jsonl ([] before it exists)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == kind]
 
 
 def wait_for(predicate, timeout_s: float, what: str, *, interval_s: float = 0.5):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import small_job, wait_for
+from conftest import read_metrics, small_job, wait_for
 from reference import checkpoint_state, max_abs_difference, reference_state
 
 from coordinator.training.checkpoint import read_ledger
@@ -20,13 +20,6 @@ them): simulated in one process with the shard sums of these tests, they stay ne
 16 steps of 96 but reach 2e-5 after 40. A lost 16-sample shard or a step applied twice moves the
 parameters by 5e-5 (in the last, smallest-lr step of the cosine schedule) to 7e-3 (early on), so
 runs of at most 12 steps are checked with this tolerance."""
-
-
-def read_metrics(run_dir, kind="train") -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == kind]
 
 
 @pytest.mark.timeout(240)

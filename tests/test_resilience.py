@@ -3,25 +3,17 @@ its boards keep running."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import small_job, spawn_edgetrain, wait_for
+from conftest import read_metrics, small_job, spawn_edgetrain, wait_for
 
 from edgetrain.config import job_to_dict
 
 pytestmark = pytest.mark.slow
-
-
-def read_records(run_dir: Path, kind: str = "train") -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == kind]
 
 
 @pytest.mark.timeout(240)
@@ -34,7 +26,7 @@ def test_killed_board_is_lost_at_once_and_named_in_the_step_record(coordinator_f
     client_factory(coordinator.address, "a", 0.6)
     client_factory(coordinator.address, "b", 0.4)
     victim = client_factory(coordinator.address, "victim", 0.3)
-    wait_for(lambda: any(any(d.startswith("victim") for d in s["devices"]) for s in read_records(coordinator.run_dir)),
+    wait_for(lambda: any(any(d.startswith("victim") for d in s["devices"]) for s in read_metrics(coordinator.run_dir)),
              150, "the victim to take part in a step", interval_s=0.02)
 
     # Execute
@@ -46,7 +38,7 @@ def test_killed_board_is_lost_at_once_and_named_in_the_step_record(coordinator_f
     gone = {d["device"]: d for d in summary["devices"]}
     victims = [d for d in gone if d.startswith("victim")]
     assert victims and all(gone[d]["left_reason"] == "its connection to the coordinator broke" for d in victims), gone
-    steps = read_records(coordinator.run_dir)
+    steps = read_metrics(coordinator.run_dir)
     assert [s["step"] for s in steps] == list(range(job.training.steps))
     hit = [s for s in steps if any(d.startswith("victim") for d in s["failed"])]
     assert len(hit) == 1, [s["failed"] for s in steps]
@@ -90,7 +82,7 @@ def test_boards_outlive_a_killed_coordinator_and_rejoin_the_restarted_one(tmp_pa
     try:
         boards = [client_factory(f"127.0.0.1:{port}", name, 0.5) for name in ("p", "q")]
         first_run = tmp_path / "first" / job.name
-        wait_for(lambda: len(read_records(first_run)) >= 2, 150, "two steps on the first coordinator")
+        wait_for(lambda: len(read_metrics(first_run)) >= 2, 150, "two steps on the first coordinator")
 
         # Execute: kill it; once both boards have noticed, a new one starts on the same address
         first.kill()
@@ -102,7 +94,7 @@ def test_boards_outlive_a_killed_coordinator_and_rejoin_the_restarted_one(tmp_pa
         try:
             second_run = tmp_path / "second" / job.name
             # Assert: with nobody touching them, both boards register again and train
-            steps = wait_for(lambda: [s for s in read_records(second_run) if len(s["devices"]) == 2], 150,
+            steps = wait_for(lambda: [s for s in read_metrics(second_run) if len(s["devices"]) == 2], 150,
                              "a step on the restarted coordinator with both boards")
             assert {d.split("-")[0] for d in steps[0]["devices"]} == {"p", "q"}
             assert all(board.poll() is None for board in boards)
@@ -130,7 +122,7 @@ def test_board_finds_a_coordinator_that_came_back_on_another_address_over_mdns(t
                              "--interface", "127.0.0.1"], board_log, "roamer")
     second = None
     try:
-        wait_for(lambda: len(read_records(tmp_path / "first" / job.name)) >= 1, 150, "a step on the first coordinator")
+        wait_for(lambda: len(read_metrics(tmp_path / "first" / job.name)) >= 1, 150, "a step on the first coordinator")
 
         # Execute: the coordinator dies and comes back on another port
         first.kill()
@@ -140,7 +132,7 @@ def test_board_finds_a_coordinator_that_came_back_on_another_address_over_mdns(t
                                       extra=mdns)
 
         # Assert: the board found it over mDNS and trains there, nobody touching it
-        wait_for(lambda: read_records(tmp_path / "second" / job.name), 150, "a step on the second coordinator")
+        wait_for(lambda: read_metrics(tmp_path / "second" / job.name), 150, "a step on the second coordinator")
         assert board.poll() is None
         text = board_log.read_text()
         assert "coordinator reached at" in text and "Traceback" not in text
