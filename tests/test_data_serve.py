@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from conftest import board_channel, board_identity, small_job
+from conftest import board_channel, board_identity, read_metrics, small_job
 
 from edge_client.connection import CoordinatorConnection
 from edge_client.credentials import BoardCredentials
@@ -269,3 +269,26 @@ def test_bad_requests_get_precise_statuses_and_strangers_are_refused(gateway, fl
     (Path("data", CIFAR10_DIR) / MANIFEST_FILE).touch()  # as a new import would: read again
     assert sum(len(c.labels) for c in fetch(block=2)) == BLOCK
     channel.close()
+
+
+@pytest.mark.slow
+def test_a_board_without_a_copy_trains_on_the_gateways_cifar10(cifar_like, tmp_path, monkeypatch, capsys,
+                                                               coordinator_factory, client_factory):
+    import torchvision.datasets.cifar
+
+    # the coordinator evaluates from its own copy with torchvision's loader, which checks the
+    # official release's md5 sums: this generated archive cannot pass them
+    monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *args: True)
+    monkeypatch.chdir(tmp_path)
+    assert _import(cifar_like[0], Path("data"), capsys)[0] == 0
+    job = small_job(dataset={"name": "cifar10", "train_size": 1000, "test_size": 200}, training={"steps": 3})
+    running = coordinator_factory(job)
+    board_dir = tmp_path / "board-data"
+    client = client_factory(running.address, "cifar-board", extra=("--data-dir", str(board_dir)))
+    running.wait(120)
+    assert [r["step"] for r in read_metrics(running.run_dir)] == [0, 1, 2]
+    assert client.wait(30) == 0
+    cached = {p.name.removesuffix(".block") for p in (board_dir / CACHE_DIR).iterdir()}
+    assert cached and cached <= set(load_manifest("data").splits["train"].blocks)
+    assert not (board_dir / CIFAR10_DIR).exists()
+    assert "fetched block" in (tmp_path / "cifar-board.log").read_text()
