@@ -301,13 +301,18 @@ def import_cifar10(source: Path | None, data_dir: str | Path, *, download: bool 
     data_dir = Path(data_dir)
     target = data_dir / CIFAR10_DIR
     data_dir.mkdir(parents=True, exist_ok=True)
-    if source is None:
-        if not download:
-            raise DatasetImportError("give the path of cifar-10-python.tar.gz (or of its extracted "
-                                     f"{CIFAR10_DIR} directory), or --download")
-        from torchvision.datasets import CIFAR10 as TorchCIFAR10
+    if (source is None) == (not download):
+        raise DatasetImportError("give the path of cifar-10-python.tar.gz (or of its extracted "
+                                 f"{CIFAR10_DIR} directory), or --download, not both")
+    if download:
+        from torchvision.datasets import CIFAR10 as TorchCIFAR10  # imported on use: seconds
 
-        TorchCIFAR10(root=str(data_dir), train=True, download=True)  # verifies the md5 sums itself
+        try:  # torchvision checks the archive's md5 sum and unpacks it into data_dir
+            TorchCIFAR10(root=str(data_dir), train=True, download=True)
+        except Exception as e:  # noqa: BLE001 - offline, refused, or a damaged download: one line
+            raise DatasetImportError(f"downloading CIFAR-10 into {data_dir} failed ({type(e).__name__}: {e}); "
+                                     "fetch cifar-10-python.tar.gz where there is internet and import that "
+                                     "file") from None
         source = target
     source = Path(source)
     if not source.exists():
