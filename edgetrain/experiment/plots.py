@@ -132,18 +132,22 @@ def throughput_plot(rows: list[dict], view: PlanView | None, path: Path, *, synt
     fig = Figure(figsize=(max(5.0, 1.2 * len(groups) + 3), 4.5), layout="constrained")
     ax = fig.add_subplot()
     colours = _colours(list(groups))
+    ideal = view.ideal_samples_per_s if view else None
     for i, (arm, group) in enumerate(groups.items()):
         values = [r["samples_per_s"] for r in group if isinstance(r["samples_per_s"], (int, float))]
         median = statistics.median(values)
         ax.bar(i, median, color=colours[arm], alpha=0.8)
+        share = f"\n{median / ideal:.0%} of ideal" if ideal else ""
+        ax.annotate(f"{median:.3g}{share}", (i, median), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 3), textcoords="offset points")
         if len(values) > 1:
             ax.errorbar(i, median, yerr=[[median - min(values)], [max(values) - median]], color="k", capsize=4)
     ax.set_xticks(range(len(groups)), list(groups), rotation=20 if len(groups) > 4 else 0)
     ax.set_ylabel("training samples/s")
     ax.set_title(_title("Throughput per arm vs the fleet's ideal", synthetic))
-    ideal = view.ideal_samples_per_s if view else None
     if ideal:
-        ax.axhline(ideal, color="k", ls="--", lw=1.2, label="fleet ideal (every board computing, no communication)")
+        ax.axhline(ideal, color="k", ls="--", lw=1.2,
+                   label=f"fleet ideal {ideal:.3g} samples/s (every board computing, no communication)")
         ax.legend(fontsize=8, loc="upper right")
         ax.set_ylim(0, max([ideal] + [b.get_height() for b in ax.patches]) * 1.15)
     if not groups:
@@ -168,7 +172,7 @@ def pareto_plot(view: PlanView | None, path: Path, *, synthetic: bool) -> PlotFi
     """The planner's predicted time/energy front for the fleet with each hybrid arm's plan marked;
     no figure (only a report line) when there is no front."""
     if view is None or view.front is None:
-        return PlotFile(None, "Pareto front not drawn: " + (view.front_note if view else "no training arm"))
+        return PlotFile(None, view.front_note if view else "No Pareto front: no training arm.")
     fig = Figure(figsize=(7, 5), layout="constrained")
     ax = fig.add_subplot()
     front = sorted(view.front, key=lambda p: p["predicted_step_s"])
@@ -228,7 +232,7 @@ def timeline_plot(run: RunData, path: Path, *, synthetic: bool) -> PlotFile | No
     ax.set_xlabel("seconds from the first step shown")
     first, last = steps[0].step, steps[-1].step
     ax.set_title(_title(f"{run.name}: where each board's time goes, steps {first}–{last}", synthetic))
-    ax.legend(fontsize=8, loc="upper right", ncols=4, bbox_to_anchor=(1.0, -0.25 if len(boards) < 3 else -0.12))
+    fig.legend(loc="outside lower center", ncols=len(used), fontsize=8)
     name = "timeline_" + "".join(c if c.isalnum() or c in "-_" else "_" for c in run.name) + ".png"
     caption = (f"{run.name} (repeat {run.arm.get('repeat', 0)}): per board and step, compute, communication "
                "(download, encode, upload), waiting on pipeline peers and idle time to the end of the step; the "

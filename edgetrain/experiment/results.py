@@ -51,6 +51,9 @@ ROW_FIELDS = (
 INSECURE_LABEL = "insecure (gloo, no authentication)"
 """How every output labels a DDP arm: gloo's process group authenticates nobody."""
 
+NO_TARGET = "no target given"
+"""What the report says for time and energy to target of a run that had no target accuracy."""
+
 PLAN_TIMEOUT_S = 900
 """How long `edgetrain plan` may take (it measures the model once when the cache lacks it)."""
 
@@ -439,6 +442,8 @@ def _arm_label(rows: list[dict]) -> str:
 
 def _energy_cells(rows: list[dict]) -> str:
     """Energy to target over repeats: "unknown" when a repeat reached the target without energy figures."""
+    if all(r["target_accuracy"] is None for r in rows):
+        return NO_TARGET
     if any(r["reached"] and r["energy_to_target_j"] is None for r in rows):
         return "unknown"
     return spread([r["energy_to_target_j"] for r in rows], _joules, missing="not reached within the cap")
@@ -457,6 +462,7 @@ def arms_table(rows: list[dict]) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for group in arms.values():
         cells = [_arm_label(group), str(len(group)), f"{sum(r['reached'] for r in group)} of {len(group)}",
+                 NO_TARGET if all(r["target_accuracy"] is None for r in group) else
                  spread([r["time_to_target_s"] for r in group], _seconds, missing="not reached within the cap"),
                  _energy_cells(group),
                  spread([r["final_accuracy"] for r in group], lambda x: f"{x:.3f}", missing="no evaluation"),
@@ -481,9 +487,10 @@ def runs_table(rows: list[dict]) -> list[str]:
     for r in rows:
         if r["makespan_s"] is not None:
             continue
-        energy = ("unknown" if r["reached"] and r["energy_to_target_j"] is None else
+        energy = (NO_TARGET if r["target_accuracy"] is None else "unknown" if r["reached"] and r["energy_to_target_j"] is None else
                   _joules(r["energy_to_target_j"]) if r["reached"] else "not reached within the cap")
         cells = [_arm_label([r]), str(r["repeat"]), str(r["seed"]),
+                 NO_TARGET if r["target_accuracy"] is None else
                  _seconds(r["time_to_target_s"]) if r["reached"] else "not reached within the cap",
                  str(r["steps_to_target"]) if r["reached"] else "—", energy,
                  f"{r['final_accuracy']:.3f}" if r["final_accuracy"] is not None else "no evaluation",
@@ -643,7 +650,7 @@ def build_report(run_dirs: Sequence[Path], out_dir: Path, *, title: str | None =
                                plan_view=_plan_view(runs, rows, fleet, out_dir) if trained else None)
     for figure in figures:
         if figure.path is not None:
-            lines += [f"![{figure.caption}](plots/{figure.path.name})", "", f"*{figure.caption}*", ""]
+            lines += [f"![{figure.path.stem}](plots/{figure.path.name})", "", f"*{figure.caption}*", ""]
         else:
             lines += [f"- {figure.caption}", ""]
     report = out_dir / "report.md"
@@ -684,14 +691,14 @@ def _plan_view(runs: list[RunData], rows: list[dict], fleet, out_dir: Path) -> P
     with tempfile.TemporaryDirectory(dir=out_dir) as scratch:
         fleet_file = _fleet_file(runs, fleet, model or "", Path(scratch)) if model else None
         if fleet_file is None:
-            view.front_note = "no Pareto front: no fleet file (give one, or run through `edgetrain experiment run`)"
+            view.front_note = "No Pareto front: no fleet file (give one, or run through `edgetrain experiment run`)."
         else:
             try:
                 planned = plan_for_fleet(fleet_file, model=model, batch=batch, pareto=bool(chosen),
                                          stage_state=pipeline.get("stage_state"),
                                          replicate=pipeline.get("replicate", True))
             except RuntimeError as e:
-                view.front_note = f"no Pareto front and no planned ideal: {e}"
+                view.front_note = f"No Pareto front and no planned fleet ideal: {e}."
                 logger.warning("[report] %s", e)
             else:
                 view.fleet_name = planned.get("fleet", "")
@@ -702,7 +709,7 @@ def _plan_view(runs: list[RunData], rows: list[dict], fleet, out_dir: Path) -> P
                 if chosen:
                     view.front = planned.get("plans") or []
                 else:
-                    view.front_note = "no Pareto front: no arm ran the planner (no hybrid arm)"
+                    view.front_note = "No Pareto front: no arm ran the planner (no hybrid arm)."
     if view.ideal_samples_per_s is None:
         profiled = _profiled_ideal(trained)
         if profiled is not None:
