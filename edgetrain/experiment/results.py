@@ -383,7 +383,7 @@ def _seconds(x: float) -> str:
 
 
 def _joules(x: float) -> str:
-    return f"{x / 1000:.2f} kJ" if x >= 10_000 else f"{x:.0f} J" if x >= 100 else f"{x:.2f} J"
+    return f"{x / 1000:.3g} kJ" if x >= 10_000 else f"{x:.0f} J" if x >= 100 else f"{x:.3g} J"
 
 
 def _number(x: float) -> str:
@@ -470,7 +470,9 @@ def arms_table(rows: list[dict]) -> list[str]:
                  spread([r["bytes_per_sample"] for r in group], lambda x: f"{x / 1e3:.1f} kB", missing="—"),
                  spread([r["setup_s"] for r in group], _seconds, missing="—"),
                  group[0]["plan"] or "—"]
-        if ddp:
+        if group is ddp:
+            cells += ["1 (reference)", "1 (reference)"]
+        elif ddp:
             energy_unknown = any(r["reached"] and r["energy_to_target_j"] is None for r in group + ddp)
             cells += [_ratio(arm_median([r["time_to_target_s"] for r in group]), ddp_time, "sooner"),
                       "unknown" if energy_unknown else
