@@ -17,7 +17,9 @@ import pytest
 from conftest import read_metrics, small_job
 from PIL import Image
 
+from coordinator.planning.inputs import machine_costs
 from edgetrain.config import ConfigError
+from edgetrain.emulator.fleet_config import load_fleet
 from edgetrain.experiment.results import INSECURE_LABEL, arms_table, build_report, collect
 
 BATCH = 32
@@ -228,16 +230,21 @@ def test_pareto_front_from_edgetrain_plan_marks_the_hybrid_plan(tmp_path):
             "plan_kind": "dp", "left_out": {}, "predicted_step_s": 0.05, "predicted_samples_per_s": 640.0,
             "predicted_energy_per_sample_j": 0.01}
     hybrid = write_run(tmp_path / "hybrid-r0", [plan, train(0, 1002.0, 2.0), evaluation(0, 1003.0, 0.8, 0.1)],
-                       arm="hybrid", fleet=str(fleet))
+                       arm="hybrid")
+    # this machine's figures for small_cnn in the session's measurement cache (test_live_planner
+    # measures the same), so the subprocess below plans without importing torch
+    machine_costs("small_cnn")
 
-    # Execute: the front and the ideal come from `edgetrain plan` run as a subprocess
-    report = build_report([hybrid], tmp_path / "out").read_text()
+    # Execute: the front and the ideal come from `edgetrain plan` run as a subprocess on the
+    # fleet the runner passes (a FleetSpec, written out as a fleet file)
+    report = build_report([hybrid], tmp_path / "out", fleet=load_fleet(fleet)).read_text()
 
     # Assert
     assert "pareto_front.png" in report and "planner: dp — data parallelism over a+b" in report
     assert png_title(tmp_path / "out" / "plots" / "pareto_front.png") == \
         "Planner's time/energy front: pair, small_cnn (synthetic data)"
     assert "Σ board speed × small_cnn's one-core samples/s on this machine" in report
+    assert "No Pareto front" not in report
 
 
 @pytest.mark.slow
