@@ -88,14 +88,15 @@ def accuracy_plot(runs: list[RunData], rows: list[dict], path: Path, *, by: str,
             if not curve:
                 continue
             xs = [p.training_s if by == "time" else p.energy_j for p in curve]
-            label = arm + ("" if any(r["reached"] for r in group) else " (target not reached)")
             ax.plot(xs, [p.accuracy for p in curve], color=colours[arm], lw=2.2 if i == thick else 0.9,
-                    alpha=1.0 if i == thick else 0.5, marker="o" if len(curve) < 12 else None, ms=3,
-                    label=None if drawn else label)
+                    alpha=1.0 if i == thick else 0.5, marker="o" if len(curve) < 12 else None, ms=3)
             drawn = True
-        if not drawn:
+        if drawn:  # the legend shows the arm's median-repeat style
+            ax.plot([], [], color=colours[arm], lw=2.2, marker="o", ms=3,
+                    label=arm + ("" if any(r["reached"] for r in group) else " (target not reached)"))
+        else:
             missing.append(arm)
-        elif not any(r["reached"] for r in group):
+        if drawn and not any(r["reached"] for r in group):
             unreached.append(arm)
     targets = sorted({r["target_accuracy"] for r in rows if r["target_accuracy"] is not None})
     for t in targets:
