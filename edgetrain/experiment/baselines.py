@@ -150,12 +150,12 @@ def run_baseline(kind: str, job: dict, fleet: FleetSpec, run_dir: Path, *, netwo
             "" if links_emulated else "; the boards' link rates are NOT emulated (loopback)")
         spec = {"kind": kind, "label": label, "job": job_to_dict(config), "run_dir": str(run_dir),
                 "store": str(ranks_dir / "store"), "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
-                "ranks": [{"name": m.name, "speed": m.speed} for m in machines]}
+                "join_timeout_s": JOIN_TIMEOUT_S,
+                "ranks": [{"name": m.name, "speed": m.speed,
+                           **({"namespace": lan.hosts[m.name].namespace, "ifname": lan.hosts[m.name].veth_ns}
+                              if lan is not None else {})} for m in machines]}
         (ranks_dir / "spec.json").write_text(json.dumps(spec))
-        procs = [_spawn(rank, machine, ranks_dir, lan) for rank, machine in enumerate(machines)]
-        (run_dir / "ranks.json").write_text(json.dumps(
-            [{"rank": r, "name": m.name, "pid": p.pid} for r, (m, p) in enumerate(zip(machines, procs))]))
-        error = _supervise(procs, machines, merger, ranks_dir)
+        error = _supervise(_spawn(ranks_dir), merger, ranks_dir)
         merger.poll()
         if error:
             return _fail(run_dir, merger, label, error, network=mode, links_emulated=links_emulated)
@@ -226,54 +226,36 @@ def _build_lan(machines: list[Machine]) -> VirtualLan:
     return lan
 
 
-def _spawn(rank: int, machine: Machine, ranks_dir: Path, lan: VirtualLan | None) -> subprocess.Popen:
-    """Start one rank: this interpreter, the same code (PYTHONPATH), gloo bound to loopback or to
-    the rank's namespace interface, output to ranks/rank<R>.log."""
+def _spawn(ranks_dir: Path) -> subprocess.Popen:
+    """Start the arm's launcher (ddp_worker.py): this interpreter, the same code (PYTHONPATH); it
+    forks the ranks, which write ranks/rank<R>.log; its own output goes to ranks/launcher.log."""
     env = dict(os.environ)
     root = str(Path(edgetrain.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    env["GLOO_SOCKET_IFNAME"] = "lo" if lan is None else lan.hosts[machine.name].veth_ns
-    prefix = [] if lan is None else lan.exec_args(machine.name)
-    command = [*prefix, sys.executable, "-m", "edgetrain.experiment.ddp_worker",
-               "--spec", str(ranks_dir / "spec.json"), "--rank", str(rank)]
-    log = (ranks_dir / f"rank{rank}.log").open("w")
+    command = [sys.executable, "-m", "edgetrain.experiment.ddp_worker", "--spec", str(ranks_dir / "spec.json")]
+    log = (ranks_dir / "launcher.log").open("w")
     try:
         return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     finally:
         log.close()
 
 
-def _supervise(procs: list[subprocess.Popen], machines: list[Machine], merger: _Merger,
-               ranks_dir: Path) -> str | None:
-    """Merge records until every process exited; on the first failure (or ranks that outstay
-    rank 0 by JOIN_TIMEOUT_S) stop them all and return the one-line error."""
-    rank0_done_at: float | None = None
+def _supervise(launcher: subprocess.Popen, merger: _Merger, ranks_dir: Path) -> str | None:
+    """Merge records until the launcher exited; its failure (a rank failed, or outstayed rank 0)
+    comes back as the one-line error it printed. The launcher is stopped if this is interrupted."""
     try:
-        while True:
+        while launcher.poll() is None:
             merger.poll()
-            codes = [p.poll() for p in procs]
-            for rank, code in enumerate(codes):
-                if code not in (None, 0):
-                    return f"{merger.label}: rank {rank} ({machines[rank].name}) failed: {_why(code, ranks_dir, rank)}"
-            if all(code == 0 for code in codes):
-                return None
-            if codes[0] == 0:
-                rank0_done_at = rank0_done_at or time.monotonic()
-                if time.monotonic() - rank0_done_at > JOIN_TIMEOUT_S:
-                    late = [machines[r].name for r, c in enumerate(codes) if c is None]
-                    return f"{merger.label}: ranks {', '.join(late)} did not exit {JOIN_TIMEOUT_S:g} s after rank 0"
             time.sleep(POLL_S)
     finally:
-        _stop_all(procs)
-
-
-def _why(code: int, ranks_dir: Path, rank: int) -> str:
-    """The failed rank's own last line (ddp_worker prints one), or how it ended."""
-    lines = [line.strip() for line in (ranks_dir / f"rank{rank}.log").read_text(errors="replace").splitlines()
+        _stop_all([launcher])
+    if launcher.returncode == 0:
+        return None
+    lines = [line.strip() for line in (ranks_dir / "launcher.log").read_text(errors="replace").splitlines()
              if line.strip()]
-    if code < 0:
-        return f"killed by signal {-code}"
-    return lines[-1] if lines else f"exit code {code}"
+    why = lines[-1] if lines else (f"killed by signal {-launcher.returncode}" if launcher.returncode < 0
+                                   else f"exit code {launcher.returncode}")
+    return f"{merger.label}: {why}"
 
 
 def _stop_all(procs: list[subprocess.Popen]) -> None:

@@ -22,11 +22,14 @@ after every step with a one-integer broadcast. A failure prints one line to stde
 from __future__ import annotations
 
 import argparse
+import ctypes
+import importlib
 import json
 import os
+import signal
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from datetime import timedelta
 from pathlib import Path
 
@@ -45,6 +48,9 @@ from edgetrain.training import (
     make_optimizer,
     set_learning_rate,
 )
+
+_CLONE_NEWNET = 0x40000000
+_PR_SET_PDEATHSIG = 1
 
 EVAL_BATCH = 256
 """Test samples per forward pass in an evaluation (as the coordinator's)."""
@@ -202,20 +208,123 @@ def _ddp_shard(net: nn.Module, x: torch.Tensor, y: torch.Tensor, max_batch: int)
     return loss_sum, correct
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True, help="the arm's spec.json (written by baselines.py)")
-    parser.add_argument("--rank", type=int, required=True)
-    args = parser.parse_args(argv)
-    spec = json.loads(Path(args.spec).read_text())
-    name = spec["ranks"][args.rank]["name"]
+def _enter_namespace(namespace: str) -> None:
+    """Move this (single-threaded, just forked) process into network namespace `namespace`, as
+    `ip netns exec` does (Python 3.11 has no os.setns)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
     try:
-        train(spec, args.rank)
-    except BaseException as e:  # one line for the parent, which ends the arm with it
-        print(f"rank {args.rank} ({name}): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {namespace} failed")
+    finally:
+        os.close(fd)
+
+
+def _rank_process(spec: dict, rank: int) -> int:
+    """The forked rank: dies with the launcher, logs to ranks/rank<R>.log, joins its network
+    namespace (if any), trains. Returns its exit code (one line on stderr when it failed)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    me = spec["ranks"][rank]
+    log = os.open(Path(spec["run_dir"]) / "ranks" / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        if me.get("namespace"):
+            _enter_namespace(me["namespace"])
+        os.environ["GLOO_SOCKET_IFNAME"] = me.get("ifname") or "lo"  # gloo binds only there
+        train(spec, rank)
+    except BaseException as e:  # one line for the launcher, which ends the arm with it
+        print(f"rank {rank} ({me['name']}): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
               file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+def launch(spec: dict) -> int:
+    """Import torch once, fork one process per rank, and wait for them: the first rank that
+    fails (or a rank still running JOIN_TIMEOUT_S after rank 0 finished) ends them all and the
+    launcher with one line on stderr. SIGTERM ends the ranks too."""
+    torch.set_num_threads(1)
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # imports torch._dynamo once, here
+    if len(spec["ranks"]) > 1:
+        for module in ("torch.distributed", "torch.distributed.algorithms.ddp_comm_hooks.default_hooks",
+                       "torch.nn.parallel"):
+            importlib.import_module(module)
+    run_dir = Path(spec["run_dir"])
+    pids: dict[int, int] = {}
+    for rank in range(len(spec["ranks"])):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = _rank_process(spec, rank)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)  # everything is written: skip tearing torch down
+        pids[pid] = rank
+    (run_dir / "ranks.json").write_text(json.dumps(
+        [{"rank": r, "name": spec["ranks"][r]["name"], "pid": p} for p, r in sorted(pids.items(), key=lambda i: i[1])]))
+
+    def stop_ranks(*_: object) -> None:
+        """SIGKILL every rank still running and reap it, so none outlives the launcher."""
+        for pid in running:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in running:
+            with suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+    running = dict(pids)
+    signal.signal(signal.SIGTERM, lambda *_: (stop_ranks(), os._exit(1)))
+    rank0_done_at = None
+    while running:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if rank0_done_at is not None and time.monotonic() - rank0_done_at > spec["join_timeout_s"]:
+                stop_ranks()
+                late = ", ".join(spec["ranks"][r]["name"] for r in sorted(running.values()))
+                print(f"ranks {late} did not exit {spec['join_timeout_s']:g} s after rank 0", file=sys.stderr)
+                return 1
+            time.sleep(0.05)
+            continue
+        rank = running.pop(pid, None)
+        if rank is None:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0:
+            stop_ranks()
+            why = (f"killed by signal {-code}" if code < 0 else
+                   _last_line(run_dir / "ranks" / f"rank{rank}.log") or f"exit code {code}")
+            prefix = f"rank {rank} ({spec['ranks'][rank]['name']})"
+            print(why if why.startswith(prefix) else f"{prefix}: {why}", file=sys.stderr, flush=True)
+            return 1
+        if rank == 0:
+            rank0_done_at = time.monotonic()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="the arm's spec.json (written by baselines.py)")
+    args = parser.parse_args(argv)
+    try:
+        spec = json.loads(Path(args.spec).read_text())
+        return launch(spec)
+    except Exception as e:
+        print(f"launcher: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":
