@@ -13,11 +13,18 @@
   time that takes at their link rates, which the report adds to the time to target.
 
 Every arm trains what the coordinator would (the same samples per step, augmentation, model
-initialisation, optimizer, LR schedule, chunking, evaluation and stop rule; see ddp_worker.py,
-which each process runs; the roles are never imported) and writes the run directory contract:
-metrics.jsonl (`setup`, `train`, `eval` records), summary.json, job.json, and model.pt (the final
-model). Energy per device and step comes from the board's power model: busy during its compute,
-idle for the rest of the step, plus radio energy for what it sent and received.
+initialisation, optimizer, LR schedule, chunking, evaluation and stop rule; see ddp_worker.py;
+the roles are never imported). An arm is one launcher process (this interpreter, started with
+sys.executable) that imports torch once and forks one process per rank; the ranks write JSON
+lines under RUN/ranks/, which this module merges as they come into the run directory contract:
+metrics.jsonl (`setup`, `train`, `eval` records), summary.json, job.json, plus model.pt (the
+final model) and ranks.json (each rank's pid). A rank that fails ends the arm at once with one
+line naming it; gloo's own timeout (COLLECTIVE_TIMEOUT_S) bounds a rank that never arrives.
+
+Energy per device and step comes from the board's power model (edgetrain.power): busy during its
+compute (forward, backward and optimizer step), idle for the rest of the step, plus radio energy
+for what a DDP rank sends and receives in the ring all-reduce: 2(N-1)/N x the gradient bytes each
+way (rank 0's buffer broadcast, a few kB, is left out).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import edgetrain
-from edgetrain.config import job_from_dict, job_to_dict
+from edgetrain.config import ConfigError, job_from_dict, job_to_dict
 from edgetrain.data import dataset_is_synthetic
 from edgetrain.emulator.fleet_config import BoardSpec, FleetSpec
 from edgetrain.emulator.netns import NetnsError, VirtualLan, netns_available
@@ -126,8 +133,8 @@ def run_baseline(kind: str, job: dict, fleet: FleetSpec, run_dir: Path, *, netwo
     machines = _machines(kind, fleet)
     label = _label(kind, machines)
     if config.training.global_batch < len(machines):
-        raise ValueError(f"{label}: global batch {config.training.global_batch} is smaller than the "
-                         f"{len(machines)} ranks")
+        raise ConfigError(f"{label}: training.global_batch {config.training.global_batch} is smaller than the "
+                          f"{len(machines)} ranks")
     ranks_dir = run_dir / "ranks"
     ranks_dir.mkdir(exist_ok=True)
     for stale in ranks_dir.iterdir():

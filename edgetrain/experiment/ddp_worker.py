@@ -1,8 +1,11 @@
-"""One process of a baseline arm: a DDP rank on one emulated board, or the lone trainer of the
-`single` and `centralized` baselines (see baselines.py, which starts these processes).
+"""The processes of a baseline arm: DDP ranks on the emulated boards, or the lone trainer of the
+`single` and `centralized` baselines (baselines.py starts them and merges what they write).
 
-Run as ``python -m edgetrain.experiment.ddp_worker --spec SPEC.json --rank R``. The process holds
-itself to its machine's speed (edgetrain.emulator.throttle.limit_cpu, one torch thread) and trains
+Run as ``python -m edgetrain.experiment.ddp_worker --spec RUN/ranks/spec.json``: a launcher that
+imports torch once and forks one process per rank (a torch import costs ~8 s of CPU here, times
+the boards of a fleet on a 2-core gateway otherwise). Each rank enters its network namespace, if
+the arm has them, binds gloo to its interface (loopback otherwise), holds itself to its machine's
+speed (edgetrain.emulator.throttle.limit_cpu, one torch thread) and trains
 exactly what the coordinator would: the step's global batch from edgetrain.sampling, the same
 augmentation, model initialisation, optimizer and LR schedule (edgetrain.training), a shard put
 through the model in chunks of at most `training.max_forward_batch` samples. With several ranks
@@ -16,7 +19,12 @@ Each rank appends JSON lines to ``RUN/ranks/rank<R>.jsonl`` (`setup`, `info`, `s
 `eval` and `done`); the parent merges them into the run directory's metrics.jsonl. Rank 0 decides
 when to stop, as the coordinator does (the last step, the first evaluation reaching
 `training.target_accuracy`, or `training.time_limit_s` of training), and tells the other ranks
-after every step with a one-integer broadcast. A failure prints one line to stderr and exits 1.
+after every step with a one-integer broadcast. A rank that fails prints one line; the launcher
+then kills the other ranks, repeats that line on its stderr and exits 1.
+
+A step's `compute_s` runs from its start to the moment DDP's communication hook received the last
+gradient bucket (the end of the backward computation; the all-reduce of earlier buckets overlaps
+it, as in DDP), plus the optimizer step; the rest of the step is all-reduce and waiting.
 """
 
 from __future__ import annotations
