@@ -169,7 +169,8 @@ def run_baseline(kind: str, job: dict, fleet: FleetSpec, run_dir: Path, *, netwo
         summary = merger.summary(label=label, network=mode, links_emulated=links_emulated, stopped=None)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         acc = summary["test_accuracy"]
-        logger.info("[Baseline] %s: %d steps, test accuracy %s, %.1f samples/s, %s J%s", label, summary["steps"],
+        logger.info("[Baseline] %s: %d steps, test accuracy %s, %.1f samples/s, %s J (estimated)%s", label,
+                    summary["steps"],
                     "-" if acc is None else f"{acc:.3f}", summary["samples_per_s"],
                     "?" if summary["energy_j"] is None else f"{summary['energy_j']:.1f}",
                     " (SYNTHETIC data)" if summary["synthetic_data"] else "")
@@ -436,7 +437,8 @@ class _Merger:
             "aggregation": "allreduce" if self.kind == "ddp" else "none", "uplink": "none", "downlink": "none",
             "bytes_per_sample": sum(r["download_bytes"] + r["upload_bytes"] for r in rows) / self.samples
             if self.samples else None,
-            "devices": rows, "energy_j": sum(r["energy_j"] for r in rows) if rows else None, "plan": None,
+            "devices": rows, "energy_j": sum(r["energy_j"] for r in rows) if rows else None,
+            "energy_estimated": True, "plan": None,
             "baseline": self.kind, "label": label, "insecure": self.kind == "ddp", "network": network,
             "links_emulated": links_emulated, "throttle": self.throttle,
             "setup": {**self.extra_setup, **{what: seconds for what, (seconds, _) in self._setup.items()}},

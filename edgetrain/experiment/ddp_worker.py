@@ -262,7 +262,9 @@ def _last_line(path: Path) -> str:
 def launch(spec: dict) -> int:
     """Import torch once, fork one process per rank, and wait for them: the first rank that
     fails (or a rank still running JOIN_TIMEOUT_S after rank 0 finished) ends them all and the
-    launcher with one line on stderr. SIGTERM ends the ranks too."""
+    launcher with one line on stderr. SIGTERM ends the ranks too, and so does the death of the
+    process that started the launcher (it gets SIGTERM then)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     torch.set_num_threads(1)
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # imports torch._dynamo once, here
     if len(spec["ranks"]) > 1:
