@@ -46,7 +46,7 @@ from torch import nn
 
 from edgetrain.config import job_from_dict
 from edgetrain.data import load_dataset, make_batch
-from edgetrain.emulator.throttle import limit_cpu
+from edgetrain.emulator.throttle import limit_cpu, remove_stale_cgroups
 from edgetrain.models import build_model
 from edgetrain.sampling import batch_indices, epoch_of
 from edgetrain.training import (
@@ -295,6 +295,7 @@ def launch(spec: dict) -> int:
         for pid in running:
             with suppress(ChildProcessError):
                 os.waitpid(pid, 0)
+        remove_stale_cgroups()  # a killed rank cannot remove its own cgroup
 
     running = dict(pids)
     signal.signal(signal.SIGTERM, lambda *_: (stop_ranks(), os._exit(1)))
