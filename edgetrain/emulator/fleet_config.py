@@ -6,19 +6,26 @@ cluster: lab                     # mDNS cluster name the coordinator advertises
 job: {model: mobilenet_v2, training: {steps: 200}}   # a job mapping (see config.py), or
 job_file: jobs/demo.yaml         # a job file, relative to this file
 network: auto                    # auto: namespaces when root, else loopback + app-level shaping
+gateway: {speed: 1.0, idle_w: 6.0, busy_w: 15.0}   # the gateway (centralized baseline); optional
 boards:
   - {name: nano, count: 2, speed: 0.5, link: {mbit_per_s: 100},
      battery: {capacity_wh: 37, idle_w: 1.3, busy_w: 7.5, plugged: true}}
+  - {name: pi, speed: 0.3, idle_w: 2.7, busy_w: 4.0, radio_nj_per_byte: 10}   # wired, no battery
 events:
   - {at_s: 60, board: nano-1, link: {mbit_per_s: 5}}
   - {at_s: 90, board: nano-2, action: leave}
   - {at_s: 120, board: nano-2, action: join}
 ```
+
+A board's energy comes from :func:`edgetrain.power.board_power`: its battery's watts, else its
+own ``idle_w``/``busy_w``, else a Raspberry-Pi-class default for its speed; radio energy per byte
+from ``radio_nj_per_byte`` (default Wi-Fi's; see edgetrain/power.py for the figures).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +35,7 @@ import yaml
 from edgetrain.config import ConfigError, JobConfig, job_from_dict, load_job
 from edgetrain.emulator.battery import BatterySpec
 from edgetrain.emulator.shaping import LinkSpec
+from edgetrain.power import GATEWAY_BUSY_W, GATEWAY_IDLE_W
 
 NETWORK_MODES = ("auto", "namespaces", "loopback")
 EVENT_ACTIONS = ("link", "leave", "join")
@@ -49,6 +57,42 @@ class BoardSpec:
     """Power draw when idle, W (energy accounting for a board without a battery)."""
     busy_w: float | None = None
     """Power draw when training, W."""
+    radio_nj_per_byte: float | None = None
+    """Radio energy per byte sent or received, nJ; None: Wi-Fi's (edgetrain.power)."""
+
+    def __post_init__(self) -> None:
+        for name in ("idle_w", "busy_w", "radio_nj_per_byte"):
+            _check_nonnegative(name, getattr(self, name), optional=True)
+        if self.idle_w is not None and self.busy_w is not None and self.busy_w < self.idle_w:
+            raise ValueError(f"busy_w ({self.busy_w}) must be >= idle_w ({self.idle_w})")
+
+
+@dataclass(kw_only=True, frozen=True)
+class GatewaySpec:
+    """The gateway machine the coordinator runs on (where the centralized baseline trains)."""
+
+    speed: float = 1.0
+    """CPU speed in gateway cores (1.0: the baseline trains on one of its cores)."""
+    idle_w: float = GATEWAY_IDLE_W
+    """Power draw when idle, W (default: a mini-PC gateway; see edgetrain/power.py)."""
+    busy_w: float = GATEWAY_BUSY_W
+    """Power draw when training, W."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.speed, bool) or not isinstance(self.speed, (int, float)) or not (
+                math.isfinite(self.speed) and self.speed > 0):
+            raise ValueError(f"speed must be a finite number > 0, got {self.speed!r}")
+        _check_nonnegative("idle_w", self.idle_w)
+        _check_nonnegative("busy_w", self.busy_w)
+        if self.busy_w < self.idle_w:
+            raise ValueError(f"busy_w ({self.busy_w}) must be >= idle_w ({self.idle_w})")
+
+
+def _check_nonnegative(name: str, value: Any, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -77,6 +121,8 @@ class FleetSpec:
     jobs come with `edgetrain submit` and share the boards."""
     boards: tuple[BoardSpec, ...] = field(default_factory=tuple)
     events: tuple[FleetEvent, ...] = field(default_factory=tuple)
+    gateway: GatewaySpec = field(default_factory=GatewaySpec)
+    """The gateway machine (speed and watts), what the centralized baseline trains on."""
 
 
 def _mapping(value: Any, where: str) -> dict:
@@ -110,6 +156,9 @@ def _boards(entries: Any, where: str) -> list[BoardSpec]:
             entry["link"] = _make(LinkSpec, entry["link"], f"{where}[{i}].link")
         if "battery" in entry:
             entry["battery"] = _make(BatterySpec, entry["battery"], f"{where}[{i}].battery")
+        speed = entry.get("speed")
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not (math.isfinite(speed) and speed > 0):
+            raise ConfigError(f"{where}[{i}].speed: expected a number > 0 (fraction of a core), got {speed!r}")
         base = entry.get("name", f"board{i}")
         for k in range(count):
             named = {**entry, "name": f"{base}-{k + 1}" if count > 1 else base}
@@ -146,7 +195,7 @@ def load_fleet(path: str | Path) -> FleetSpec:
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     unknown = sorted(set(data) - {"name", "cluster", "job", "job_file", "network", "probe_interval_s", "boards",
-                                  "events", "jobs"})
+                                  "events", "jobs", "gateway"})
     if unknown:
         raise ConfigError(f"{path}: unknown key {unknown[0]!r}")
     if "job_file" in data:
@@ -165,8 +214,9 @@ def load_fleet(path: str | Path) -> FleetSpec:
     jobs = data.get("jobs", False)
     if not isinstance(jobs, bool):
         raise ConfigError(f"{path}: jobs: expected true or false, got {jobs!r}")
+    gateway = _make(GatewaySpec, data["gateway"], f"{path}: gateway") if "gateway" in data else GatewaySpec()
     return FleetSpec(name=name, cluster=str(data.get("cluster", name)), job=job, network=network, jobs=jobs,
-                     probe_interval_s=float(probe), boards=tuple(boards), events=tuple(events))
+                     probe_interval_s=float(probe), boards=tuple(boards), events=tuple(events), gateway=gateway)
 
 
 def board_to_dict(board: BoardSpec) -> dict:
