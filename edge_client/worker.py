@@ -120,6 +120,7 @@ class EdgeWorker:
         self.emulation = emulation
         self.telemetry = TelemetryCollector(link=conn.link, emulated_speed=options.emulated_speed,
                                             battery=emulation.read_battery, energy_j=emulation.energy.energy_j,
+                                            energy_measured=lambda: emulation.energy.measured,
                                             power_w=emulation.energy.power_w)
         self.device_id = ""
         self.endpoint: StageEndpoint | None = None
@@ -130,7 +131,8 @@ class EdgeWorker:
         self._stages: StageRunner | None = None
         self._abandoned: tuple[int, int] | None = None
         self._lost = threading.Event()
-        self._energy_mark: float | None = None
+        self._energy_mark: tuple[float, bool] | None = None
+        """(energy used, whether measured) at the last step's upload."""
 
     def run(self) -> str:
         """Work until the job finishes; returns the coordinator's reason."""
@@ -191,6 +193,7 @@ class EdgeWorker:
         if self._job != job:
             self._setup(job)
         _rejoin_if_forgotten(lambda: self.conn.report_profile(self.device_id, self._profile))
+        self._step_energy()  # the first step's energy counts from here
         logger.info("[Client] %s joined job %s (%s); profile %s", self.device_id, job.job_id, job.model,
                     ", ".join(f"b={b}: {s * 1000:.0f} ms" for b, s in self._profile.timings))
 
@@ -266,6 +269,17 @@ class EdgeWorker:
             if work is not None:
                 self._do_step(work)
 
+    def _step_energy(self) -> float | None:
+        """Joules since the last step's reading (the first step: since the board profiled);
+        None when unknown, or when the source changed in between (a battery counter that stopped
+        measuring on mains power: the difference of two sources means nothing)."""
+        meter = self.emulation.energy
+        energy, measured = meter.energy_j(), meter.measured
+        mark, self._energy_mark = self._energy_mark, (energy, measured) if energy is not None else None
+        if energy is None or mark is None or mark[1] != measured:
+            return None
+        return max(0.0, energy - mark[0])
+
     def _do_step(self, work: Assignment) -> None:
         """One assignment; a refusal (stale version, closed step) only abandons this step."""
         try:
@@ -275,18 +289,14 @@ class EdgeWorker:
                 # of an owned stage wait for it (they first end superseded attempts)
                 with self.endpoint.state.lock:
                     update = self._compute(work)
-                if work.stage is None and self.endpoint.mailbox.redone(work.step, work.attempt):
-                    logger.info("[Client.Step] step %d attempt %d is being redone without this board's update "
-                                "(a board left); not uploading it", work.step, work.attempt)
-                    return
-                energy = self.emulation.energy.energy_j()
-                report = update.report
-                if energy is not None and self._energy_mark is not None:
-                    report = replace(report, energy_j=energy - self._energy_mark)
-                self._energy_mark = energy
-                started = time.perf_counter()
-                self.conn.upload(self.device_id, work, update.metas, update.payload, report, self._job.chunk_bytes)
-                update.commit()
+            if work.stage is None and self.endpoint.mailbox.redone(work.step, work.attempt):
+                logger.info("[Client.Step] step %d attempt %d is being redone without this board's update "
+                            "(a board left); not uploading it", work.step, work.attempt)
+                return
+            report = replace(update.report, energy_j=self._step_energy())
+            started = time.perf_counter()
+            self.conn.upload(self.device_id, work, update.metas, update.payload, report, self._job.chunk_bytes)
+            update.commit()
             self.telemetry.last_step = (report.compute_s, report.download_s + report.encode_s
                                         + time.perf_counter() - started)
         except StageFailure as e:

@@ -138,7 +138,7 @@ class ProfileAck(_message.Message):
     def __init__(self) -> None: ...
 
 class Telemetry(_message.Message):
-    __slots__ = ("timestamp", "cpu_percent", "memory_used_bytes", "memory_total_bytes", "battery_percent", "battery_charging", "temperature_c", "cpu_freq_mhz", "link_mbit_per_s", "rtt_ms", "energy_j", "step_compute_s", "step_comm_s", "plugged", "idle_w", "busy_w")
+    __slots__ = ("timestamp", "cpu_percent", "memory_used_bytes", "memory_total_bytes", "battery_percent", "battery_charging", "temperature_c", "cpu_freq_mhz", "link_mbit_per_s", "rtt_ms", "energy_j", "step_compute_s", "step_comm_s", "plugged", "idle_w", "busy_w", "energy_measured")
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class Telemetry(_message.Message):
     PLUGGED_FIELD_NUMBER: _ClassVar[int]
     IDLE_W_FIELD_NUMBER: _ClassVar[int]
     BUSY_W_FIELD_NUMBER: _ClassVar[int]
+    ENERGY_MEASURED_FIELD_NUMBER: _ClassVar[int]
     timestamp: float
     cpu_percent: float
     memory_used_bytes: int
@@ -171,7 +172,8 @@ class Telemetry(_message.Message):
     plugged: bool
     idle_w: float
     busy_w: float
-    def __init__(self, timestamp: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., battery_percent: _Optional[float] = ..., battery_charging: _Optional[bool] = ..., temperature_c: _Optional[float] = ..., cpu_freq_mhz: _Optional[float] = ..., link_mbit_per_s: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., energy_j: _Optional[float] = ..., step_compute_s: _Optional[float] = ..., step_comm_s: _Optional[float] = ..., plugged: _Optional[bool] = ..., idle_w: _Optional[float] = ..., busy_w: _Optional[float] = ...) -> None: ...
+    energy_measured: bool
+    def __init__(self, timestamp: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., battery_percent: _Optional[float] = ..., battery_charging: _Optional[bool] = ..., temperature_c: _Optional[float] = ..., cpu_freq_mhz: _Optional[float] = ..., link_mbit_per_s: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., energy_j: _Optional[float] = ..., step_compute_s: _Optional[float] = ..., step_comm_s: _Optional[float] = ..., plugged: _Optional[bool] = ..., idle_w: _Optional[float] = ..., busy_w: _Optional[float] = ..., energy_measured: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("device_id", "telemetry")
