@@ -27,12 +27,13 @@ from edge_client.shard import ShardRunner, Update
 from edge_client.stage import StageRunner
 from edge_client.telemetry import TelemetryCollector, probe_link
 from edgetrain import transport, trust
+from edgetrain.config import ConfigError
 from edgetrain.data import load_dataset
 from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.errors import Refusal
 from edgetrain.models import build_model
 from edgetrain.streaming import TransferError
-from edgetrain.training import freeze_heap
+from edgetrain.training import freeze_heap, resolve_device
 from edgetrain.work import Assignment, BoardJob, BoardProfile, Finished
 
 logger = logging.getLogger(__name__)
@@ -202,7 +203,13 @@ class EdgeWorker:
         self.endpoint.reset()
         dataset = load_dataset(replace(job.dataset, data_dir=self.options.data_dir, download=self.options.download),
                                train=True)
-        model = build_model(job.model, num_classes=job.num_classes)
+        try:  # the job's device: profiled there like any other, so the split follows
+            device = resolve_device(job.device)
+        except ValueError as e:
+            raise ConfigError(f"job {job.job_id}: {e}") from None
+        model = build_model(job.model, num_classes=job.num_classes).to(device)
+        if device.type != "cpu":
+            logger.info("[Client] %s trains on %s (job device %s)", self.options.name, device, job.device)
         self._profile = profile_device(model, dataset, list(job.profile_batch_sizes), self.limiter,
                                        max_forward_batch=job.max_forward_batch)
         self._shards = ShardRunner(model, dataset, job, self.limiter)

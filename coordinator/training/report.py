@@ -56,6 +56,8 @@ def summarize(job: JobConfig, final_eval: dict, trainer, devices, *, stopped: st
         "global_batch": job.training.global_batch,
         "steps": final_eval["step"] + 1 if "step" in final_eval else trainer.steps_applied,
         "steps_applied": trainer.steps_applied, "steps_attempted": trainer.steps_attempted, "stopped": stopped,
+        "stop_reason": "aborted" if stopped else getattr(trainer, "stop_reason", None),
+        "time_limit_s": job.training.time_limit_s or None,
         "target_accuracy": job.training.target_accuracy or None,
         "test_accuracy": final_eval.get("test_accuracy"), "test_loss": final_eval.get("test_loss"),
         "train_samples": trainer.samples_done, "train_seconds": round(trainer.train_seconds, 2),
@@ -79,6 +81,8 @@ def summary_table(summary: dict) -> str:
     lines = [
         f"== EdgeTrain run '{summary['job']}': {summary['model']} on {data}, split {summary['split']} ==",
         *([f"STOPPED: {summary['stopped']}"] if summary.get("stopped") else []),
+        *([f"stopped at the time limit ({summary['time_limit_s']:g} s of training)"]
+          if summary.get("stop_reason") == "time_limit" else []),
         f"test accuracy {acc:.3f} (chance 0.100) after {summary['steps']} steps of {summary['global_batch']}"
         if acc is not None else "no evaluation",
         f"steps applied {summary['steps_applied']} of {summary['steps_attempted']} attempted",
