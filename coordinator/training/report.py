@@ -23,7 +23,7 @@ def plan_accuracy(plans: list[dict], step_seconds: list[tuple[int, float]]) -> d
 def energy_source(record) -> str:
     """"measured" when the board's last telemetry said its energy came from a sensor (a battery's
     energy counter), else "estimated" (a power model: busy/idle watts plus radio energy)."""
-    sample = record.latest_telemetry()
+    sample = record.latest_telemetry
     return "measured" if sample is not None and sample.energy_measured else "estimated"
 
 
