@@ -24,6 +24,7 @@ from edgetrain.emulator.fleet_config import (
 from edgetrain.power import (
     BOARD_DYNAMIC_W,
     BOARD_IDLE_W,
+    PI4_SPEED,
     WIFI_NJ_PER_BYTE,
     PowerModel,
     board_power,
@@ -62,9 +63,9 @@ def test_power_model_is_validated(fields: dict, match: str) -> None:
 
 
 def test_default_power_is_a_pi_class_board_scaled_by_speed() -> None:
-    slow, full = default_power(0.25), default_power(1.0)
-    assert slow.idle_w == full.idle_w == BOARD_IDLE_W
-    assert full.busy_w == pytest.approx(BOARD_IDLE_W + BOARD_DYNAMIC_W) == pytest.approx(6.4)
+    slow, pi4 = default_power(0.1), default_power(PI4_SPEED)
+    assert slow.idle_w == pi4.idle_w == BOARD_IDLE_W
+    assert pi4.busy_w == pytest.approx(BOARD_IDLE_W + BOARD_DYNAMIC_W) == pytest.approx(6.4)
     assert slow.busy_w == pytest.approx(BOARD_IDLE_W + BOARD_DYNAMIC_W / 4)
     for bad in (0, -1.0, float("inf"), True):
         with pytest.raises(ValueError, match="speed"):
