@@ -240,3 +240,9 @@ def test_one_board_of_two_starts_after_grace_trains_on_auto_and_stops_at_time_li
     assert all(stats["energy_j"] > 0 for s in steps for stats in s["devices"].values())
     (device,) = summary["devices"]
     assert device["energy_j"] > 0 and device["energy_source"] == "estimated" and summary["energy_estimated"]
+
+
+def test_the_real_boards_preset_is_a_valid_job() -> None:
+    job = load_job(Path(__file__).parent.parent / "edgetrain" / "presets" / "real-boards.yaml")
+    assert (job.device, job.dataset.name) == ("auto", "cifar10")
+    assert job.training.start_grace_s >= 1 and job.training.min_clients > 1
