@@ -45,7 +45,9 @@ def _row(view: pb.DeviceView) -> str:
         battery = f"{t.battery_percent:.1f}%" + ("+" if t.battery_charging else "")
     memory = f"{t.memory_used_bytes / 2**30:.1f}/{t.memory_total_bytes / 2**30:.1f}G" if t.HasField(
         "memory_total_bytes") else UNKNOWN
-    energy = f"{view.energy_per_sample_j:.2f}" if view.HasField("energy_per_sample_j") else UNKNOWN
+    energy = UNKNOWN
+    if view.HasField("energy_per_sample_j"):  # "~": estimated from a power model, not measured
+        energy = f"{view.energy_per_sample_j:.2f}" + ("" if t.energy_measured else "~")
     speed = f"{view.samples_per_s:.1f}" if view.HasField("samples_per_s") else UNKNOWN
     return (f"{view.device_id:<16}{view.state:<11}{view.seconds_since_seen:>6.1f}{_fmt(t, 'cpu_percent', '.0f'):>6}"
             f"{memory:>12}{battery:>9}{_fmt(t, 'temperature_c', '.0f'):>6}{_fmt(t, 'link_mbit_per_s', '.1f'):>9}"
@@ -90,5 +92,7 @@ def devices_report(*, coordinator: str | None = None, interfaces: list[str] | No
         lines += [f"coordinator {address}  cluster {reply.cluster}  job {reply.job_id}  "
                   f"({len(reply.devices)} boards; ? = the board cannot report it)", HEADER]
         lines += [_row(view) for view in reply.devices]
+        if any(v.HasField("energy_per_sample_j") and not v.telemetry.energy_measured for v in reply.devices):
+            lines.append("~ energy estimated from the board's power model (busy/idle W + radio nJ/byte), not measured")
         lines += [f"flagged: {view.device_id} {view.speed_claim}" for view in reply.devices if view.speed_claim] + [""]
     return "\n".join(lines).rstrip()

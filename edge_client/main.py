@@ -128,7 +128,7 @@ def run_client(address: str | None, options: ClientOptions, *, threads: int | No
     with its own credentials and gets work. Returns the coordinator's reason for finishing, or
     BATTERY_EMPTY when an emulated battery ran flat.
     """
-    emulation = BoardEmulation.from_file(options.board_file, options.power_w)
+    emulation = BoardEmulation.from_file(options.board_file, options.power_w, speed=options.emulated_speed)
     if emulation.board:
         options = replace(options, emulated_speed=emulation.board.speed)
     set_threads(threads or torch_threads_for(options.emulated_speed))

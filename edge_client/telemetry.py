@@ -3,6 +3,7 @@
 psutil answers for real boards; a value the board cannot report (no battery, no sensors, a
 cpu_freq of 0) is sent as unknown, never as 0. An emulated board reports its emulated battery
 through exactly the same fields, and its CPU use relative to its emulated share of a core.
+Energy says whether it was measured (a battery's energy counter) or estimated (a power model).
 """
 
 from __future__ import annotations
@@ -120,8 +121,10 @@ class TelemetryCollector:
     def __init__(self, *, link: LinkMeter, emulated_speed: float | None = None,
                  battery: Callable[[], BatteryReading | None] = real_battery,
                  energy_j: Callable[[], float | None] = lambda: None,
+                 energy_measured: Callable[[], bool] = lambda: False,
                  plugged: bool | None = None, power_w: tuple[float, float] | None = None) -> None:
         self.link = link
+        self._energy_measured = energy_measured
         self._power_w = power_w
         self._speed = emulated_speed
         self._battery = battery
@@ -146,10 +149,12 @@ class TelemetryCollector:
         plugged = self._plugged
         if battery is not None and plugged is None:
             plugged = battery.charging
+        energy = self._energy_j()  # read before asking whether it was measured: the answer is about this reading
         return TelemetrySample(
             timestamp=time.time(), cpu_percent=self._cpu_percent(), memory_used_bytes=memory.total - memory.available,
             memory_total_bytes=memory.total, battery_percent=battery.percent if battery else None,
             battery_charging=battery.charging if battery and battery.charging is not None else None, temperature_c=read_temperature(),
             cpu_freq_mhz=read_cpu_freq(), link_mbit_per_s=self.link.mbit_per_s(), rtt_ms=self.link.rtt_ms(),
-            energy_j=self._energy_j(), step_compute_s=compute_s, step_comm_s=comm_s, plugged=plugged,
+            energy_j=energy, energy_measured=self._energy_measured() if energy is not None else None,
+            step_compute_s=compute_s, step_comm_s=comm_s, plugged=plugged,
             idle_w=self._power_w[0] if self._power_w else None, busy_w=self._power_w[1] if self._power_w else None)

@@ -28,11 +28,12 @@ from edge_client.shard import ShardRunner, Update
 from edge_client.stage import StageRunner
 from edge_client.telemetry import TelemetryCollector, probe_link
 from edgetrain import transport, trust
+from edgetrain.config import ConfigError
 from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.errors import Refusal
 from edgetrain.models import build_model
 from edgetrain.streaming import TransferError
-from edgetrain.training import freeze_heap
+from edgetrain.training import freeze_heap, resolve_device
 from edgetrain.work import Assignment, BoardJob, BoardProfile, Finished
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ class EdgeWorker:
         self.emulation = emulation
         self.telemetry = TelemetryCollector(link=conn.link, emulated_speed=options.emulated_speed,
                                             battery=emulation.read_battery, energy_j=emulation.energy.energy_j,
+                                            energy_measured=lambda: emulation.energy.measured,
                                             power_w=emulation.energy.power_w)
         self.device_id = ""
         self.endpoint: StageEndpoint | None = None
@@ -130,7 +132,8 @@ class EdgeWorker:
         self._stages: StageRunner | None = None
         self._abandoned: tuple[int, int] | None = None
         self._lost = threading.Event()
-        self._energy_mark: float | None = None
+        self._energy_mark: tuple[float, bool] | None = None
+        """(energy used, whether measured) at the last step's upload."""
 
     def run(self) -> str:
         """Work until the job finishes; returns the coordinator's reason."""
@@ -191,6 +194,7 @@ class EdgeWorker:
         if self._job != job:
             self._setup(job)
         _rejoin_if_forgotten(lambda: self.conn.report_profile(self.device_id, self._profile))
+        self._step_energy()  # the first step's energy counts from here
         logger.info("[Client] %s joined job %s (%s); profile %s", self.device_id, job.job_id, job.model,
                     ", ".join(f"b={b}: {s * 1000:.0f} ms" for b, s in self._profile.timings))
 
@@ -199,7 +203,13 @@ class EdgeWorker:
         self.endpoint.reset()
         dataset = board_dataset(job.dataset, train=True, data_dir=self.options.data_dir,  # fetched when not local
                                 download=self.options.download, connection=lambda: self.conn)
-        model = build_model(job.model, num_classes=job.num_classes)
+        try:  # the job's device: profiled there like any other, so the split follows
+            device = resolve_device(job.device)
+        except ValueError as e:
+            raise ConfigError(f"job {job.job_id}: {e}") from None
+        model = build_model(job.model, num_classes=job.num_classes).to(device)
+        if device.type != "cpu":
+            logger.info("[Client] %s trains on %s (job device %s)", self.options.name, device, job.device)
         self._profile = profile_device(model, dataset, list(job.profile_batch_sizes), self.limiter,
                                        max_forward_batch=job.max_forward_batch)
         self._shards = ShardRunner(model, dataset, job, self.limiter)
@@ -266,6 +276,17 @@ class EdgeWorker:
             if work is not None:
                 self._do_step(work)
 
+    def _step_energy(self) -> float | None:
+        """Joules since the last step's reading (the first step: since the board profiled);
+        None when unknown, or when the source changed in between (a battery counter that stopped
+        measuring on mains power: the difference of two sources means nothing)."""
+        meter = self.emulation.energy
+        energy, measured = meter.energy_j(), meter.measured
+        mark, self._energy_mark = self._energy_mark, (energy, measured) if energy is not None else None
+        if energy is None or mark is None or mark[1] != measured:
+            return None
+        return max(0.0, energy - mark[0])
+
     def _do_step(self, work: Assignment) -> None:
         """One assignment; a refusal (stale version, closed step) only abandons this step."""
         try:
@@ -275,18 +296,14 @@ class EdgeWorker:
                 # of an owned stage wait for it (they first end superseded attempts)
                 with self.endpoint.state.lock:
                     update = self._compute(work)
-                if work.stage is None and self.endpoint.mailbox.redone(work.step, work.attempt):
-                    logger.info("[Client.Step] step %d attempt %d is being redone without this board's update "
-                                "(a board left); not uploading it", work.step, work.attempt)
-                    return
-                energy = self.emulation.energy.energy_j()
-                report = update.report
-                if energy is not None and self._energy_mark is not None:
-                    report = replace(report, energy_j=energy - self._energy_mark)
-                self._energy_mark = energy
-                started = time.perf_counter()
-                self.conn.upload(self.device_id, work, update.metas, update.payload, report, self._job.chunk_bytes)
-                update.commit()
+            if work.stage is None and self.endpoint.mailbox.redone(work.step, work.attempt):
+                logger.info("[Client.Step] step %d attempt %d is being redone without this board's update "
+                            "(a board left); not uploading it", work.step, work.attempt)
+                return
+            report = replace(update.report, energy_j=self._step_energy())
+            started = time.perf_counter()
+            self.conn.upload(self.device_id, work, update.metas, update.payload, report, self._job.chunk_bytes)
+            update.commit()
             self.telemetry.last_step = (report.compute_s, report.download_s + report.encode_s
                                         + time.perf_counter() - started)
         except StageFailure as e:

@@ -6,7 +6,9 @@ A job file has four sections, each optional:
 name: demo
 model: mobilenet_v2            # resnet18 | mobilenet_v2 | small_cnn
 dataset: {name: synthetic, train_size: 20000, test_size: 1000, seed: 0, augment: true}
-training: {global_batch: 64, steps: 300, split: proportional, min_clients: 4, eval_every: 50}
+device: cpu                    # cpu | auto (CUDA when the board has it) | cuda
+training: {global_batch: 64, steps: 300, split: proportional, min_clients: 4, eval_every: 50,
+           time_limit_s: 0, start_grace_s: 0}
 optimizer: {lr: 0.05, momentum: 0.9, weight_decay: 5.0e-4, schedule: cosine, warmup_steps: 10}
 aggregation: {rule: mean, deadline: none, clip_norm: 0, outlier_factor: 0}
 compression: {uplink: none, downlink: none}
@@ -36,6 +38,7 @@ SPLITS = ("proportional", "equal")
 SCHEDULES = ("cosine", "constant", "step")
 RULES = ("mean", "staleness", "fedavg", "fedprox")
 DEADLINES = ("none", "predicted")
+DEVICES = ("cpu", "auto", "cuda")
 
 
 class ConfigError(ValueError):
@@ -83,7 +86,15 @@ class TrainingConfig:
     split: str = "proportional"
     """proportional: batch shares follow measured speed; equal: the framework-default baseline."""
     min_clients: int = 1
-    """Training starts once this many clients have registered and profiled."""
+    """Training starts once this many clients have registered and profiled (see start_grace_s)."""
+    start_grace_s: float = 0.0
+    """0: wait for min_clients however long it takes. > 0 (at least 1): once this many seconds
+    passed waiting, start with the boards that are there, if at least one has profiled (a board
+    that did not come up does not hold a real fleet's job forever); later boards join as usual."""
+    time_limit_s: float = 0.0
+    """Stop the job cleanly — final evaluation, checkpoint, summary — once this many seconds of
+    training passed (the sum of step times, as summary.json's train_seconds counts them: evaluations
+    and checkpoints are not training); 0: no limit. summary.json's stop_reason says time_limit."""
     eval_every: int = 50
     """Evaluate on the test set every this many steps (and after the last step); 0: only at the end."""
     checkpoint_every: int = 0
@@ -121,6 +132,10 @@ class TrainingConfig:
         _require(self.split in SPLITS, "split", self.split, f"must be one of {SPLITS}")
         _require(self.min_clients >= 1, "min_clients", self.min_clients, "must be >= 1")
         _require(self.eval_every >= 0, "eval_every", self.eval_every, "must be >= 0")
+        _require(self.start_grace_s == 0 or 1 <= self.start_grace_s < math.inf, "start_grace_s", self.start_grace_s,
+                 "must be 0 (wait for min_clients) or >= 1 (seconds)")
+        _require(math.isfinite(self.time_limit_s) and self.time_limit_s >= 0, "time_limit_s", self.time_limit_s,
+                 "must be >= 0 (0: no limit)")
         _require(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every, "must be >= 0")
         _require(self.checkpoint_every_s >= 0, "checkpoint_every_s", self.checkpoint_every_s,
                  "must be >= 0 (0: no checkpoints by time)")
@@ -442,6 +457,10 @@ class JobConfig:
     """Model name (see edgetrain.catalog.MODEL_NAMES)."""
     seed: int = 0
     """Seed for the model's initial parameters and the sample order."""
+    device: str = "cpu"
+    """Where boards train: cpu; auto (CUDA when the board has it, e.g. a Jetson, else CPU); cuda
+    (a board without CUDA cannot work for the job). Boards profile on that device, so the split
+    follows. Data-parallel and federated training only: pipeline stages run on CPU."""
     dataset: DatasetSpec = field(default_factory=lambda: DatasetSpec(name="synthetic"))
     """Training and test data; every client holds it locally."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
@@ -479,6 +498,9 @@ class JobConfig:
                      "hosts", "stage hosts apply their own gradients, so every step must be all or nothing and "
                      "unclipped: use aggregation rule mean without deadline or clip_norm, or "
                      "pipeline.stage_state: coordinator")
+        _require(self.device in DEVICES, "device", self.device, f"must be one of {DEVICES}")
+        _require(self.device == "cpu" or not (self.pipeline.enabled or self.planner.enabled), "device",
+                 self.device, "pipeline stages run on CPU: use device cpu with pipeline or planner jobs")
         _require(bool(self.name) and "/" not in self.name, "name", self.name,
                  "must be a non-empty name without '/'")
 

@@ -14,19 +14,23 @@ Where the default figures come from (none of them measured on this project's mac
   fraction of one gateway core) as a Raspberry-Pi-class board. The Pi Dramble power benchmarks
   (Jeff Geerling, USB meter at 5 V) give the Pi 4 Model B 540 mA idle (≈ 2.7 W) and 1280 mA under
   ``stress --cpu 4`` (≈ 6.4 W); Raspberry Pi's documentation gives 600 mA as its typical
-  bare-board active current, and other USB-meter write-ups agree within about a watt. So ``idle_w`` is
-  :data:`BOARD_IDLE_W` = 2.7 W whatever the speed (the SoC, RAM and PHY are powered anyway), and
-  training adds :data:`BOARD_DYNAMIC_W` = 3.7 W per unit of speed: a speed-1.0 board is a Pi 4
-  with all four cores busy (its four Cortex-A72 cores are worth roughly one desktop x86 core at
-  training), a slower board draws proportionally less above idle, and a faster one (a Jetson-class
-  board at speed 2) more (10 W, inside a Jetson Orin Nano's 7-15 W modes).
+  bare-board active current, and other USB-meter write-ups agree within about a watt. The
+  project's lab preset (edgetrain/presets/lab.yaml) emulates a Pi 4 at speed
+  :data:`PI4_SPEED` = 0.4. So ``idle_w`` is :data:`BOARD_IDLE_W` = 2.7 W whatever the speed (SoC,
+  RAM and PHY are powered anyway), and training adds :data:`BOARD_DYNAMIC_W` = 3.7 W per Pi 4's
+  worth of speed (busy = 2.7 + 3.7 · speed / 0.4 W): 6.4 W at 0.4, 3.6 W at 0.1, 12 W at 1.0 (a
+  Jetson-class board in its 10-15 W modes). Dynamic power in proportion to the compute done is
+  a simplification: a Pi 3B+ (speed 0.14 in the lab preset) measures 5.1 W busy where this
+  gives 4.0 W; a fleet file's ``idle_w``/``busy_w`` (or battery) figures replace the default.
 - **Radio.** :data:`WIFI_NJ_PER_BYTE` = 100 nJ/byte (12.5 nJ/bit), the contract's default: an
-  802.11n NIC draws about 1.3 W above idle while moving about 100 Mbit/s (Halperin et al.,
-  "Demystifying 802.11n power consumption", HotPower 2010: ≈ 13 nJ/bit). Wired boards should say
+  802.11n NIC draws on the order of 1-2 W while transmitting (Halperin et al., "Demystifying
+  802.11n power consumption", HotPower 2010); at the ~100 Mbit/s such a link carries that is
+  10-20 nJ/bit. Wired boards should say
   ``radio_nj_per_byte: 10`` (:data:`ETHERNET_NJ_PER_BYTE`): a 100BASE-TX/1000BASE-T PHY pair
   draws a few tenths of a watt more when active (the IEEE 802.3az energy-efficient Ethernet
   motivation figures, Christensen et al., IEEE Communications Magazine 2010), ≈ 1-2 nJ/bit at
-  the link rates boards reach. Whole-device Wi-Fi figures (1-17 J per MB) are far higher because
+  the link rates boards reach. Whole-device Wi-Fi figures (1-17 J per MB, a Macnica application
+  note on conventional Wi-Fi equipment) are far higher because
   they include the host's idle power, which this model counts in ``idle_w`` instead.
 - **Gateway.** :data:`GATEWAY_IDLE_W` = 6 W and :data:`GATEWAY_BUSY_W` = 15 W: a mini-PC
   (Intel-NUC-class) gateway idles at 5-8 W and draws 15-20 W with a core or two busy (vendor
@@ -45,7 +49,9 @@ if TYPE_CHECKING:  # fleet_config imports the core's config; power must stay imp
 BOARD_IDLE_W = 2.7
 """Idle draw of a Raspberry-Pi-class board, W (Pi 4 Model B: 540 mA at 5 V)."""
 BOARD_DYNAMIC_W = 3.7
-"""Draw above idle while training, W per unit of speed (Pi 4, 4 cores busy: 6.4 W − 2.7 W)."""
+"""Draw above idle while training a Pi 4's worth of speed, W (4 cores busy: 6.4 W − 2.7 W)."""
+PI4_SPEED = 0.4
+"""The speed a Raspberry Pi 4 is emulated at (edgetrain/presets/lab.yaml)."""
 WIFI_NJ_PER_BYTE = 100.0
 """Radio energy per byte sent or received over Wi-Fi (802.11n at ~100 Mbit/s, ~1.3 W)."""
 ETHERNET_NJ_PER_BYTE = 10.0
@@ -89,10 +95,11 @@ class PowerModel:
 
 def default_power(speed: float) -> PowerModel:
     """An emulated board of ``speed`` (fraction of a gateway core) with no power figures: a
-    Raspberry-Pi-class board, 2.7 W idle plus 3.7 W per unit of speed when training, on Wi-Fi."""
+    Raspberry-Pi-class board, 2.7 W idle plus 3.7 W per Pi 4's worth of speed (0.4) when
+    training, on Wi-Fi."""
     if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not (math.isfinite(speed) and speed > 0):
         raise ValueError(f"speed must be a finite number > 0, got {speed!r}")
-    return PowerModel(idle_w=BOARD_IDLE_W, busy_w=BOARD_IDLE_W + BOARD_DYNAMIC_W * speed)
+    return PowerModel(idle_w=BOARD_IDLE_W, busy_w=BOARD_IDLE_W + BOARD_DYNAMIC_W * speed / PI4_SPEED)
 
 
 def board_power(board: BoardSpec) -> PowerModel:

@@ -219,7 +219,7 @@ def board_job_to_proto(job: BoardJob) -> pb.JobSpec:
                       dataset=dataset_to_proto(job.dataset), profile_batch_sizes=job.profile_batch_sizes,
                       heartbeat_interval_s=job.heartbeat_interval_s, chunk_bytes=job.chunk_bytes,
                       max_forward_batch=job.max_forward_batch, error_feedback=job.error_feedback,
-                      board_momentum=job.board_momentum)
+                      board_momentum=job.board_momentum, device=job.device)
 
 
 def board_job_from_proto(msg: pb.JobSpec) -> BoardJob:
@@ -228,7 +228,7 @@ def board_job_from_proto(msg: pb.JobSpec) -> BoardJob:
                     dataset=dataset_from_proto(msg.dataset),
                     profile_batch_sizes=tuple(msg.profile_batch_sizes), heartbeat_interval_s=msg.heartbeat_interval_s,
                     chunk_bytes=msg.chunk_bytes, max_forward_batch=msg.max_forward_batch,
-                    error_feedback=msg.error_feedback, board_momentum=msg.board_momentum)
+                    error_feedback=msg.error_feedback, board_momentum=msg.board_momentum, device=msg.device or "cpu")
 
 
 def state_request_to_proto(request: StateRequest) -> spb.StateRequest:

@@ -32,6 +32,8 @@ class TelemetrySample:
     idle_w: float | None = None
     busy_w: float | None = None
     """The board's power model (watts idle, and training), when it knows one."""
+    energy_measured: bool | None = None
+    """energy_j is read from a sensor (True) rather than estimated from a power model."""
 
     def known(self) -> dict:
         """The fields the board could report."""

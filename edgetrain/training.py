@@ -51,10 +51,31 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
+def resolve_device(choice: str) -> torch.device:
+    """The torch device for a job's `device` key: cpu; auto: CUDA when this machine has it, else
+    CPU; cuda: CUDA, or ValueError when this machine has none."""
+    if choice == "cpu":
+        return torch.device("cpu")
+    if choice in ("auto", "cuda"):
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if choice == "cuda":
+            raise ValueError("device cuda: this machine has no CUDA device (torch.cuda.is_available() is False); "
+                             "use device auto to fall back to CPU")
+        return torch.device("cpu")
+    raise ValueError(f"device must be cpu, auto or cuda, got {choice!r}")
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device the model's parameters are on."""
+    return next(model.parameters()).device
+
+
 def state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Everything a device needs to reproduce the model: parameters then buffers, by name."""
-    out = {name: p.detach() for name, p in model.named_parameters()}
-    out.update({name: b.detach() for name, b in model.named_buffers()})
+    """Everything a device needs to reproduce the model: parameters then buffers, by name (in CPU
+    memory: what is serialised; a CPU model's tensors are shared, not copied)."""
+    out = {name: p.detach().cpu() for name, p in model.named_parameters()}
+    out.update({name: b.detach().cpu() for name, b in model.named_buffers()})
     return out
 
 
@@ -96,6 +117,8 @@ def compute_shard(model: nn.Module, x: torch.Tensor, y: torch.Tensor, max_batch:
     """
     model.train()
     model.zero_grad(set_to_none=True)
+    device = model_device(model)
+    x, y = x.to(device), y.to(device)  # no-ops on CPU
     n = int(y.numel())
     bounds = chunk_bounds(0, n, max_batch)
     chunks = len(bounds) - 1
@@ -124,9 +147,9 @@ def compute_shard(model: nn.Module, x: torch.Tensor, y: torch.Tensor, max_batch:
     for wire_name, ref in shard_tensor_names(model):
         if wire_name.startswith(GRAD_PREFIX):
             grad = ref.grad if ref.grad is not None else torch.zeros_like(ref)
-            tensors[wire_name] = grad.detach()
+            tensors[wire_name] = grad.detach().cpu()
         else:
-            tensors[wire_name] = ref.detach()
+            tensors[wire_name] = ref.detach().cpu()
     return ShardResult(loss=loss_sum, correct=correct, samples=n, tensors=tensors)
 
 
@@ -140,6 +163,8 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: in
     boards' local models) and the final float buffers. Loss and correct count are over the
     samples of the round, as they were seen.
     """
+    device = model_device(model)
+    x, y = x.to(device), y.to(device)  # no-ops on CPU
     start = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     model.train()
@@ -164,9 +189,9 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: in
     for wire_name, ref in shard_tensor_names(model):
         if wire_name.startswith(GRAD_PREFIX):
             name = wire_name[len(GRAD_PREFIX):]
-            tensors[wire_name] = start[name] - ref.detach()
+            tensors[wire_name] = (start[name] - ref.detach()).cpu()
         else:
-            tensors[wire_name] = ref.detach()
+            tensors[wire_name] = ref.detach().cpu()
     return ShardResult(loss=loss_sum / max(seen, 1), correct=correct, samples=int(y.numel()), tensors=tensors)
 
 
@@ -204,6 +229,8 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, step: int, total_steps: 
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
     """Summed loss and correct count over a batch, in eval mode."""
     model.eval()
+    device = model_device(model)
+    x, y = x.to(device), y.to(device)  # no-ops on CPU
     logits = model(x)
     loss = nn.functional.cross_entropy(logits, y, reduction="sum")
     return float(loss), int((logits.argmax(dim=1) == y).sum())

@@ -151,6 +151,8 @@ class BoardJob:
     """Keep what a lossy uplink codec did not send and add it to the next update."""
     board_momentum: float
     """Momentum the board accumulates itself (momentum correction); 0: the coordinator's."""
+    device: str = "cpu"
+    """Where the board trains: cpu, auto (CUDA when it has it) or cuda (job key `device`)."""
 
 
 @dataclass(frozen=True)

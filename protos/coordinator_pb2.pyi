@@ -80,7 +80,7 @@ class DatasetSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., seed: _Optional[int] = ..., train_size: _Optional[int] = ..., test_size: _Optional[int] = ..., augment: _Optional[bool] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "model", "num_classes", "dataset", "profile_batch_sizes", "heartbeat_interval_s", "chunk_bytes", "error_feedback", "board_momentum", "max_forward_batch")
+    __slots__ = ("job_id", "model", "num_classes", "dataset", "profile_batch_sizes", "heartbeat_interval_s", "chunk_bytes", "error_feedback", "board_momentum", "max_forward_batch", "device")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class JobSpec(_message.Message):
     ERROR_FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     BOARD_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     MAX_FORWARD_BATCH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model: str
     num_classes: int
@@ -101,7 +102,8 @@ class JobSpec(_message.Message):
     error_feedback: bool
     board_momentum: float
     max_forward_batch: int
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., profile_batch_sizes: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., error_feedback: _Optional[bool] = ..., board_momentum: _Optional[float] = ..., max_forward_batch: _Optional[int] = ...) -> None: ...
+    device: str
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., profile_batch_sizes: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., error_feedback: _Optional[bool] = ..., board_momentum: _Optional[float] = ..., max_forward_batch: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("device_id", "job")
@@ -138,7 +140,7 @@ class ProfileAck(_message.Message):
     def __init__(self) -> None: ...
 
 class Telemetry(_message.Message):
-    __slots__ = ("timestamp", "cpu_percent", "memory_used_bytes", "memory_total_bytes", "battery_percent", "battery_charging", "temperature_c", "cpu_freq_mhz", "link_mbit_per_s", "rtt_ms", "energy_j", "step_compute_s", "step_comm_s", "plugged", "idle_w", "busy_w")
+    __slots__ = ("timestamp", "cpu_percent", "memory_used_bytes", "memory_total_bytes", "battery_percent", "battery_charging", "temperature_c", "cpu_freq_mhz", "link_mbit_per_s", "rtt_ms", "energy_j", "step_compute_s", "step_comm_s", "plugged", "idle_w", "busy_w", "energy_measured")
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +157,7 @@ class Telemetry(_message.Message):
     PLUGGED_FIELD_NUMBER: _ClassVar[int]
     IDLE_W_FIELD_NUMBER: _ClassVar[int]
     BUSY_W_FIELD_NUMBER: _ClassVar[int]
+    ENERGY_MEASURED_FIELD_NUMBER: _ClassVar[int]
     timestamp: float
     cpu_percent: float
     memory_used_bytes: int
@@ -171,7 +174,8 @@ class Telemetry(_message.Message):
     plugged: bool
     idle_w: float
     busy_w: float
-    def __init__(self, timestamp: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., battery_percent: _Optional[float] = ..., battery_charging: _Optional[bool] = ..., temperature_c: _Optional[float] = ..., cpu_freq_mhz: _Optional[float] = ..., link_mbit_per_s: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., energy_j: _Optional[float] = ..., step_compute_s: _Optional[float] = ..., step_comm_s: _Optional[float] = ..., plugged: _Optional[bool] = ..., idle_w: _Optional[float] = ..., busy_w: _Optional[float] = ...) -> None: ...
+    energy_measured: bool
+    def __init__(self, timestamp: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., battery_percent: _Optional[float] = ..., battery_charging: _Optional[bool] = ..., temperature_c: _Optional[float] = ..., cpu_freq_mhz: _Optional[float] = ..., link_mbit_per_s: _Optional[float] = ..., rtt_ms: _Optional[float] = ..., energy_j: _Optional[float] = ..., step_compute_s: _Optional[float] = ..., step_comm_s: _Optional[float] = ..., plugged: _Optional[bool] = ..., idle_w: _Optional[float] = ..., busy_w: _Optional[float] = ..., energy_measured: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("device_id", "telemetry")

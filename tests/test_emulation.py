@@ -8,11 +8,12 @@ import pytest
 
 from edge_client.emulation import BoardEmulation, EnergyMeter
 from edgetrain.emulator.battery import BatterySpec, EmulatedBattery
+from edgetrain.power import PowerModel
 
 
 def test_energy_from_power_figures_counts_busy_time_at_busy_power() -> None:
     # Prepare
-    meter = EnergyMeter(None, idle_w=1.0, busy_w=11.0)
+    meter = EnergyMeter(power=PowerModel(idle_w=1.0, busy_w=11.0))
     start = meter.energy_j()
 
     # Execute
@@ -26,7 +27,7 @@ def test_energy_from_power_figures_counts_busy_time_at_busy_power() -> None:
 
 def test_energy_from_an_emulated_battery_drains_it() -> None:
     battery = EmulatedBattery(BatterySpec(capacity_wh=0.001, idle_w=1.0, busy_w=20.0))
-    meter = EnergyMeter(battery, idle_w=None, busy_w=None)
+    meter = EnergyMeter(battery=battery)
     with meter.busy():
         time.sleep(0.1)
     assert meter.energy_j() == pytest.approx(battery.read().energy_j, rel=0.2)

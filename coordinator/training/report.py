@@ -20,6 +20,13 @@ def plan_accuracy(plans: list[dict], step_seconds: list[tuple[int, float]]) -> d
             "error": (last["predicted_step_s"] - median) / median}
 
 
+def energy_source(record) -> str:
+    """"measured" when the board's last telemetry said its energy came from a sensor (a battery's
+    energy counter), else "estimated" (a power model: busy/idle watts plus radio energy)."""
+    sample = record.latest_telemetry
+    return "measured" if sample is not None and sample.energy_measured else "estimated"
+
+
 def summarize(job: JobConfig, final_eval: dict, trainer, devices, *, stopped: str | None = None) -> dict:
     """Plain-data summary of a finished run (`trainer` is a Trainer); `stopped`: why the job
     stopped before its last step (JobAborted), None when it completed."""
@@ -37,6 +44,7 @@ def summarize(job: JobConfig, final_eval: dict, trainer, devices, *, stopped: st
             "compute_s": round(stats["compute_s"], 2), "comm_s": round(stats["comm_s"], 2),
             "energy_j": round(stats["energy_j"], 1) if stats["energy_samples"] else None,
             "energy_per_sample_j": stats["energy_j"] / stats["energy_samples"] if stats["energy_samples"] else None,
+            "energy_source": energy_source(record) if stats["energy_samples"] else None,
             "download_bytes": stats["download_bytes"], "upload_bytes": stats["upload_bytes"],
             "codec": record.codec or "none", "rejected_updates": len(record.rejections),
             "alive_at_end": record.alive, "left_reason": record.left_reason or None,
@@ -48,6 +56,8 @@ def summarize(job: JobConfig, final_eval: dict, trainer, devices, *, stopped: st
         "global_batch": job.training.global_batch,
         "steps": final_eval["step"] + 1 if "step" in final_eval else trainer.steps_applied,
         "steps_applied": trainer.steps_applied, "steps_attempted": trainer.steps_attempted, "stopped": stopped,
+        "stop_reason": "aborted" if stopped else getattr(trainer, "stop_reason", None),
+        "time_limit_s": job.training.time_limit_s or None,
         "target_accuracy": job.training.target_accuracy or None,
         "test_accuracy": final_eval.get("test_accuracy"), "test_loss": final_eval.get("test_loss"),
         "train_samples": trainer.samples_done, "train_seconds": round(trainer.train_seconds, 2),
@@ -58,6 +68,8 @@ def summarize(job: JobConfig, final_eval: dict, trainer, devices, *, stopped: st
         if trainer.samples_done else None,
         "devices": rows,
         "energy_j": sum(r["energy_j"] for r in rows if r["energy_j"] is not None) or None,
+        "energy_estimated": any(r["energy_source"] == "estimated" for r in rows)
+        if any(r["energy_source"] for r in rows) else None,
         "plan": plan_accuracy(getattr(trainer, "plans", []), getattr(trainer, "step_seconds", [])),
     }
 
@@ -69,6 +81,8 @@ def summary_table(summary: dict) -> str:
     lines = [
         f"== EdgeTrain run '{summary['job']}': {summary['model']} on {data}, split {summary['split']} ==",
         *([f"STOPPED: {summary['stopped']}"] if summary.get("stopped") else []),
+        *([f"stopped at the time limit ({summary['time_limit_s']:g} s of training)"]
+          if summary.get("stop_reason") == "time_limit" else []),
         f"test accuracy {acc:.3f} (chance 0.100) after {summary['steps']} steps of {summary['global_batch']}"
         if acc is not None else "no evaluation",
         f"steps applied {summary['steps_applied']} of {summary['steps_attempted']} attempted",
@@ -80,6 +94,8 @@ def summary_table(summary: dict) -> str:
            f"{summary['plan']['predicted_step_s']:.3f} s/step, measured {summary['plan']['measured_step_s']:.3f} "
            f"(median of {summary['plan']['steps_measured']} steps): error {summary['plan']['error']:+.0%}"]
           if summary.get("plan") else []),
+        *([f"energy {summary['energy_j'] or 0.0:.1f} J, ESTIMATED (~) from power models (busy/idle W + radio "
+           "nJ/byte; see edgetrain/power.py), not measured"] if summary.get("energy_estimated") else []),
         "",
         f"{'device':<18}{'speed':>7}{'est. samples/s':>16}{'samples':>9}{'share':>8}{'compute s':>11}{'comm s':>9}"
         f"{'energy J':>10}{'MB down':>9}{'MB up':>8}  codec",
@@ -89,7 +105,13 @@ def summary_table(summary: dict) -> str:
         est = row["samples_per_s_estimate"]
         lines.append(f"{row['device']:<18}{speed:>7}{est if est is not None else '-':>16}{row['samples']:>9}"
                      f"{row['share']:>8.1%}{row['compute_s']:>11.1f}{row['comm_s']:>9.1f}"
-                     f"{row['energy_j'] if row['energy_j'] is not None else '?':>10}"
+                     f"{_energy_cell(row):>10}"
                      f"{row['download_bytes'] / 1e6:>9.1f}{row['upload_bytes'] / 1e6:>8.1f}  {row['codec']}"
                      + (f"  (speed claim: {row['speed_claim']})" if row.get("speed_claim") else ""))
     return "\n".join(lines)
+
+
+def _energy_cell(row: dict) -> str:
+    if row["energy_j"] is None:
+        return "?"
+    return f"{row['energy_j']}" + ("~" if row.get("energy_source") == "estimated" else "")

@@ -20,7 +20,9 @@ assignments come from one consistent view of the boards.
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -119,15 +121,25 @@ class RoundContext:
     """How the coordinator dials boards (their StagePeer endpoints): as the gateway, under mutual
     TLS, unless the coordinator serves --insecure."""
 
-    def wait_for_boards(self, count: int) -> dict[str, SpeedEstimate]:
-        """Block until `count` boards are ready (JobAborted when stopped first)."""
+    def wait_for_boards(self, count: int, grace_s: float = 0.0) -> dict[str, SpeedEstimate]:
+        """Block until `count` boards are ready, or (`grace_s` > 0) until `grace_s` seconds passed
+        with at least one ready; JobAborted when stopped first."""
         logged = False
+        give_up_at = time.monotonic() + grace_s if grace_s else None
         while not self.stop.is_set():
-            speeds = self.registry.wait_ready(count, timeout_s=1.0)
+            left = math.inf if give_up_at is None else give_up_at - time.monotonic()
+            # past the grace, the first ready board is enough: wake for it
+            speeds = self.registry.wait_ready(count if left > 0 else 1, timeout_s=min(1.0, left) if left > 0 else 1.0)
             if len(speeds) >= count:
                 return speeds
+            if speeds and give_up_at is not None and time.monotonic() >= give_up_at:
+                logger.warning("[Coordinator.Trainer] start grace of %.0f s over: starting with %d of %d device(s) "
+                               "(%s); the others join when they come", grace_s, len(speeds), count,
+                               ", ".join(sorted(speeds)))
+                return speeds
             if not logged:
-                logger.info("[Coordinator.Trainer] waiting for %d ready device(s), have %d", count, len(speeds))
+                logger.info("[Coordinator.Trainer] waiting for %d ready device(s), have %d%s", count, len(speeds),
+                            f" (or {grace_s:.0f} s, then with those there)" if grace_s else "")
                 logged = True
         raise JobAborted("stopped while waiting for devices")
 

@@ -8,7 +8,9 @@ collects the updates (steps.py), and the aggregator combines them and takes the 
 out) changed nothing and does not count either: the step is redone. After
 `training.max_attempts` attempts without one the job stops (JobAborted) — a step is never counted
 as trained without an update. Then it records the step, evaluates and checkpoints on schedule,
-and stops at the last step or at the first evaluation reaching `training.target_accuracy`.
+and stops at the last step, at the first evaluation reaching `training.target_accuracy`, or once
+`training.time_limit_s` seconds of training passed (then evaluating and checkpointing as after a
+last step).
 
 Checkpoints (checkpoint.py) are written every `training.checkpoint_every_s` seconds of training
 and/or `training.checkpoint_every` steps, and always at the end (the last step, or the target
@@ -107,6 +109,9 @@ class Trainer:
         """Steps whose update was applied (including those of a run resumed from)."""
         self.steps_attempted = 0
         """Steps begun: the applied ones, and the one the job stopped in, if it stopped."""
+        self.stop_reason: str | None = None
+        """Why training ended: "steps" (all of them), "target_accuracy", "time_limit"; None
+        while it runs or when it was aborted."""
         self.applied_steps = [0] * job.training.steps
         """The ledger: how often each step's update was applied to the model (saved with it)."""
         self.checkpoints: list[CheckpointSet] = []
@@ -165,14 +170,22 @@ class Trainer:
         """Train to the configured number of steps; returns the final evaluation."""
         cfg = self.job.training
         try:
-            self.ctx.wait_for_boards(cfg.min_clients)
+            self.ctx.wait_for_boards(cfg.min_clients, cfg.start_grace_s)
             logger.info("[Coordinator.Trainer] devices ready: training starts")
             for step in range(self.start_step, cfg.steps):
                 self._log_step(self._run_step(step))
-                if self._after_step(step):
+                reason = self._after_step(step)
+                if reason == "target_accuracy":
+                    self.stop_reason = reason
                     self.board.finish(f"job {self.job.name} reached test accuracy {cfg.target_accuracy} "
                                       f"after {step + 1} steps")
                     return self.metrics.last_eval
+                if reason == "time_limit":
+                    self.stop_reason = reason
+                    self.board.finish(f"job {self.job.name} reached its time limit of {cfg.time_limit_s:g} s "
+                                      f"of training after {step + 1} steps")
+                    return self.metrics.last_eval
+            self.stop_reason = "steps"
             self.board.finish(f"job {self.job.name} completed {cfg.steps} steps")
             return self.metrics.last_eval
         except BaseException as e:
@@ -241,12 +254,16 @@ class Trainer:
         self.policy.failures.append({"attempt": attempt, "time": round(time.time(), 3), "no_usable_update": rejected})
         return why
 
-    def _after_step(self, step: int) -> bool:
-        """Evaluate and checkpoint on schedule; whether the target accuracy was reached."""
+    def _after_step(self, step: int) -> str | None:
+        """Evaluate and checkpoint on schedule; why the job stops early after this step
+        ("target_accuracy", "time_limit"), or None. Out of time, the step is the job's last:
+        evaluated and checkpointed like the last of its steps."""
         cfg = self.job.training
         last = step == cfg.steps - 1
-        evaluating = last or bool(cfg.eval_every and (step + 1) % cfg.eval_every == 0)
-        checkpointing = last or bool(cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or bool(
+        out_of_time = bool(cfg.time_limit_s) and not last and self.train_seconds >= cfg.time_limit_s
+        evaluating = last or out_of_time or bool(cfg.eval_every and (step + 1) % cfg.eval_every == 0)
+        checkpointing = last or out_of_time or bool(
+            cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or bool(
             cfg.checkpoint_every_s and time.monotonic() - self._checkpointed_at >= cfg.checkpoint_every_s)
         self.policy.after_step(step, evaluating or checkpointing)
         reached = False
@@ -259,7 +276,12 @@ class Trainer:
         if reached:
             logger.info("[Coordinator.Trainer] test accuracy %.4f reached the target %.4f after step %d: done",
                         self.metrics.last_eval["test_accuracy"], cfg.target_accuracy, step)
-        return reached
+            return "target_accuracy"
+        if out_of_time:
+            logger.info("[Coordinator.Trainer] %.1f s of training reached the time limit of %g s after step %d: done",
+                        self.train_seconds, cfg.time_limit_s, step)
+            return "time_limit"
+        return None
 
     def _log_step(self, record: StepRecord) -> None:
         """Count the step's update as applied (the aggregator just applied it) and record it."""

@@ -2,7 +2,10 @@
 
 Both are read as a :class:`BatteryReading`, the fields psutil gives for a real battery plus
 the energy used, so telemetry treats emulated and real boards alike. A board without a battery
-but with known power figures gets its energy from :func:`energy_j`.
+but with known power figures gets its energy from :func:`energy_j` (or
+:class:`edgetrain.power.PowerModel`, which adds radio energy). A real battery whose driver
+exposes an energy counter (Linux ``/sys/class/power_supply``) measures the board's energy while
+it runs from the battery: :class:`BatteryEnergySensor`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
@@ -156,3 +160,72 @@ def real_battery() -> BatteryReading | None:
         return None
     plugged = battery.power_plugged  # psutil says None when it cannot tell: keep it unknown
     return BatteryReading(percent=float(battery.percent), charging=None if plugged is None else bool(plugged))
+
+
+POWER_SUPPLY = Path("/sys/class/power_supply")
+"""Where Linux exposes batteries (``type`` Battery; ``energy_now`` in µWh, or ``charge_now`` in
+µAh with ``voltage_now`` in µV; ``status`` Discharging / Charging / Full)."""
+
+
+class BatteryEnergySensor:
+    """The energy a board used, measured by its battery's own energy counter while discharging.
+
+    Joules used are the drop of the counter since the sensor started. On mains power the counter
+    says nothing about the board's use (it rises or stays full), so :meth:`energy_j` is None then
+    and for good once it happened (a measurement with a hole in it is not one). ``root`` is the
+    power-supply directory (tests point it at a fake tree).
+    """
+
+    def __init__(self, battery_dir: Path) -> None:
+        self._dir = battery_dir
+        self._start = self._stored_j()
+        self._lost = self._start is None
+
+    @classmethod
+    def find(cls, root: Path = POWER_SUPPLY) -> BatteryEnergySensor | None:
+        """The first battery with an energy (or charge and voltage) counter that is discharging
+        now; None when the board has none (then its energy is modelled or unknown)."""
+        try:
+            entries = sorted(root.iterdir())
+        except OSError:
+            return None
+        for entry in entries:
+            if _read(entry / "type") == "Battery" and _read(entry / "status") == "Discharging":
+                sensor = cls(entry)
+                if not sensor._lost:
+                    return sensor
+        return None
+
+    def energy_j(self) -> float | None:
+        """Joules used since the sensor started, or None once the board was on mains power."""
+        if self._lost:
+            return None
+        now = self._stored_j()
+        if now is None or _read(self._dir / "status") != "Discharging":
+            self._lost = True
+            return None
+        return max(0.0, self._start - now)
+
+    def _stored_j(self) -> float | None:
+        energy = _read_number(self._dir / "energy_now")  # µWh
+        if energy is not None:
+            return energy * 1e-6 * _J_PER_WH
+        charge, volts = _read_number(self._dir / "charge_now"), _read_number(self._dir / "voltage_now")  # µAh, µV
+        if charge is not None and volts is not None:
+            return charge * 1e-6 * volts * 1e-6 * _J_PER_WH
+        return None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _read_number(path: Path) -> float | None:
+    text = _read(path)
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None
