@@ -24,6 +24,7 @@ import functools
 import json
 import logging
 import shutil
+import socket
 import statistics
 import subprocess
 import threading
@@ -200,6 +201,21 @@ def _planned_steps(run: Run) -> int | None:
     return None if training.get("target_accuracy") or training.get("time_limit_s") else int(training["steps"])
 
 
+def _free_port_pair(host: str = "127.0.0.1") -> int:
+    """A port P on `host` with P + 1 free too (the coordinator's port and its pairing port), so
+    the boards can be started with its address before it serves."""
+    for _ in range(100):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind((host, 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind((host, port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two adjacent free ports on 127.0.0.1")
+
+
 class _Processes:
     """A coordinator (or job server) and one client process per board, on loopback."""
 
@@ -214,21 +230,14 @@ class _Processes:
         self.boards: list[subprocess.Popen] = []
 
     def start_server(self, *role: str) -> str:
-        """Start `edgetrain coordinator ROLE...` on 127.0.0.1; its address once it serves."""
-        port_file = self.launch / "coordinator.address"
+        """Start `edgetrain coordinator ROLE...` on 127.0.0.1 at a free port (pairing on the next);
+        its address. The boards may start at once: they keep dialing until it serves."""
+        self.address = f"127.0.0.1:{_free_port_pair()}"
         with (self.logs / "coordinator.log").open("w") as log:
             self.server = subprocess.Popen(edgetrain_command(
-                "coordinator", *role, "--bind", "127.0.0.1:0", "--port-file", str(port_file), "--no-advertise",
-                "--data-dir", str(self.data_dir), *self.trust.gateway_args()), stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if self.server.poll() is not None:
-                raise RuntimeError(f"the coordinator exited with code {self.server.returncode} before serving; "
-                                   f"see {self.logs / 'coordinator.log'}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the coordinator did not serve within {START_TIMEOUT_S:.0f} s")
-            time.sleep(0.1)
-        return port_file.read_text().splitlines()[0].strip()  # line 2: the pairing address
+                "coordinator", *role, "--bind", self.address, "--no-advertise", "--data-dir", str(self.data_dir),
+                *self.trust.gateway_args()), stdout=log, stderr=subprocess.STDOUT)
+        return self.address
 
     def start_boards(self, address: str) -> None:
         """One `edgetrain client --emulate BOARD.yaml` per board of the fleet."""
@@ -310,7 +319,7 @@ def run_trace_arm(trace: Trace, fleet: FleetSpec, run_dir: Path, *, data_dir: Pa
         with transport.open_channel(address, security) as channel:
             stub = pb_grpc.JobServerStub(channel)
             deadline = time.monotonic() + START_TIMEOUT_S
-            while len(stub.ListJobs(pb.ListJobsRequest(), timeout=30).boards) < len(fleet.boards):
+            while _joined(stub, pb) < len(fleet.boards):
                 if time.monotonic() > deadline or procs.server.poll() is not None:
                     raise RuntimeError(f"the boards did not join the job server; see {procs.logs}")
                 time.sleep(POLL_S)
@@ -350,6 +359,16 @@ def run_trace_arm(trace: Trace, fleet: FleetSpec, run_dir: Path, *, data_dir: Pa
         if procs.server is not None and procs.server.poll() is None:
             procs.server.terminate()
         procs.stop(grace_s=0)
+
+
+def _joined(stub, pb) -> int:
+    """Boards the job server lists (0 while it does not serve yet)."""
+    try:
+        return len(stub.ListJobs(pb.ListJobsRequest(), timeout=10).boards)
+    except grpc.RpcError as e:
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return 0
+        raise
 
 
 def run_live_arm(run: Run, run_dir: Path, *, server: str, progress: Progress) -> int:
