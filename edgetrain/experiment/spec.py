@@ -6,7 +6,8 @@ name: hybrid-vs-baselines-smoke        # results go to results/<name>/
 job: ../edgetrain/presets/demo.yaml    # a job file (relative to this file) or an inline mapping
 fleet: fleets/compute.yaml             # a fleet file (relative to this file); --fleet replaces it
 set: {training.global_batch: 64}       # overrides for every arm (the dotted keys of --set)
-stop: {target_accuracy: 0.70, time_cap_s: 900}   # or {steps: N} or {wall_s: S}
+stop: {target_accuracy: 0.70, time_cap_s: 900}   # or {steps: N} or {wall_s: S}; target_accuracy:
+                                       # calibrated takes the dataset's (edgetrain.catalog)
 repeats: 1                             # or seeds: [0, 1, 2] (one repeat per seed)
 arms:
   - {name: ddp, baseline: ddp}
@@ -244,9 +245,25 @@ def _number(value: Any, where: str, *, positive: bool = True, integer: bool = Fa
     return value
 
 
-def parse_stop(value: Any, where: str) -> StopRule:
-    """The stop rule mapping at `where` (SpecError naming the key and value otherwise)."""
+def calibrated_target(dataset: str, where: str) -> float:
+    """The target accuracy fixed by `dataset`'s calibration: edgetrain.catalog's
+    <DATASET>_TARGET (e.g. SYNTHETIC_HARD_TARGET for synthetic-hard)."""
+    from edgetrain import catalog
+
+    constant = f"{dataset.upper().replace('-', '_')}_TARGET"
+    target = getattr(catalog, constant, None)
+    if not isinstance(target, float):
+        raise SpecError(f"{where}.target_accuracy: calibrated: dataset {dataset!r} has no calibrated target "
+                        f"(edgetrain.catalog.{constant}); give a number")
+    return target
+
+
+def parse_stop(value: Any, where: str, *, dataset: str | None = None) -> StopRule:
+    """The stop rule mapping at `where` (SpecError naming the key and value otherwise);
+    `target_accuracy: calibrated` takes `dataset`'s calibrated target."""
     data = _mapping(value, where)
+    if data.get("target_accuracy") == "calibrated":
+        data = {**data, "target_accuracy": calibrated_target(str(dataset), where)}
     unknown = sorted(set(data) - {"steps", "wall_s", "target_accuracy", "time_cap_s"})
     if unknown:
         raise SpecError(f"{where}: unknown key {unknown[0]!r}; a stop rule is {_STOP_FORMS}")
@@ -403,7 +420,9 @@ def load_experiment(path: str | Path, *, boards: int | None = None) -> Experimen
         key = "job" if "job" in data else "set"
         raise SpecError(f"{source}: {key}: every arm is a trace, whose jobs come from its trace file")
     if "stop" in data:
-        stop = parse_stop(data["stop"], f"{source}: stop")
+        dataset = (base_job or {}).get("dataset")
+        dataset = dataset.get("name", "synthetic") if isinstance(dataset, dict) else "synthetic"
+        stop = parse_stop(data["stop"], f"{source}: stop", dataset=dataset)
     elif all_traces:
         stop = None
     else:
