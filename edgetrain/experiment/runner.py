@@ -252,7 +252,12 @@ class _Processes:
                     "--data-dir", str(self.data_dir), *credentials), stdout=log, stderr=subprocess.STDOUT, env=env))
 
     def boards_gone(self) -> bool:
+        """Every board process exited."""
         return bool(self.boards) and all(p.poll() is not None for p in self.boards)
+
+    def a_board_gone(self) -> bool:
+        """Some board process exited (before the job started: it cannot start without it)."""
+        return any(p.poll() is not None for p in self.boards)
 
     def stop(self, grace_s: float) -> None:
         """Let the boards end by themselves for `grace_s`, then terminate what is left."""
@@ -286,13 +291,17 @@ def run_edgetrain_arm(run: Run, fleet: FleetSpec, run_dir: Path, *, data_dir: Pa
         while procs.server.poll() is None:
             progress.follow(run_dir / "metrics.jsonl")
             over = cap_s is not None and time.monotonic() - started > cap_s + START_TIMEOUT_S + STOP_GRACE_S
-            if procs.boards_gone():
-                gone_since = gone_since or time.monotonic()
+            if procs.boards_gone() or (progress.first_step_start is None and procs.a_board_gone()):
+                gone_since = gone_since or time.monotonic()  # the job cannot start (or go on) without it
             if over or (gone_since and time.monotonic() - gone_since > STOP_GRACE_S):
-                why = "its time cap passed long ago" if over else "every board process exited"
+                why = "its time cap passed long ago" if over else "board processes exited"
                 logger.warning("arm %s: stopping its coordinator: %s (logs in %s)", run.name, why, procs.logs)
                 procs.server.terminate()  # ends the job cleanly: final evaluation, summary
-                procs.server.wait(timeout=STOP_GRACE_S)
+                try:
+                    procs.server.wait(timeout=STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    procs.server.kill()
+                    procs.server.wait(timeout=10)
                 break
             time.sleep(POLL_S)
         progress.follow(run_dir / "metrics.jsonl")
