@@ -155,12 +155,16 @@ class Progress:
     def __init__(self, label: str, total: int | None) -> None:
         from tqdm import tqdm
 
+        self.steps_from_metrics = True
+        """False once a callback (a baseline's progress) counts the steps: metrics.jsonl then
+        gives only the accuracy."""
         self.bar = tqdm(total=total, desc=label, unit="step", mininterval=1.0, dynamic_ncols=True)
         self._offset = 0
         self._partial = b""
         self.first_step_start: float | None = None
 
     def set(self, done: int, total: int | None = None) -> None:
+        """Steps (or trace steps) done of `total`."""
         if total is not None and total != self.bar.total:
             self.bar.total = total
         self.bar.n = done
@@ -187,7 +191,8 @@ class Progress:
             if record.get("kind") == "train":
                 if self.first_step_start is None:
                     self.first_step_start = record["time"] - record.get("step_s", 0.0)
-                self.set(int(record["step"]) + 1)
+                if self.steps_from_metrics:
+                    self.set(int(record["step"]) + 1)
             elif record.get("kind") == "eval" and record.get("test_accuracy") is not None:
                 self.accuracy(float(record["test_accuracy"]))
 
@@ -409,11 +414,10 @@ def run_live_arm(run: Run, run_dir: Path, *, server: str, progress: Progress) ->
     return 0 if view.state == "finished" else 1
 
 
-def _setup_seconds(run_dir: Path, launched_at: float) -> dict[str, float]:
-    """The set-up a run reports beside its timed window: its `setup` records, and (for a run
-    without them) the time from its launch to the start of its first step."""
+def _setup_seconds(run_dir: Path) -> dict[str, float]:
+    """The set-up a run reports beside its timed window: its `setup` records by what they were
+    (the time from launch to the first step is arm.json's launched_at against metrics.jsonl)."""
     setup: dict[str, float] = {}
-    first_step = None
     try:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     except FileNotFoundError:
@@ -425,10 +429,6 @@ def _setup_seconds(run_dir: Path, launched_at: float) -> dict[str, float]:
             continue
         if record.get("kind") == "setup":
             setup[record["what"]] = setup.get(record["what"], 0.0) + float(record["seconds"])
-        elif record.get("kind") == "train" and first_step is None:
-            first_step = record["time"] - record.get("step_s", 0.0)
-    if not setup and first_step is not None:
-        setup["launch_to_first_step"] = round(first_step - launched_at, 3)
     return setup
 
 
@@ -493,7 +493,7 @@ def run_experiment(exp: Experiment, runs: Sequence[Run], fleet: Fleet, options: 
             progress.close()
             ended_at = time.time()
             record = _arm_record(exp, run, fleet, network=network, launched_at=launched_at, ended_at=ended_at,
-                                 exit_code=code, setup=_setup_seconds(run_dir, launched_at))
+                                 exit_code=code, setup=_setup_seconds(run_dir))
             (run_dir / "arm.json").write_text(json.dumps(record, indent=2))
         run_dirs.append(run_dir)
         if code != 0:
@@ -505,7 +505,9 @@ def run_experiment(exp: Experiment, runs: Sequence[Run], fleet: Fleet, options: 
 
 
 def _with_follower(progress: Progress, run_dir: Path, call: Callable[[], int]) -> int:
-    """Run `call` while a thread feeds the bar's accuracy from the run's metrics.jsonl."""
+    """Run `call` while a thread feeds the bar's accuracy from the run's metrics.jsonl (the
+    steps come from `call`'s own progress callback)."""
+    progress.steps_from_metrics = False
     done = threading.Event()
 
     def follow() -> None:
