@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from coordinator.advertiser import advertise_on
+from coordinator.data_service import datasets_service
 from coordinator.pairing import serve_gateway
 from coordinator.registry import DeviceRegistry
 from coordinator.servicer import CoordinatorServicer, coordinator_service
@@ -108,7 +109,8 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
         trainer.policy.close()
         trainer.metrics.close()
         raise
-    servers = serve_gateway(bind, coordinator_service(servicer), authority=authority, pair_bind=pair_bind)
+    services = coordinator_service(servicer) + datasets_service(data_dir)  # boards fetch CIFAR-10 blocks
+    servers = serve_gateway(bind, services, authority=authority, pair_bind=pair_bind)
     freeze_heap()
     advertiser = None
     try:

@@ -20,6 +20,7 @@ from typing import TypeVar
 import grpc
 
 from edge_client.connection import CoordinatorConnection
+from edge_client.dataset import board_dataset
 from edge_client.emulation import BoardEmulation
 from edge_client.endpoint import StageEndpoint, StageFailure
 from edge_client.profiler import profile_device
@@ -27,7 +28,6 @@ from edge_client.shard import ShardRunner, Update
 from edge_client.stage import StageRunner
 from edge_client.telemetry import TelemetryCollector, probe_link
 from edgetrain import transport, trust
-from edgetrain.data import load_dataset
 from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.errors import Refusal
 from edgetrain.models import build_model
@@ -197,8 +197,8 @@ class EdgeWorker:
     def _setup(self, job: BoardJob) -> None:
         self._job = job
         self.endpoint.reset()
-        dataset = load_dataset(replace(job.dataset, data_dir=self.options.data_dir, download=self.options.download),
-                               train=True)
+        dataset = board_dataset(job.dataset, train=True, data_dir=self.options.data_dir,  # fetched when not local
+                                download=self.options.download, connection=lambda: self.conn)
         model = build_model(job.model, num_classes=job.num_classes)
         self._profile = profile_device(model, dataset, list(job.profile_batch_sizes), self.limiter,
                                        max_forward_batch=job.max_forward_batch)

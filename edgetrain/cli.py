@@ -10,6 +10,7 @@
   edgetrain coordinator --jobs                 a job server: several jobs share the fleet
   edgetrain submit JOB.yaml | jobs | cancel ID its jobs: queue one, list them, cancel one
   edgetrain init                               make the fleet authority on the gateway (CA, first token)
+  edgetrain data import cifar10 ARCHIVE        place CIFAR-10 on the gateway; boards fetch what they need
   edgetrain token new | list | revoke ID       join tokens for boards
   edgetrain boards list | revoke NAME          paired boards; a revoked board is refused from its next call
   edgetrain operator add NAME --out FILE       an operator credential for another machine
@@ -33,6 +34,7 @@ from pathlib import Path
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from edgetrain.config import ConfigError, load_job, parse_override  # noqa: E402
+from edgetrain.dataset_import import add_data_arguments, run_data_command  # noqa: E402
 from edgetrain.emulator.launch import DEMO_JOB, DEMO_SPEEDS, LocalRun, run_local  # noqa: E402
 from edgetrain.trust import TrustError  # noqa: E402
 
@@ -151,6 +153,7 @@ def _parser() -> argparse.ArgumentParser:
 
     init = sub.add_parser("init", help="make the fleet authority on the gateway: CA, certificates, a join token")
     init.add_argument("--fleet", default="edgetrain", help="fleet name (in the CA's name)")
+    add_data_arguments(sub.add_parser("data", help="datasets on the gateway: import CIFAR-10 for the boards"))
     token = sub.add_parser("token", help="join tokens: new, list, revoke")
     token_sub = token.add_subparsers(dest="token_command", required=True)
     token_new = token_sub.add_parser("new", help="a join token (printed once; only its hash is kept)")
@@ -485,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
     handlers = {"coordinator": _coordinator, "client": _client, "local": _local, "demo": _local,
+                "data": run_data_command,
                 "devices": _devices, "fleet": _fleet, "plan": _plan, "submit": _jobs, "jobs": _jobs, "cancel": _jobs,
                 "init": _trust, "token": _trust, "boards": _trust, "operator": _trust}
     handlers.update(experiment=_experiment, report=_report)

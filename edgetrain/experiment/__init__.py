@@ -1,14 +1,17 @@
-"""Experiments: arms run to one stop rule on one fleet, and what they measured, as a report.
+"""Experiments: arms run to one stop rule on one fleet, and the report built from their run
+directories.
 
-  spec.py       an experiment file (and a trace file): arms, repeats or seeds, the stop rule;
-                loaded and checked, every arm's job built, before anything runs
-  runner.py     runs each arm: EdgeTrain arms as a coordinator and one client process per board
-                (or as jobs on a live job server), baselines through baselines.py, trace arms as
-                a job server fed a trace; writes each run's arm.json, then the report
-  baselines.py  the baselines users would otherwise run: PyTorch DDP (gloo), one board alone,
-                the gateway alone (centralized)
-  results.py    rows from run directories (time and energy to target, ...): results.csv, report.md
-  plots.py      the report's plots (matplotlib, Agg)
+spec.py       an experiment file (and a trace file): arms, repeats or seeds, the stop rule;
+              loaded and checked, every arm's job built, before anything runs
+runner.py     runs each arm: EdgeTrain arms as a coordinator and one client process per board
+              (or as jobs on a live job server), baselines through baselines.py, trace arms as
+              a job server fed a trace; writes each run's arm.json, then the report
+baselines.py  the baselines users would otherwise run: PyTorch DDP (gloo), one board alone,
+              the gateway alone (centralized)
+results.py    one row per run directory (time and energy to the target accuracy, throughput, the
+              plan), results.csv and report.md over an experiment's arms and repeats
+plots.py      the report's figures (matplotlib, Agg): accuracy vs time and energy, samples/s vs the
+              fleet's ideal, the planner's Pareto front, a per-board timeline of a few steps
 
 `edgetrain experiment run EXP.yaml` and `edgetrain report RUN_DIR...` are the CLI's faces of this.
 """
