@@ -83,6 +83,8 @@ def test_unknown_arm_and_missing_fleet_are_refused(tmp_path, capsys):
     path.write_text(yaml.safe_dump(data))
     assert main(["experiment", "run", str(path)]) == 2
     assert "no fleet" in capsys.readouterr().err
+    assert main(["report", str(tmp_path)]) == 2
+    assert f"{tmp_path}: not a run directory" in capsys.readouterr().err
 
 
 def test_stop_rules_map_to_job_keys():
