@@ -14,6 +14,8 @@
   edgetrain token new | list | revoke ID       join tokens for boards
   edgetrain boards list | revoke NAME          paired boards; a revoked board is refused from its next call
   edgetrain operator add NAME --out FILE       an operator credential for another machine
+  edgetrain experiment run EXP.yaml            an experiment's arms on a fleet, then its report
+  edgetrain report RUN_DIR...                  results.csv, report.md and plots from finished runs
 
 Role modules and torch are imported by the handler that needs them, never at the top: `--help`,
 `devices`, `submit`, `jobs`, `cancel` and `fleet down` start without torch.
@@ -212,6 +214,27 @@ def _parser() -> argparse.ArgumentParser:
         local.add_argument("--data-dir", type=Path, default=Path("data"), help="dataset directory")
         local.add_argument("--runs-dir", type=Path, default=Path("runs"), help="results directory")
         _insecure_arg(local, "run the coordinator and boards")
+
+    experiment = sub.add_parser("experiment", help="experiments: arms run to one stop rule and compared")
+    experiment_sub = experiment.add_subparsers(dest="experiment_command", required=True)
+    run = experiment_sub.add_parser("run", help="run an experiment file's arms, then write its report")
+    run.add_argument("experiment", type=Path, help="experiment YAML (see docs/experiments.md)")
+    where = run.add_mutually_exclusive_group()
+    where.add_argument("--fleet", type=Path, help="emulated fleet YAML (replaces the file's fleet)")
+    where.add_argument("--live", action="store_true", help="run EdgeTrain arms as jobs on a live job server")
+    run.add_argument("--server", metavar="HOST:PORT", default=os.environ.get("EDGETRAIN_SERVER"),
+                     help="with --live: the job server (default $EDGETRAIN_SERVER)")
+    run.add_argument("--out", type=Path, help="results directory (default results/<experiment name>/)")
+    run.add_argument("--arms", type=lambda text: tuple(a.strip() for a in text.split(",") if a.strip()),
+                     default=(), metavar="A,B", help="run only these arms")
+    run.add_argument("--insecure", action="store_true",
+                     help="allow the gloo DDP baseline (no authentication) where it is not allowed by default")
+    run.add_argument("--data-dir", type=Path, default=Path("data"), help="dataset directory")
+    report = sub.add_parser("report", help="results.csv, report.md and plots from finished run directories")
+    report.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories")
+    report.add_argument("--out", type=Path, help="where to write them (default: the run directories' parent)")
+    report.add_argument("--target", type=float, default=None, metavar="ACC",
+                        help="target accuracy (default: the one the runs' arm.json record)")
     return parser
 
 
@@ -312,6 +335,51 @@ def _local(args: argparse.Namespace) -> int:
     if code == 0:
         print(f"results: {args.runs_dir / job.name}/ (metrics.jsonl, summary.json, checkpoints/)")
     return code
+
+
+def _experiment(args: argparse.Namespace) -> int:
+    from edgetrain.emulator.fleet_config import load_fleet
+    from edgetrain.experiment.runner import (
+        Options,
+        check_live,
+        emulated_fleet,
+        live_fleet,
+        run_experiment,
+    )
+    from edgetrain.experiment.spec import load_experiment
+
+    exp = load_experiment(args.experiment)
+    names = [a.name for a in exp.arms]
+    unknown = [a for a in args.arms if a not in names]
+    if unknown:
+        raise ConfigError(f"{exp.source}: --arms: no arm {unknown[0]!r} (arms: {', '.join(names)})")
+    arms = [a for a in exp.arms if not args.arms or a.name in args.arms]
+    if args.live:
+        check_live(arms, insecure=args.insecure)
+        if not args.server:
+            raise ConfigError("--live needs the job server's address: --server HOST:PORT (or $EDGETRAIN_SERVER)")
+        fleet = live_fleet(args.server)
+    else:
+        path = args.fleet or exp.fleet_file
+        if path is None:
+            raise ConfigError(f"{exp.source}: no fleet: name one in the file (fleet: FILE) or pass --fleet FLEET.yaml")
+        fleet = emulated_fleet(load_fleet(path))
+    runs = exp.runs(list(args.arms), boards=len(fleet.boards))
+    return run_experiment(exp, runs, fleet, Options(out_dir=args.out, arms=args.arms, live=args.live,
+                                                    server=args.server, insecure=args.insecure,
+                                                    data_dir=args.data_dir))
+
+
+def _report(args: argparse.Namespace) -> int:
+    for run_dir in args.run_dirs:
+        if not any((run_dir / name).is_file() for name in ("arm.json", "metrics.jsonl", "trace.json")):
+            raise ConfigError(f"{run_dir}: not a run directory (no arm.json, metrics.jsonl or trace.json)")
+    from edgetrain.experiment.results import build_report
+
+    parents = {d.resolve().parent for d in args.run_dirs}
+    out = args.out or (parents.pop() if len(parents) == 1 else Path("report"))
+    print(f"report: {build_report(args.run_dirs, out, target_accuracy=args.target)}")
+    return 0
 
 
 def _devices(args: argparse.Namespace) -> int:
@@ -423,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
                 "data": run_data_command,
                 "devices": _devices, "fleet": _fleet, "plan": _plan, "submit": _jobs, "jobs": _jobs, "cancel": _jobs,
                 "init": _trust, "token": _trust, "boards": _trust, "operator": _trust}
+    handlers.update(experiment=_experiment, report=_report)
     try:
         return handlers[args.command](args)
     except (ConfigError, FileNotFoundError) as e:
