@@ -4,7 +4,7 @@ runs, what a live fleet refuses, and one real run of two EdgeTrain arms on two e
 
 from __future__ import annotations
 
-import importlib.util
+import csv
 import json
 import os
 import subprocess
@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from edgetrain.cli import main
+from edgetrain.experiment.results import collect
 from edgetrain.experiment.runner import check_live
 from edgetrain.experiment.spec import (
     UNBOUNDED_STEPS,
@@ -138,7 +139,8 @@ def test_a_live_fleet_refuses_baselines_and_traces_in_one_line(tmp_path, capsys)
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_an_experiment_runs_its_arms_on_emulated_boards_and_writes_arm_json(tmp_path):
-    path = _write(tmp_path, {"arms": [{"name": "proportional"}, {"name": "equal", "set": {"training.split": "equal"}}],
+    # one EdgeTrain arm (a coordinator and a client per board) and one baseline arm (one launcher)
+    path = _write(tmp_path, {"arms": [{"name": "proportional"}, {"name": "single", "baseline": "single"}],
                              "seeds": [3]})
     out = tmp_path / "results"
 
@@ -147,26 +149,40 @@ def test_an_experiment_runs_its_arms_on_emulated_boards_and_writes_arm_json(tmp_
                           timeout=220, env={**os.environ, "GRPC_VERBOSITY": "ERROR"})
 
     assert done.returncode == 0, done.stderr[-3000:]
-    for arm, split in (("proportional", "proportional"), ("equal", "equal")):
+    for arm, baseline in (("proportional", None), ("single", "single")):
         run_dir = out / f"{arm}-r0"
         record = json.loads((run_dir / "arm.json").read_text())
         assert {k: record[k] for k in ("experiment", "arm", "repeat", "seed", "baseline", "fleet", "exit_code",
                                        "stop", "target_accuracy", "insecure", "synthetic_data")} == {
-            "experiment": "tiny", "arm": arm, "repeat": 0, "seed": 3, "baseline": None, "fleet": "two",
+            "experiment": "tiny", "arm": arm, "repeat": 0, "seed": 3, "baseline": baseline, "fleet": "two",
             "exit_code": 0, "stop": {"steps": 3}, "target_accuracy": None, "insecure": False, "synthetic_data": True}
         assert [b["name"] for b in record["fleet_boards"]] == ["fast", "slow"]
         assert isinstance(record["setup"], dict)
         job = json.loads((run_dir / "job.json").read_text())
-        assert (job["seed"], job["training"]["split"], job["training"]["min_clients"]) == (3, split, 2)
+        assert (job["seed"], job["training"]["min_clients"]) == (3, 2)
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         train = [r for r in records if r["kind"] == "train"]
         assert [r["step"] for r in train] == [0, 1, 2]
         # the timed window (from the first step's start) lies between the arm's launch and its end
         assert record["launched_at"] < train[0]["time"] - train[0]["step_s"] < train[-1]["time"] <= record["ended_at"]
-        trained = {d.rsplit("-", 1)[0] for r in records if r["kind"] == "train" for d in r["devices"]}
-        assert trained == {"fast", "slow"}  # device ids are the board names with a registration number
-        assert not (run_dir / "launch" / "trust").exists()  # the run's throwaway keys are gone
-    if importlib.util.find_spec("edgetrain.experiment.results"):
-        assert (out / "results.csv").is_file() and (out / "report.md").is_file()
-    else:
-        assert "no report" in done.stderr
+        trained = {d.rsplit("-", 1)[0] if baseline is None else d for r in train for d in r["devices"]}
+        # device ids are the board names with a registration number; the single arm is the fastest board
+        assert trained == ({"fast", "slow"} if baseline is None else {"fast"})
+        assert all(d["energy_j"] is not None for r in train for d in r["devices"].values())
+    assert not (out / "proportional-r0" / "launch" / "trust").exists()  # the run's throwaway keys are gone
+    with (out / "results.csv").open() as f:
+        rows = {row["arm"]: row for row in csv.DictReader(f)}
+    assert set(rows) == {"proportional", "single"}
+    assert all(0 <= float(row["final_accuracy"]) <= 1 and float(row["samples_per_s"]) > 0 for row in rows.values())
+    report = (out / "report.md").read_text()
+    assert "Synthetic data" in report and "| proportional" in report and "| single" in report
+    # time to a target of 0 on the real records: first step's start to the first evaluation (after
+    # step 2), less that evaluation's own time
+    run_dir = out / "proportional-r0"
+    [row] = collect([run_dir], target_accuracy=0.0)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in records if r["kind"] == "train")
+    evaluation = next(r for r in records if r["kind"] == "eval")
+    assert row["reached"] and row["steps_to_target"] == 2 and row["steps"] == 3
+    assert row["time_to_target_s"] == pytest.approx(
+        evaluation["time"] - (first["time"] - first["step_s"]) - evaluation["eval_s"], abs=0.01)

@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, small_job
 from PIL import Image
 
 from coordinator.planning.inputs import machine_costs
@@ -245,28 +244,3 @@ def test_pareto_front_from_edgetrain_plan_marks_the_hybrid_plan(tmp_path):
         "Planner's time/energy front: pair, small_cnn (synthetic data)"
     assert "Σ board speed × small_cnn's one-core samples/s on this machine" in report
     assert "No Pareto front" not in report
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_collect_reads_the_directory_of_a_real_run(coordinator_factory, client_factory, tmp_path):
-    # Prepare: a real coordinator and board, 4 steps, evaluations after steps 2 and 4
-    job = small_job(training={"steps": 4, "eval_every": 2, "min_clients": 1})
-    coordinator = coordinator_factory(job)
-    client_factory(coordinator.address, "board")
-    coordinator.wait(timeout=90)
-
-    # Execute
-    [row] = collect([coordinator.run_dir], target_accuracy=0.0)
-    report = build_report([coordinator.run_dir], tmp_path / "out").read_text()
-
-    # Assert: the first evaluation reaches a target of 0 after 2 steps; times from the records
-    trains, evals = read_metrics(coordinator.run_dir), read_metrics(coordinator.run_dir, "eval")
-    start = trains[0]["time"] - trains[0]["step_s"]
-    assert row["reached"] and row["steps_to_target"] == 2 and row["steps"] == 4
-    assert row["time_to_target_s"] == pytest.approx(evals[0]["time"] - start - evals[0]["eval_s"])
-    assert 0 < row["time_to_target_s"] < row["wall_s"]
-    assert row["samples_per_s"] > 0 and row["synthetic_data"] is True
-    assert row["final_accuracy"] == evals[-1]["test_accuracy"]
-    assert "](plots/timeline_test.png)" in report
-    assert png_title(tmp_path / "out" / "plots" / "timeline_test.png").startswith("test: where each board's time goes")
