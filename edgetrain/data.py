@@ -171,7 +171,7 @@ class HardRecipe:
     """Weight of a pattern all classes share in each sub-pattern (> 0: classes overlap)."""
     mix_sixteenths: int = 4
     """Largest weight of the secondary sub-pattern (the primary keeps the rest of 16)."""
-    max_shift: int = 3
+    max_shift: int = 8
     """Largest circular shift of the object, in pixels, per axis."""
     scale_sixteenths: tuple[int, int] = (14, 18)
     """Range of the object's zoom factor per axis (16: none; nearest-pixel sampling)."""

@@ -293,7 +293,7 @@ def test_synthetic_hard_items_match_golden_values():
         digest.update(dataset.pixels(i).numpy().tobytes() + bytes([dataset.label(i)]))
 
     assert [dataset.label(i) for i in range(10)] == [8, 9, 0, 1, 2, 3, 4, 5, 6, 7]
-    assert digest.hexdigest().startswith("87d94234117de60c")
+    assert digest.hexdigest().startswith("5491a52e2554d6aa")
 
 
 def test_synthetic_hard_labels_are_balanced_in_every_block():
@@ -349,6 +349,6 @@ def test_synthetic_hard_is_not_separable_by_class_means(single_thread):
     hard = _nearest_class_mean_accuracy(SyntheticHardCIFAR10(train=True, size=500, seed=0),
                                         SyntheticHardCIFAR10(train=False, size=300, seed=0))
 
-    # Measured: 0.99 on synthetic, 0.71 here (0.65 to 0.75 over seeds 0-2): over 20x the errors.
+    # Measured: 0.99 on synthetic, 0.32 here (0.32 to 0.35 over seeds 0-2).
     assert easy > 0.95
-    assert hard < 0.8 and 1 - hard > 10 * (1 - easy)
+    assert hard < 0.5
