@@ -1,4 +1,4 @@
-"""CIFAR-10 and a synthetic CIFAR-shaped dataset, plus deterministic batch assembly.
+"""CIFAR-10 and two tiers of synthetic CIFAR-shaped data, plus deterministic batch assembly.
 
 Every process that builds the batch for the same ``(indices, step)`` gets identical tensors:
 synthetic items are a pure function of ``(seed, split, index)`` computed in integer arithmetic,
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,8 @@ CROP_PADDING = 4
 _MASK64 = (1 << 64) - 1
 # Stream tags keep the hashes used for different purposes independent of each other.
 _TEMPLATE_STREAM, _ITEM_STREAM, _NOISE_STREAM, _LABEL_STREAM, _AUGMENT_STREAM = range(5)
+# The hard tier's own streams (the first five keep the ``synthetic`` tier's data unchanged).
+_PART_STREAM, _CLUTTER_STREAM, _LOOK_STREAM, _FLIP_LABEL_STREAM = range(5, 9)
 
 # Synthetic image recipe, in 8-bit pixel units: a smooth class template (coarse random grid,
 # bilinearly upsampled) scaled by a random contrast, shifted, brightened, plus pixel noise.
@@ -74,22 +77,26 @@ def _smooth(x: torch.Tensor, dim: int, width: int) -> torch.Tensor:
     return sum(torch.roll(x, shifts=k, dims=dim) for k in range(width)) // width
 
 
-def _class_templates(seed: int) -> torch.Tensor:
-    """One smooth random int32 pattern (3, 32, 32) per class, a pure function of ``seed``.
+def _smooth_patterns(count: int, grid: int, amplitude: int, generator: torch.Generator) -> torch.Tensor:
+    """``count`` smooth random int32 patterns (3, 32, 32) with values in [-amplitude, amplitude].
 
-    A coarse random grid upsampled by repetition then box-filtered over one cell equals bilinear
-    interpolation; doing it on integers keeps templates bit-identical across machines.
+    A coarse random ``grid`` x ``grid`` upsampled by repetition then box-filtered over one cell
+    equals bilinear interpolation; doing it on integers keeps patterns bit-identical across
+    machines.
     """
-    cell = IMAGE_SIZE // _TEMPLATE_GRID
+    cell = IMAGE_SIZE // grid
     coarse = torch.randint(
-        -_TEMPLATE_AMPLITUDE,
-        _TEMPLATE_AMPLITUDE + 1,
-        (NUM_CLASSES, 3, _TEMPLATE_GRID, _TEMPLATE_GRID),
-        generator=_generator(_TEMPLATE_STREAM, seed),
-        dtype=torch.int32,
+        -amplitude, amplitude + 1, (count, 3, grid, grid), generator=generator, dtype=torch.int32
     )
     fine = coarse.repeat_interleave(cell, dim=2).repeat_interleave(cell, dim=3)
     return _smooth(_smooth(fine, dim=2, width=cell), dim=3, width=cell)
+
+
+def _class_templates(seed: int) -> torch.Tensor:
+    """One smooth random int32 pattern (3, 32, 32) per class, a pure function of ``seed``."""
+    return _smooth_patterns(
+        NUM_CLASSES, _TEMPLATE_GRID, _TEMPLATE_AMPLITUDE, _generator(_TEMPLATE_STREAM, seed)
+    )
 
 
 class SyntheticCIFAR10(Dataset):
@@ -148,6 +155,166 @@ class SyntheticCIFAR10(Dataset):
         return pixels.clamp_(0, 255).to(torch.uint8)
 
 
+@dataclass(frozen=True, kw_only=True)
+class HardRecipe:
+    """How the ``synthetic-hard`` tier draws an image; every figure is an integer (8-bit pixel
+    units, or sixteenths for factors). `HARD_RECIPE` is the calibrated one (docs/calibration.md);
+    others exist only for calibration (scripts/calibrate_synthetic.py)."""
+
+    parts: int = 3
+    """Sub-patterns per class; an item mixes its class's primary sub-pattern with another."""
+    part_grid: int = 4
+    """Coarse grid of a sub-pattern (4: smooth blobs of 8 pixels)."""
+    part_amplitude: int = 64
+    """Largest absolute value of a sub-pattern."""
+    shared_sixteenths: int = 0
+    """Weight of a pattern all classes share in each sub-pattern (> 0: classes overlap)."""
+    mix_sixteenths: int = 4
+    """Largest weight of the secondary sub-pattern (the primary keeps the rest of 16)."""
+    max_shift: int = 8
+    """Largest circular shift of the object, in pixels, per axis."""
+    scale_sixteenths: tuple[int, int] = (14, 18)
+    """Range of the object's zoom factor per axis (16: none; nearest-pixel sampling)."""
+    gain_sixteenths: tuple[int, int] = (8, 24)
+    """Range of the per-channel contrast (colour jitter)."""
+    max_offset: int = 24
+    """Largest per-channel brightness offset (colour jitter)."""
+    clutter_patterns: int = 32
+    """Background patterns shared by all classes; an item adds one, shifted anywhere."""
+    clutter_grid: int = 8
+    """Coarse grid of a clutter pattern (8: finer texture than the objects)."""
+    clutter_amplitude: int = 64
+    """Largest absolute value of a clutter pattern."""
+    clutter_sixteenths: tuple[int, int] = (0, 8)
+    """Range of the clutter's weight."""
+    noise_half_width: int = 32
+    """Pixel noise: one uniform integer in [-w, w] per pixel and channel."""
+    label_noise_percent: int = 4
+    """Percent of training items labelled with another class, even (test labels are clean)."""
+
+    def __post_init__(self) -> None:
+        if self.parts < 2 or IMAGE_SIZE % self.part_grid or IMAGE_SIZE % self.clutter_grid:
+            raise ValueError(f"bad hard recipe {self}: parts >= 2, grids must divide {IMAGE_SIZE}")
+        if self.label_noise_percent not in range(0, 21, 2):
+            raise ValueError(f"label_noise_percent must be even, 0 to 20, got {self.label_noise_percent}")
+
+
+HARD_RECIPE = HardRecipe()
+"""The calibrated recipe of ``synthetic-hard``."""
+
+
+class SyntheticHardCIFAR10(Dataset):
+    """SYNTHETIC CIFAR-shaped data made to tell training methods apart: 10 harder classes.
+
+    What makes CIFAR-10 hard, in miniature: each class has several unrelated sub-patterns and an
+    item mixes its primary sub-pattern with a little of a second one; the object is zoomed per
+    axis and circularly shifted; each colour channel gets its own contrast and brightness, so
+    colour alone does not tell classes apart; a background texture drawn from a pool all classes
+    share is added, then pixel noise; and a few percent of training labels are wrong (test labels
+    are clean). A nearest-class-mean classifier on pixels, near perfect on ``synthetic``, gets about a
+    third right here.
+    Calibrated so that MobileNetV2 needs several epochs of 5000 items to pass 70% test accuracy
+    (5 epochs, centralized, batch 64; docs/calibration.md). Items are pure functions of ``(seed, train/test, index)`` computed in
+    integer arithmetic, identical in every process. Labels, noisy or not, are exactly balanced in
+    every aligned run of 10 indices: label noise swaps the labels of two items of a block.
+    """
+
+    def __init__(self, *, train: bool, size: int, seed: int, recipe: HardRecipe = HARD_RECIPE) -> None:
+        if size <= 0:
+            raise ValueError(f"size must be > 0, got {size}")
+        self.train = train
+        self.size = size
+        self.seed = seed
+        self.recipe = recipe
+        self._split = 0 if train else 1
+        r = recipe
+        shared = _smooth_patterns(1, r.part_grid, r.part_amplitude, _generator(_PART_STREAM, seed, -1))
+        own = _smooth_patterns(
+            NUM_CLASSES * r.parts, r.part_grid, r.part_amplitude, _generator(_PART_STREAM, seed)
+        )
+        mixed = (r.shared_sixteenths * shared + (16 - r.shared_sixteenths) * own) // 16
+        self._parts = mixed.view(NUM_CLASSES, r.parts, 3, IMAGE_SIZE, IMAGE_SIZE)
+        self._clutter = _smooth_patterns(
+            r.clutter_patterns, r.clutter_grid, r.clutter_amplitude, _generator(_CLUTTER_STREAM, seed)
+        )
+        low, high = r.scale_sixteenths
+        centred = torch.arange(IMAGE_SIZE) - IMAGE_SIZE // 2
+        # Source row/column of each output pixel for each zoom, before the shift.
+        self._zoom = {s: centred * 16 // s + IMAGE_SIZE // 2 for s in range(low, high + 1)}
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        index = int(index)
+        if not 0 <= index < self.size:
+            raise IndexError(f"index {index} out of range for {self.size} items")
+        return normalize(self.pixels(index)), self.label(index)
+
+    def clean_label(self, index: int) -> int:
+        """The class item ``index`` was drawn from: every class once per aligned block of 10."""
+        block, position = divmod(index, NUM_CLASSES)
+        return (position + _mix(_LABEL_STREAM, self.seed, self._split, block)) % NUM_CLASSES
+
+    def label(self, index: int) -> int:
+        """The label item ``index`` carries: its class, except on the training split, where in
+        every aligned run of 100 items label_noise_percent / 2 blocks of 10 (a cyclic run of
+        blocks from a hashed start) swap the labels of two of their items, so exactly
+        label_noise_percent % of the items are mislabelled and every block stays balanced."""
+        block, position = divmod(index, NUM_CLASSES)
+        group, block_in_group = divmod(block, NUM_CLASSES)
+        start = _mix(_FLIP_LABEL_STREAM, self.seed, group) % NUM_CLASSES
+        if self.train and (block_in_group - start) % NUM_CLASSES < self.recipe.label_noise_percent // 2:
+            draw = _mix(_FLIP_LABEL_STREAM, self.seed, group, block_in_group)
+            first = draw % NUM_CLASSES
+            second = (first + 1 + (draw >> 8) % (NUM_CLASSES - 1)) % NUM_CLASSES
+            if position == first:
+                position = second
+            elif position == second:
+                position = first
+        return self.clean_label(block * NUM_CLASSES + position)
+
+    def pixels(self, index: int) -> torch.Tensor:
+        """The uint8 (3, 32, 32) image of item ``index``, before normalisation."""
+        r = self.recipe
+        shape = _mix(_ITEM_STREAM, self.seed, self._split, index)
+        look = _mix(_LOOK_STREAM, self.seed, self._split, index)
+        parts = self._parts[self.clean_label(index)]
+        primary = shape % r.parts
+        secondary = (primary + 1 + (shape >> 4) % (r.parts - 1)) % r.parts
+        mix = (shape >> 8) % (r.mix_sixteenths + 1)
+        pattern = ((16 - mix) * parts[primary] + mix * parts[secondary]) // 16
+        span = 2 * r.max_shift + 1
+        low, high = r.scale_sixteenths
+        rows = (self._zoom[low + (shape >> 16) % (high - low + 1)] + (shape >> 24) % span) % IMAGE_SIZE
+        cols = (self._zoom[low + (shape >> 32) % (high - low + 1)] + (shape >> 40) % span) % IMAGE_SIZE
+        pattern = pattern[:, rows[:, None], cols[None, :]]
+        low, high = r.gain_sixteenths
+        gain = torch.tensor([low + (look >> (8 * c)) % (high - low + 1) for c in range(3)], dtype=torch.int32)
+        offset = torch.tensor(
+            [(look >> (24 + 8 * c)) % (2 * r.max_offset + 1) - r.max_offset for c in range(3)],
+            dtype=torch.int32,
+        )
+        low, high = r.clutter_sixteenths
+        clutter_weight = low + (shape >> 48) % (high - low + 1)
+        clutter = torch.roll(
+            self._clutter[(look >> 48) % r.clutter_patterns],
+            shifts=((look >> 54) % IMAGE_SIZE, (shape >> 56) % IMAGE_SIZE),
+            dims=(1, 2),
+        )
+        noise = torch.randint(
+            -r.noise_half_width,
+            r.noise_half_width + 1,
+            (3, IMAGE_SIZE, IMAGE_SIZE),
+            generator=_generator(_NOISE_STREAM, self.seed, self._split, index),
+            dtype=torch.int32,
+        )
+        pixels = (
+            128 + offset.view(3, 1, 1) + (gain.view(3, 1, 1) * pattern + clutter_weight * clutter) // 16 + noise
+        )
+        return pixels.clamp_(0, 255).to(torch.uint8)
+
+
 class InMemoryImages(Dataset):
     """Images held as one uint8 (N, 3, 32, 32) tensor, normalised when an item is fetched."""
 
@@ -171,6 +338,8 @@ class InMemoryImages(Dataset):
 def load_dataset(spec: DatasetSpec, *, train: bool) -> Dataset:
     """The training or test split named by ``spec``, cut to the requested size."""
     size = spec.split_size(train=train)
+    if spec.name == "synthetic-hard":
+        return SyntheticHardCIFAR10(train=train, size=size, seed=spec.seed)
     if dataset_is_synthetic(spec):
         return SyntheticCIFAR10(train=train, size=size, seed=spec.seed)
     return _load_cifar10(spec, train=train, size=size)

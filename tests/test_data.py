@@ -13,9 +13,12 @@ import torchvision.datasets.cifar
 from edgetrain.data import (
     CIFAR10_MEAN,
     CIFAR10_STD,
+    HARD_RECIPE,
     DatasetSpec,
+    HardRecipe,
     InMemoryImages,
     SyntheticCIFAR10,
+    SyntheticHardCIFAR10,
     dataset_is_synthetic,
     load_dataset,
     make_batch,
@@ -77,6 +80,7 @@ def test_spec_is_keyword_only_and_frozen():
 
 def test_dataset_is_synthetic():
     assert dataset_is_synthetic(DatasetSpec(name="synthetic"))
+    assert dataset_is_synthetic(DatasetSpec(name="synthetic-hard"))
     assert not dataset_is_synthetic(DatasetSpec(name="cifar10"))
 
 
@@ -257,3 +261,94 @@ def test_small_cnn_learns_synthetic_data(single_thread):
     with torch.no_grad():
         accuracy = (model(images).argmax(dim=1) == labels).float().mean().item()
     assert accuracy > 0.5
+
+
+def test_load_dataset_synthetic_hard_respects_sizes():
+    spec = DatasetSpec(name="synthetic-hard", train_size=120, test_size=30, seed=5)
+
+    train, test = load_dataset(spec, train=True), load_dataset(spec, train=False)
+    image, label = train[7]
+
+    assert isinstance(train, SyntheticHardCIFAR10) and (len(train), len(test)) == (120, 30)
+    assert train.seed == 5 and train.train and not test.train
+    assert image.shape == (3, 32, 32) and image.dtype == torch.float32 and label == train.label(7)
+
+
+def test_synthetic_hard_items_are_a_function_of_seed_split_and_index():
+    first = SyntheticHardCIFAR10(train=True, size=100, seed=7)
+    second = SyntheticHardCIFAR10(train=True, size=50_000, seed=7)
+
+    assert torch.equal(first.pixels(42), second.pixels(42)) and first.label(42) == second.label(42)
+    assert not torch.equal(first.pixels(42), SyntheticHardCIFAR10(train=True, size=100, seed=8).pixels(42))
+    assert not torch.equal(first.pixels(42), SyntheticHardCIFAR10(train=False, size=100, seed=7).pixels(42))
+    assert not torch.equal(first.pixels(42), first.pixels(43))
+
+
+def test_synthetic_hard_items_match_golden_values():
+    # Computed once in another process: every process, machine and release must get these bytes.
+    dataset = SyntheticHardCIFAR10(train=True, size=400, seed=3)
+
+    digest = hashlib.sha256()
+    for i in range(0, 400, 37):
+        digest.update(dataset.pixels(i).numpy().tobytes() + bytes([dataset.label(i)]))
+
+    assert [dataset.label(i) for i in range(10)] == [8, 9, 0, 1, 2, 3, 4, 5, 6, 7]
+    assert digest.hexdigest().startswith("5491a52e2554d6aa")
+
+
+def test_synthetic_hard_labels_are_balanced_in_every_block():
+    for train in (True, False):
+        dataset = SyntheticHardCIFAR10(train=train, size=1000, seed=0)
+
+        labels = [dataset.label(i) for i in range(1000)]
+        classes = [dataset.clean_label(i) for i in range(1000)]
+
+        for begin in range(0, 1000, 10):
+            assert sorted(labels[begin : begin + 10]) == list(range(10))
+            assert sorted(classes[begin : begin + 10]) == list(range(10))
+        assert labels[::97] == [dataset[i][1] for i in range(0, 1000, 97)]
+        assert labels[:10] != labels[10:20]
+
+
+def test_synthetic_hard_mislabels_a_few_training_items_and_no_test_items():
+    # Prepare
+    train = SyntheticHardCIFAR10(train=True, size=2000, seed=1)
+    test = SyntheticHardCIFAR10(train=False, size=2000, seed=1)
+
+    # Execute
+    wrong = [i for i in range(2000) if train.label(i) != train.clean_label(i)]
+
+    # Assert: exactly the recipe's percent in every aligned 100 items, as swapped pairs in a block
+    percent = HARD_RECIPE.label_noise_percent
+    assert percent > 0 and len(wrong) == 2000 * percent // 100
+    assert all(sum(1 for i in wrong if i // 100 == run) == percent for run in range(20))
+    for i in wrong:
+        partner = next(j for j in wrong if j != i and j // 10 == i // 10)
+        assert train.label(i) == train.clean_label(partner) and train.label(partner) == train.clean_label(i)
+    assert all(test.label(i) == test.clean_label(i) for i in range(2000))
+
+
+def test_hard_recipe_rejects_odd_label_noise():
+    with pytest.raises(ValueError, match="label_noise_percent"):
+        HardRecipe(label_noise_percent=3)
+
+
+def _nearest_class_mean_accuracy(train, test) -> float:
+    """Test accuracy of classifying raw pixels by the nearest training class mean."""
+    x = torch.stack([train.pixels(i) for i in range(len(train))]).float().flatten(1)
+    y = torch.tensor([train.label(i) for i in range(len(train))])
+    means = torch.stack([x[y == c].mean(dim=0) for c in range(10)])
+    x_test = torch.stack([test.pixels(i) for i in range(len(test))]).float().flatten(1)
+    y_test = torch.tensor([test.label(i) for i in range(len(test))])
+    return (torch.cdist(x_test, means).argmin(dim=1) == y_test).float().mean().item()
+
+
+def test_synthetic_hard_is_not_separable_by_class_means(single_thread):
+    easy = _nearest_class_mean_accuracy(SyntheticCIFAR10(train=True, size=500, seed=0),
+                                        SyntheticCIFAR10(train=False, size=300, seed=0))
+    hard = _nearest_class_mean_accuracy(SyntheticHardCIFAR10(train=True, size=500, seed=0),
+                                        SyntheticHardCIFAR10(train=False, size=300, seed=0))
+
+    # Measured: 0.99 on synthetic, 0.32 here (0.32 to 0.35 over seeds 0-2).
+    assert easy > 0.95
+    assert hard < 0.5
