@@ -36,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from edgetrain.catalog import SYNTHETIC_DATASET_NAMES
 from edgetrain.config import ConfigError
 from edgetrain.plan import plan_from_dict
 
@@ -358,7 +359,7 @@ def row_of(run: RunData, target_accuracy: float | None = None) -> dict:
         "steps": len({r.get("step") for r in trains}), "wall_s": wall_s,
         "insecure": bool(arm.get("insecure", baseline == "ddp")),
         "synthetic_data": bool(arm.get("synthetic_data", summary.get("synthetic_data",
-                                                                     (job.get("dataset") or {}).get("name") == "synthetic"))),
+                                                                     (job.get("dataset") or {}).get("name") in SYNTHETIC_DATASET_NAMES))),
         "makespan_s": makespan, "mean_jct_s": jct, "run_dir": str(run.path),
     }
 

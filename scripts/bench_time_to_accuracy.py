@@ -1,0 +1,192 @@
+"""Benchmark: time and energy to a fixed test accuracy, EdgeTrain against PyTorch DDP.
+
+Two emulated fleets of four boards at 0.5, 0.3, 0.2 and 0.1 of a core:
+- `compute`: loopback links (no shaping): the boards differ only in speed;
+- `bandwidth`: the same boards on links of 100, 50, 20 and 10 Mbit/s.
+On each, MobileNetV2 trains on the harder SYNTHETIC tier (`synthetic-hard`, calibrated so a
+centralized run needs several epochs to pass its target: docs/calibration.md) with a global
+batch of 64, to the calibrated target accuracy (`edgetrain.catalog.SYNTHETIC_HARD_TARGET`, the
+same for every arm) with a time cap, in four arms run by `edgetrain experiment run`:
+- `ddp`: PyTorch DistributedDataParallel over gloo, the framework's equal split (no
+  authentication: loopback or this run's network namespaces only);
+- `proportional`: EdgeTrain, synchronous data parallelism, shares from measured speed;
+- `hybrid`: EdgeTrain's planner (pipeline stages and data-parallel groups, re-planned live);
+- `federated`: EdgeTrain federated averaging (local steps on each board).
+On the slow links EdgeTrain's arms choose each board's update codec from its measured link
+(`compression.uplink: adaptive`) and send parameters down as int8 deltas.
+Each arm's time to target is its timed window (first training step to the evaluation that
+reaches the target, evaluation time excluded in every arm); set-up is reported beside it.
+
+DDP on the slow links may need hours. There its time is projected, as the issue allows: DDP's
+arithmetic does not depend on the links, so its steps to the target on the `compute` fleet
+times its median step time measured on the slow links over a real segment of `--segment` (≥ 10)
+steps; its energy likewise (energy per step on the slow links). The JSON lists projected arms.
+Without root the links cannot be shaped for gloo (it is not ours to throttle): then the DDP
+segment runs on loopback and its projection would be meaningless, so it is reported as null.
+
+    python scripts/bench_time_to_accuracy.py [--seeds 1] [--cap-s 1800] [--fleets compute,bandwidth]
+                                             [--arms ddp,proportional,hybrid,federated] [--keep DIR]
+
+Last line: one JSON object: `target_accuracy`, `fleets` → `compute` / `bandwidth` →
+`time_to_accuracy_s` and `energy_to_accuracy_j` (maps by arm, medians over seeds; null where the
+cap was hit), `cap_s`, `seeds`, `projected` (list of "fleet/arm"), and the ratios of DDP's time
+and energy to the best EdgeTrain arm's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from edgetrain.catalog import (
+    SYNTHETIC_HARD_TARGET,
+    SYNTHETIC_HARD_TEST_SIZE,
+    SYNTHETIC_HARD_TRAIN_SIZE,
+)
+from edgetrain.experiment.results import collect
+
+REPO = Path(__file__).resolve().parent.parent
+FLEETS = {"compute": REPO / "experiments" / "fleets" / "compute.yaml",
+          "bandwidth": REPO / "experiments" / "fleets" / "bandwidth.yaml"}
+ARMS = {
+    "ddp": {"baseline": "ddp"},
+    "proportional": {"set": {"training.split": "proportional"}},
+    "hybrid": {"set": {"planner.enabled": True}},
+    "federated": {"set": {"aggregation.rule": "fedavg"}},
+}
+EDGETRAIN_ARMS = ("proportional", "hybrid", "federated")
+LINK_CODECS = {"compression.uplink": "adaptive", "compression.downlink": "int8"}
+"""On the slow links EdgeTrain's arms run as a user would run them there: each board's update
+codec chosen from its measured link, parameters sent down as int8 deltas (DDP has no such option)."""
+
+
+def job(eval_every: int) -> dict:
+    """MobileNetV2 on the harder synthetic tier, the demo's optimizer."""
+    return {
+        "name": "tta", "model": "mobilenet_v2", "seed": 0,
+        "dataset": {"name": "synthetic-hard", "train_size": SYNTHETIC_HARD_TRAIN_SIZE,
+                    "test_size": SYNTHETIC_HARD_TEST_SIZE, "augment": True},
+        "training": {"global_batch": 64, "min_clients": 4, "eval_every": eval_every, "log_every": 20},
+        "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 5.0e-4, "schedule": "constant",
+                      "warmup_steps": 10},
+    }
+
+
+def arm_entry(arm: str, codecs: dict) -> dict:
+    """An arm of the experiment file; EdgeTrain arms get `codecs` added to their settings."""
+    entry = {"name": arm, **ARMS[arm]}
+    if arm in EDGETRAIN_ARMS and codecs:
+        entry["set"] = {**entry.get("set", {}), **codecs}
+    return entry
+
+
+def run_experiment(workdir: Path, name: str, fleet: Path, arms: list[str], seeds: list[int], stop: dict,
+                   eval_every: int, codecs: dict | None = None) -> list[dict]:
+    """Write the experiment file, run it with `edgetrain experiment run`, return collect()'s rows."""
+    spec = {"name": name, "job": job(eval_every), "fleet": str(fleet), "stop": stop, "seeds": seeds,
+            "arms": [arm_entry(arm, codecs or {}) for arm in arms]}
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    out = workdir / name
+    code = subprocess.run([sys.executable, "-m", "edgetrain", "experiment", "run", str(path), "--out", str(out)],
+                          cwd=REPO).returncode
+    if code != 0:
+        print(f"experiment {name} exited with code {code}; reading whatever it finished", file=sys.stderr)
+    run_dirs = sorted(p for p in out.iterdir() if (p / "metrics.jsonl").exists()) if out.exists() else []
+    return collect(run_dirs, target_accuracy=stop.get("target_accuracy"))
+
+
+def median_or_none(values: list) -> float | None:
+    """The median of `values`, or None when any of them is None (an arm that hit its cap)."""
+    if not values or any(v is None for v in values):
+        return None
+    return round(statistics.median(values), 2)
+
+
+def steps_to_target(run_dir: Path, target: float) -> int | None:
+    """Optimizer steps a run took to its first evaluation at or above `target`."""
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("kind") == "eval" and record["test_accuracy"] >= target:
+            return record["step"] + 1
+    return None
+
+
+def segment_rates(run_dir: Path) -> tuple[float, float | None, bool]:
+    """Median step time (first step left out: it warms up), mean energy per step (None if unknown)
+    and whether the run's links were really emulated, from a DDP segment run."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r.get("kind") == "train"][1:]
+    energies = [sum(d["energy_j"] for d in r["devices"].values()) if all(
+        d.get("energy_j") is not None for d in r["devices"].values()) else None for r in steps]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    energy = None if any(e is None for e in energies) else statistics.fmean(energies)
+    return statistics.median(r["step_s"] for r in steps), energy, summary.get("links_emulated", True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=1, help="repeats with seeds 0..N-1 (the median is reported)")
+    parser.add_argument("--cap-s", type=float, default=1800, help="time cap of every arm, s")
+    parser.add_argument("--fleets", default="compute,bandwidth")
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--segment", type=int, default=12, help="DDP steps measured on the slow links (>= 10)")
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--keep", type=Path, help="keep the run directories here")
+    args = parser.parse_args()
+    if args.segment < 10:
+        parser.error("--segment must be >= 10 steps")
+    fleets = args.fleets.split(",")
+    arms = args.arms.split(",")
+    seeds = list(range(args.seeds))
+    target = SYNTHETIC_HARD_TARGET
+    stop = {"target_accuracy": target, "time_cap_s": args.cap_s}
+    workdir = args.keep or Path(tempfile.mkdtemp(prefix="bench-tta-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"target test accuracy {target} (SYNTHETIC data, calibrated tier); cap {args.cap_s:.0f} s; "
+          f"seeds {seeds}; runs in {workdir}", flush=True)
+
+    result: dict = {"target_accuracy": target, "cap_s": args.cap_s, "seeds": len(seeds), "fleets": {},
+                    "projected": [], "synthetic_data": True}
+    ddp_steps: list[int | None] = []
+    for fleet in fleets:
+        fleet_arms = [a for a in arms if not (fleet == "bandwidth" and a == "ddp")]
+        rows = run_experiment(workdir, f"tta-{fleet}", FLEETS[fleet], fleet_arms, seeds, stop, args.eval_every,
+                              LINK_CODECS if fleet == "bandwidth" else None)
+        times = {a: median_or_none([r["time_to_target_s"] for r in rows if r["arm"] == a]) for a in fleet_arms}
+        energies = {a: median_or_none([r["energy_to_target_j"] for r in rows if r["arm"] == a]) for a in fleet_arms}
+        setups = {a: median_or_none([r["setup_s"] for r in rows if r["arm"] == a]) for a in fleet_arms}
+        if fleet == "compute" and "ddp" in fleet_arms:
+            ddp_steps = [steps_to_target(workdir / f"tta-{fleet}" / f"ddp-r{k}", target) for k in range(len(seeds))]
+        if fleet == "bandwidth" and "ddp" in arms:
+            run_experiment(workdir, "tta-bandwidth-ddp-segment", FLEETS[fleet], ["ddp"], [0],
+                           {"steps": args.segment}, 0)
+            step_s, energy_per_step, emulated = segment_rates(workdir / "tta-bandwidth-ddp-segment" / "ddp-r0")
+            steps = median_or_none(ddp_steps)
+            times["ddp"] = round(steps * step_s, 2) if steps is not None and emulated else None
+            energies["ddp"] = (round(steps * energy_per_step, 2)
+                               if steps is not None and emulated and energy_per_step is not None else None)
+            result["projected"].append("bandwidth/ddp")
+            result["ddp_segment"] = {"steps": args.segment, "median_step_s": round(step_s, 3),
+                                     "links_emulated": emulated, "steps_to_target_on_compute": steps}
+        entry = {"time_to_accuracy_s": times, "energy_to_accuracy_j": energies, "setup_s": setups}
+        best = min((a for a in EDGETRAIN_ARMS if times.get(a) is not None), key=lambda a: times[a], default=None)
+        if best and times.get("ddp"):
+            entry["best_edgetrain_arm"] = best
+            entry["ddp_time_over_best"] = round(times["ddp"] / times[best], 2)
+            if energies.get("ddp") and energies.get(best):
+                entry["ddp_energy_over_best"] = round(energies["ddp"] / energies[best], 2)
+        result["fleets"][fleet] = entry
+        print(f"{fleet}: {json.dumps(entry)}", flush=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
