@@ -139,7 +139,8 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--segment", type=int, default=12, help="DDP steps measured on the slow links (>= 10)")
     parser.add_argument("--eval-every", type=int, default=20)
-    parser.add_argument("--keep", type=Path, help="keep the run directories here")
+    parser.add_argument("--keep", type=Path, help="keep the run directories here (the bandwidth fleet's DDP projection "
+                                                  "reuses a compute fleet run kept in the same directory)")
     args = parser.parse_args()
     if args.segment < 10:
         parser.error("--segment must be >= 10 steps")
@@ -163,9 +164,12 @@ def main() -> None:
         times = {a: median_or_none([r["time_to_target_s"] for r in rows if r["arm"] == a]) for a in fleet_arms}
         energies = {a: median_or_none([r["energy_to_target_j"] for r in rows if r["arm"] == a]) for a in fleet_arms}
         setups = {a: median_or_none([r["setup_s"] for r in rows if r["arm"] == a]) for a in fleet_arms}
-        if fleet == "compute" and "ddp" in fleet_arms:
-            ddp_steps = [steps_to_target(workdir / f"tta-{fleet}" / f"ddp-r{k}", target) for k in range(len(seeds))]
         if fleet == "bandwidth" and "ddp" in arms:
+            # DDP's steps to the target on the compute fleet: from this run, or an earlier one kept in
+            # the same --keep directory (the fleets can then be run one at a time)
+            ddp_steps = [steps_to_target(workdir / "tta-compute" / f"ddp-r{k}", target)
+                         if (workdir / "tta-compute" / f"ddp-r{k}" / "metrics.jsonl").exists() else None
+                         for k in range(len(seeds))]
             run_experiment(workdir, "tta-bandwidth-ddp-segment", FLEETS[fleet], ["ddp"], [0],
                            {"steps": args.segment}, 0)
             step_s, energy_per_step, emulated = segment_rates(workdir / "tta-bandwidth-ddp-segment" / "ddp-r0")
