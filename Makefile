@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_tls.py
 	$(PY) scripts/bench_chaos.py
 	$(PY) scripts/bench_fleet_load.py --repeat 3
+	$(PY) scripts/bench_time_to_accuracy.py --keep results/bench-time-to-accuracy
 
 protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto
