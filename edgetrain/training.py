@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from edgetrain.config import OptimizerConfig
+from edgetrain.data import make_batch
 
 GRAD_PREFIX = "grad."
 BUFFER_PREFIX = "buf."
@@ -234,3 +235,20 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float,
     logits = model(x)
     loss = nn.functional.cross_entropy(logits, y, reduction="sum")
     return float(loss), int((logits.argmax(dim=1) == y).sum())
+
+
+EVAL_BATCH = 256
+"""Test samples per forward pass when evaluating a whole test set."""
+
+
+def evaluate_dataset(model: nn.Module, test_set) -> tuple[float, float, int]:
+    """(mean loss, accuracy, samples) over the whole of `test_set`, in batches of EVAL_BATCH,
+    without augmentation: the coordinator's evaluation, and every baseline's."""
+    loss_sum, correct, seen = 0.0, 0, 0
+    for begin in range(0, len(test_set), EVAL_BATCH):
+        idx = list(range(begin, min(begin + EVAL_BATCH, len(test_set))))
+        x, y = make_batch(test_set, idx, augment=False, seed=0, step=0)
+        batch_loss, batch_correct = evaluate(model, x, y)
+        loss_sum, correct, seen = loss_sum + batch_loss, correct + batch_correct, seen + len(idx)
+    return loss_sum / seen, correct / seen, seen
+

@@ -46,9 +46,8 @@ from coordinator.training.rounds import JobAborted, RoundContext, make_round_pol
 from coordinator.training.steps import AttemptOutcome, StepBoard
 from edgetrain import transport
 from edgetrain.config import JobConfig
-from edgetrain.data import make_batch
 from edgetrain.sampling import batch_indices, epoch_of
-from edgetrain.training import evaluate, state_tensors
+from edgetrain.training import evaluate_dataset, state_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -298,13 +297,8 @@ class Trainer:
 
     def _evaluate(self, step: int) -> None:
         started = time.monotonic()
-        loss_sum, correct, seen = 0.0, 0, 0
-        for begin in range(0, len(self.test_set), 256):
-            idx = list(range(begin, min(begin + 256, len(self.test_set))))
-            x, y = make_batch(self.test_set, idx, augment=False, seed=0, step=0)
-            batch_loss, batch_correct = evaluate(self.model, x, y)
-            loss_sum, correct, seen = loss_sum + batch_loss, correct + batch_correct, seen + len(idx)
-        self.metrics.evaluation(step, loss_sum / seen, correct / seen, seen, time.monotonic() - started)
+        loss, accuracy, seen = evaluate_dataset(self.model, self.test_set)
+        self.metrics.evaluation(step, loss, accuracy, seen, time.monotonic() - started)
 
     def _checkpoint(self, next_step: int) -> None:
         """Write the set for `next_step` (model, momentum, progress, ledger), then delete every set

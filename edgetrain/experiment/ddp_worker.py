@@ -52,16 +52,13 @@ from edgetrain.sampling import batch_indices, epoch_of
 from edgetrain.training import (
     chunk_bounds,
     compute_shard,
-    evaluate,
+    evaluate_dataset,
     make_optimizer,
     set_learning_rate,
 )
 
 _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
-
-EVAL_BATCH = 256
-"""Test samples per forward pass in an evaluation (as the coordinator's)."""
 
 
 def rank_slice(global_batch: int, world: int, rank: int) -> tuple[int, int]:
@@ -70,18 +67,6 @@ def rank_slice(global_batch: int, world: int, rank: int) -> tuple[int, int]:
     base, extra = divmod(global_batch, world)
     begin = rank * base + min(rank, extra)
     return begin, begin + base + (rank < extra)
-
-
-def evaluate_test_set(model: nn.Module, test_set) -> tuple[float, float, int]:
-    """(mean loss, accuracy, samples) over the whole test set, in batches of EVAL_BATCH without
-    augmentation: the coordinator's evaluation (coordinator/training/trainer.py _evaluate)."""
-    loss_sum, correct, seen = 0.0, 0, 0
-    for begin in range(0, len(test_set), EVAL_BATCH):
-        idx = list(range(begin, min(begin + EVAL_BATCH, len(test_set))))
-        x, y = make_batch(test_set, idx, augment=False, seed=0, step=0)
-        batch_loss, batch_correct = evaluate(model, x, y)
-        loss_sum, correct, seen = loss_sum + batch_loss, correct + batch_correct, seen + len(idx)
-    return loss_sum / seen, correct / seen, seen
 
 
 class RankLog:
@@ -174,7 +159,7 @@ def train(spec: dict, rank: int) -> None:
                 timed_out = bool(time_limit_s) and train_seconds >= time_limit_s
                 if last or timed_out or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
                     t_eval = time.perf_counter()
-                    test_loss, accuracy, seen = evaluate_test_set(model, test_set)
+                    test_loss, accuracy, seen = evaluate_dataset(model, test_set)
                     evaluated_at = step
                     log.write({"kind": "eval", "step": step, "test_loss": test_loss, "test_accuracy": accuracy,
                                "test_samples": seen, "eval_s": round(time.perf_counter() - t_eval, 3)})
