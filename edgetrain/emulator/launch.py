@@ -107,7 +107,9 @@ def _wait_for_address(port_file: Path, coordinator: subprocess.Popen, timeout_s:
     raise TimeoutError(f"the coordinator did not start serving within {timeout_s:.0f} s")
 
 
-def _stop(processes: Sequence[subprocess.Popen], grace_s: float) -> None:
+def stop_processes(processes: Sequence[subprocess.Popen], grace_s: float, *, terminate_wait_s: float = 5) -> None:
+    """Let `processes` end by themselves for `grace_s`, then terminate what is left and, after
+    `terminate_wait_s`, kill it."""
     deadline = time.monotonic() + grace_s
     for proc in processes:
         try:
@@ -116,9 +118,10 @@ def _stop(processes: Sequence[subprocess.Popen], grace_s: float) -> None:
             proc.terminate()
     for proc in processes:
         try:
-            proc.wait(timeout=5)
+            proc.wait(timeout=terminate_wait_s)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait(timeout=5)
 
 
 def run_on_emulated_boards(job: dict, boards: Sequence[tuple[float, float]], workdir: Path,
@@ -167,7 +170,7 @@ def run_local(run: LocalRun, *, job_name: str) -> int:
         logger.info("started %d emulated boards (%s); their logs are in %s", len(clients),
                     ", ".join(name for name, _ in boards), log_dir)
         code = coordinator.wait()
-        _stop(clients, grace_s=15)
+        stop_processes(clients, grace_s=15)
         return code
     finally:
-        _stop([*clients, coordinator], grace_s=0)
+        stop_processes([*clients, coordinator], grace_s=0)

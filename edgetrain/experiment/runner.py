@@ -38,7 +38,7 @@ import grpc
 import yaml
 
 from edgetrain.emulator.fleet_config import BoardSpec, FleetSpec, board_to_dict
-from edgetrain.emulator.launch import EmulatedTrust, edgetrain_command
+from edgetrain.emulator.launch import EmulatedTrust, edgetrain_command, stop_processes
 from edgetrain.experiment.spec import Arm, Experiment, Run, SpecError, Trace
 
 logger = logging.getLogger(__name__)
@@ -266,19 +266,7 @@ class _Processes:
 
     def stop(self, grace_s: float) -> None:
         """Let the boards end by themselves for `grace_s`, then terminate what is left."""
-        procs = [*self.boards, *([self.server] if self.server else [])]
-        deadline = time.monotonic() + grace_s
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+        stop_processes([*self.boards, *([self.server] if self.server else [])], grace_s, terminate_wait_s=10)
         shutil.rmtree(self.trust.directory, ignore_errors=True)  # the run's own throwaway authority
 
 
