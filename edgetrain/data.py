@@ -99,7 +99,35 @@ def _class_templates(seed: int) -> torch.Tensor:
     )
 
 
-class SyntheticCIFAR10(Dataset):
+class _GeneratedImages(Dataset):
+    """What both synthetic tiers share: ``size`` items of one split, each a pure function of
+    ``(seed, split, index)``, every class once in each aligned block of 10 indices. A tier
+    supplies ``pixels(index)`` and ``label(index)``."""
+
+    def __init__(self, *, train: bool, size: int, seed: int) -> None:
+        if size <= 0:
+            raise ValueError(f"size must be > 0, got {size}")
+        self.train = train
+        self.size = size
+        self.seed = seed
+        self._split = 0 if train else 1
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        index = int(index)
+        if not 0 <= index < self.size:
+            raise IndexError(f"index {index} out of range for {self.size} items")
+        return normalize(self.pixels(index)), self.label(index)
+
+    def _block_class(self, index: int) -> int:
+        """The class of item ``index``: each aligned block of 10 indices holds every class once."""
+        block, position = divmod(index, NUM_CLASSES)
+        return (position + _mix(_LABEL_STREAM, self.seed, self._split, block)) % NUM_CLASSES
+
+
+class SyntheticCIFAR10(_GeneratedImages):
     """SYNTHETIC CIFAR-shaped data, not real CIFAR-10: 10 classes of generated 32x32 images.
 
     Each class has a smooth random colour pattern; an item is its class pattern with a random
@@ -113,27 +141,12 @@ class SyntheticCIFAR10(Dataset):
     """
 
     def __init__(self, *, train: bool, size: int, seed: int) -> None:
-        if size <= 0:
-            raise ValueError(f"size must be > 0, got {size}")
-        self.train = train
-        self.size = size
-        self.seed = seed
-        self._split = 0 if train else 1
+        super().__init__(train=train, size=size, seed=seed)
         self._templates = _class_templates(seed)
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        index = int(index)
-        if not 0 <= index < self.size:
-            raise IndexError(f"index {index} out of range for {self.size} items")
-        return normalize(self.pixels(index)), self.label(index)
 
     def label(self, index: int) -> int:
         """Label of item ``index``: each aligned block of 10 indices holds every class once."""
-        block, position = divmod(index, NUM_CLASSES)
-        return (position + _mix(_LABEL_STREAM, self.seed, self._split, block)) % NUM_CLASSES
+        return self._block_class(index)
 
     def pixels(self, index: int) -> torch.Tensor:
         """The uint8 (3, 32, 32) image of item ``index``, before normalisation."""
@@ -203,7 +216,7 @@ HARD_RECIPE = HardRecipe()
 """The calibrated recipe of ``synthetic-hard``."""
 
 
-class SyntheticHardCIFAR10(Dataset):
+class SyntheticHardCIFAR10(_GeneratedImages):
     """SYNTHETIC CIFAR-shaped data made to tell training methods apart: 10 harder classes.
 
     What makes CIFAR-10 hard, in miniature: each class has several unrelated sub-patterns and an
@@ -220,13 +233,8 @@ class SyntheticHardCIFAR10(Dataset):
     """
 
     def __init__(self, *, train: bool, size: int, seed: int, recipe: HardRecipe = HARD_RECIPE) -> None:
-        if size <= 0:
-            raise ValueError(f"size must be > 0, got {size}")
-        self.train = train
-        self.size = size
-        self.seed = seed
+        super().__init__(train=train, size=size, seed=seed)
         self.recipe = recipe
-        self._split = 0 if train else 1
         r = recipe
         shared = _smooth_patterns(1, r.part_grid, r.part_amplitude, _generator(_PART_STREAM, seed, -1))
         own = _smooth_patterns(
@@ -242,19 +250,9 @@ class SyntheticHardCIFAR10(Dataset):
         # Source row/column of each output pixel for each zoom, before the shift.
         self._zoom = {s: centred * 16 // s + IMAGE_SIZE // 2 for s in range(low, high + 1)}
 
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        index = int(index)
-        if not 0 <= index < self.size:
-            raise IndexError(f"index {index} out of range for {self.size} items")
-        return normalize(self.pixels(index)), self.label(index)
-
     def clean_label(self, index: int) -> int:
         """The class item ``index`` was drawn from: every class once per aligned block of 10."""
-        block, position = divmod(index, NUM_CLASSES)
-        return (position + _mix(_LABEL_STREAM, self.seed, self._split, block)) % NUM_CLASSES
+        return self._block_class(index)
 
     def label(self, index: int) -> int:
         """The label item ``index`` carries: its class, except on the training split, where in
