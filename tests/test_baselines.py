@@ -17,6 +17,7 @@ from edgetrain.config import job_to_dict
 from edgetrain.emulator.fleet_config import BoardSpec, FleetSpec, GatewaySpec
 from edgetrain.emulator.shaping import LinkSpec
 from edgetrain.experiment.baselines import CIFAR_SAMPLE_BYTES, DDP_LABEL, data_ship, run_baseline
+from edgetrain.experiment.ddp_worker import _first_cause
 from edgetrain.power import board_power
 
 TOLERANCE = 2e-5
@@ -158,3 +159,9 @@ def test_a_rank_that_dies_ends_the_arm_with_an_error(tmp_path):
     assert "\n" not in summary["stopped"] and DDP_LABEL in summary["stopped"]
     rank0 = json.loads((run / "ranks.json").read_text())[0]["pid"]
     assert not psutil.pid_exists(rank0)
+
+
+def test_the_rank_killed_by_a_signal_is_blamed_not_the_peers_it_disconnected():
+    # Ranks reaped together: rank 0 failed with a connection reset because rank 2 was killed
+    assert _first_cause({0: 1, 2: -9, 1: 0}) == (2, -9)
+    assert _first_cause({3: 1, 1: 1, 0: 0}) == (1, 1)

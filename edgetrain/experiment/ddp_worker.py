@@ -244,6 +244,27 @@ def _last_line(path: Path) -> str:
     return lines[-1] if lines else ""
 
 
+def _reap_exited(running: dict[int, int]) -> dict[int, int]:
+    """Reap the ranks that have already exited (without waiting): {rank: exit code}."""
+    exited = {}
+    for pid in list(running):
+        with suppress(ChildProcessError):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                exited[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+    return exited
+
+
+def _first_cause(failed: dict[int, int]) -> tuple[int, int]:
+    """The rank to blame among those that ended together: one killed by a signal caused the
+    others' connection errors (the order they are reaped in says nothing), else the lowest failed rank."""
+    killed = sorted(r for r, code in failed.items() if code < 0)
+    if killed:
+        return killed[0], failed[killed[0]]
+    errored = sorted(r for r, code in failed.items() if code != 0)
+    return errored[0], failed[errored[0]]
+
+
 def launch(spec: dict) -> int:
     """Import torch once, fork one process per rank, and wait for them: the first rank that
     fails (or a rank still running JOIN_TIMEOUT_S after rank 0 finished) ends them all and the
@@ -300,7 +321,9 @@ def launch(spec: dict) -> int:
             continue
         code = os.waitstatus_to_exitcode(status)
         if code != 0:
+            failed = {rank: code, **_reap_exited(running)}
             stop_ranks()
+            rank, code = _first_cause(failed)
             why = (f"killed by signal {-code}" if code < 0 else
                    _last_line(run_dir / "ranks" / f"rank{rank}.log") or f"exit code {code}")
             prefix = f"rank {rank} ({spec['ranks'][rank]['name']})"
