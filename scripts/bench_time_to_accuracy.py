@@ -25,11 +25,12 @@ Without root the links cannot be shaped for gloo (it is not ours to throttle): t
 segment runs on loopback and its projection would be meaningless, so it is reported as null.
 
     python scripts/bench_time_to_accuracy.py [--seeds 1] [--cap-s 1800] [--fleets compute,bandwidth]
-                                             [--arms ddp,proportional,hybrid,federated] [--keep DIR]
+                                             [--arms ddp,proportional,hybrid,federated] [--keep DIR [--resume]]
 
 Last line: one JSON object: `target_accuracy`, `fleets` → `compute` / `bandwidth` →
 `time_to_accuracy_s` and `energy_to_accuracy_j` (maps by arm, medians over seeds; null where the
-cap was hit), `cap_s`, `seeds`, `projected` (list of "fleet/arm"), and the ratios of DDP's time
+cap was hit), `cap_s`, `seeds`, `projected` (list of "fleet/arm"), `reused` (arms read from an
+earlier run with --resume), and the ratios of DDP's time
 and energy to the best EdgeTrain arm's.
 """
 
@@ -141,9 +142,14 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--keep", type=Path, help="keep the run directories here (the bandwidth fleet's DDP projection "
                                                   "reuses a compute fleet run kept in the same directory)")
+    parser.add_argument("--resume", action="store_true",
+                        help="with --keep: read the arms that already finished there (every seed has its summary.json) "
+                             "instead of running them again; the JSON lists them under `reused`")
     args = parser.parse_args()
     if args.segment < 10:
         parser.error("--segment must be >= 10 steps")
+    if args.resume and not args.keep:
+        parser.error("--resume needs --keep DIR (the directory holding the finished runs)")
     fleets = args.fleets.split(",")
     arms = args.arms.split(",")
     seeds = list(range(args.seeds))
@@ -155,12 +161,20 @@ def main() -> None:
           f"seeds {seeds}; runs in {workdir}", flush=True)
 
     result: dict = {"target_accuracy": target, "cap_s": args.cap_s, "seeds": len(seeds), "fleets": {},
-                    "projected": [], "synthetic_data": True}
+                    "projected": [], "reused": [], "synthetic_data": True}
     ddp_steps: list[int | None] = []
     for fleet in fleets:
         fleet_arms = [a for a in arms if not (fleet == "bandwidth" and a == "ddp")]
-        rows = run_experiment(workdir, f"tta-{fleet}", FLEETS[fleet], fleet_arms, seeds, stop, args.eval_every,
-                              LINK_CODECS if fleet == "bandwidth" else None)
+        out = workdir / f"tta-{fleet}"
+        finished = [a for a in fleet_arms
+                    if args.resume and all((out / f"{a}-r{k}" / "summary.json").exists() for k in seeds)]
+        result["reused"] += [f"{fleet}/{a}" for a in finished]
+        to_run = [a for a in fleet_arms if a not in finished]
+        if to_run:
+            rows = run_experiment(workdir, f"tta-{fleet}", FLEETS[fleet], to_run, seeds, stop, args.eval_every,
+                                  LINK_CODECS if fleet == "bandwidth" else None)
+        else:
+            rows = collect(sorted(p for p in out.iterdir() if (p / "metrics.jsonl").exists()), target_accuracy=target)
         times = {a: median_or_none([r["time_to_target_s"] for r in rows if r["arm"] == a]) for a in fleet_arms}
         energies = {a: median_or_none([r["energy_to_target_j"] for r in rows if r["arm"] == a]) for a in fleet_arms}
         setups = {a: median_or_none([r["setup_s"] for r in rows if r["arm"] == a]) for a in fleet_arms}
@@ -170,8 +184,11 @@ def main() -> None:
             ddp_steps = [steps_to_target(workdir / "tta-compute" / f"ddp-r{k}", target)
                          if (workdir / "tta-compute" / f"ddp-r{k}" / "metrics.jsonl").exists() else None
                          for k in range(len(seeds))]
-            run_experiment(workdir, "tta-bandwidth-ddp-segment", FLEETS[fleet], ["ddp"], [0],
-                           {"steps": args.segment}, 0)
+            if args.resume and (workdir / "tta-bandwidth-ddp-segment" / "ddp-r0" / "summary.json").exists():
+                result["reused"].append("bandwidth/ddp-segment")
+            else:
+                run_experiment(workdir, "tta-bandwidth-ddp-segment", FLEETS[fleet], ["ddp"], [0],
+                               {"steps": args.segment}, 0)
             step_s, energy_per_step, emulated = segment_rates(workdir / "tta-bandwidth-ddp-segment" / "ddp-r0")
             steps = median_or_none(ddp_steps)
             times["ddp"] = round(steps * step_s, 2) if steps is not None and emulated else None
