@@ -19,7 +19,15 @@ from PIL import Image
 from coordinator.planning.inputs import machine_costs
 from edgetrain.config import ConfigError
 from edgetrain.emulator.fleet_config import load_fleet
-from edgetrain.experiment.results import INSECURE_LABEL, arms_table, build_report, collect
+from edgetrain.experiment.results import (
+    INSECURE_LABEL,
+    _fleet_file,
+    arms_table,
+    build_report,
+    collect,
+    describe_plan,
+    load_run,
+)
 
 BATCH = 32
 
@@ -174,7 +182,7 @@ def test_report_medians_ratios_to_ddp_labels_and_plots(tmp_path):
         assert f"](plots/{name})" in report
     assert "left out (no energy figures): single" in report
     assert "never reached the target: single" in report
-    assert "No Pareto front: no fleet file" in report
+    assert "No Pareto front: the runs record no fleet" in report
     assert "no fleet ideal" in report  # no fleet file, no board profiles in summary.json
 
 
@@ -244,3 +252,27 @@ def test_pareto_front_from_edgetrain_plan_marks_the_hybrid_plan(tmp_path):
         "Planner's time/energy front: pair, small_cnn (synthetic data)"
     assert "Σ board speed × small_cnn's one-core samples/s on this machine" in report
     assert "No Pareto front" not in report
+
+
+def test_a_run_directory_alone_is_enough_to_plan_its_fleet(tmp_path):
+    # Prepare: a run whose fleet file is gone; arm.json recorded its boards (speed, link, power)
+    boards = [{"name": "b50", "speed": 0.5, "mbit_per_s": 100, "idle_w": 2.7, "busy_w": 7.3},
+              {"name": "b10", "speed": 0.1, "mbit_per_s": None, "idle_w": 2.7, "busy_w": 3.6}]
+    run = write_run(tmp_path / "r", [train(0, 1001.0, 1.0)], arm="hybrid", fleet="gone", fleet_boards=boards)
+
+    # Execute
+    path = _fleet_file([load_run(run)], None, "small_cnn", tmp_path)
+
+    # Assert: the fleet edgetrain plan gets has those boards, links and power figures
+    fleet = load_fleet(path)
+    assert [(b.name, b.speed, b.link.mbit_per_s if b.link else None, b.busy_w) for b in fleet.boards] == [
+        ("b50", 0.5, 100, 7.3), ("b10", 0.1, None, 3.6)]
+
+
+def test_a_federated_arm_is_described_as_federated_rounds(tmp_path):
+    run = write_run(tmp_path / "fed", [train(0, 1001.0, 1.0)], arm="federated")
+    job = json.loads((run / "job.json").read_text())
+    job.update(aggregation={"rule": "fedavg"}, federated={"local_steps": 5, "local_batch": 16})
+    (run / "job.json").write_text(json.dumps(job))
+
+    assert describe_plan(load_run(run)) == "federated rounds (fedavg), 5 local steps of 16 a round"

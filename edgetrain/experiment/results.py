@@ -284,6 +284,12 @@ def describe_plan(run: RunData) -> str:
             return plan_from_dict({k: pipeline[k] for k in keys if k in pipeline}, where="job.json").describe()
         except ValueError:
             return "pipeline (job's stages)"
+    rule = (run.job.get("aggregation") or {}).get("rule")
+    if rule in ("fedavg", "fedprox"):
+        fed = run.job.get("federated") or {}
+        rounds = (f", {fed['local_steps']} local steps of {fed['local_batch']} a round"
+                  if fed.get("local_steps") and fed.get("local_batch") else "")
+        return f"federated rounds ({rule}){rounds}"
     split = (run.job.get("training") or {}).get("split") or run.summary.get("split")
     return f"data parallelism, {split} split" if split else "data parallelism"
 
@@ -577,7 +583,22 @@ def _fleet_file(runs: list[RunData], fleet, model: str, scratch: Path) -> Path |
         given = run.arm.get("fleet")
         if isinstance(given, str) and given and Path(given).is_file():
             return Path(given)
+    for run in runs:  # the boards arm.json recorded (the fleet file may be elsewhere or gone)
+        boards = run.arm.get("fleet_boards")
+        if boards:
+            path = scratch / "fleet.yaml"
+            path.write_text(yaml.safe_dump({"name": str(run.arm.get("fleet") or "fleet"), "job": {"model": model},
+                                            "boards": [_recorded_board(b) for b in boards]}))
+            return path
     return None
+
+
+def _recorded_board(board: dict) -> dict:
+    """A fleet file's board entry from arm.json's `fleet_boards` record."""
+    entry = {"name": board["name"], "speed": board["speed"], "idle_w": board.get("idle_w"),
+             "busy_w": board.get("busy_w"),
+             "link": {"mbit_per_s": board["mbit_per_s"]} if board.get("mbit_per_s") else None}
+    return {k: v for k, v in entry.items() if v is not None}
 
 
 def _profiled_ideal(runs: list[RunData]) -> float | None:
@@ -694,7 +715,7 @@ def _plan_view(runs: list[RunData], rows: list[dict], fleet, out_dir: Path) -> P
     with tempfile.TemporaryDirectory(dir=out_dir) as scratch:
         fleet_file = _fleet_file(runs, fleet, model or "", Path(scratch)) if model else None
         if fleet_file is None:
-            view.front_note = "No Pareto front: no fleet file (give one, or run through `edgetrain experiment run`)."
+            view.front_note = "No Pareto front: the runs record no fleet (run them through `edgetrain experiment run`)."
         else:
             try:
                 planned = plan_for_fleet(fleet_file, model=model, batch=batch, pareto=bool(chosen),
