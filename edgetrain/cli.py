@@ -26,7 +26,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # gRPC's C core logs informational lines (e.g. every refused TLS handshake) to stderr by default;
@@ -239,7 +242,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    import signal
     import threading
 
     from coordinator.main import run_coordinator
@@ -326,12 +328,31 @@ def _client(args: argparse.Namespace) -> int:
     return 3 if reason == BATTERY_EMPTY else 0
 
 
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM ends the command as Ctrl-C does, so the processes it started are stopped on the way
+    out (a plain SIGTERM would leave its coordinator and boards running)."""
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _local(args: argparse.Namespace) -> int:
     job_file = getattr(args, "config", DEMO_JOB)
     job = load_job(job_file, dict(parse_override(o) for o in args.set))
     run = LocalRun(job_file=job_file, speeds=args.speeds, overrides=tuple(args.set), runs_dir=args.runs_dir,
                    data_dir=args.data_dir, insecure=args.insecure)
-    code = run_local(run, job_name=job.name)
+    with _sigterm_as_interrupt():
+        code = run_local(run, job_name=job.name)
     if code == 0:
         print(f"results: {args.runs_dir / job.name}/ (metrics.jsonl, summary.json, checkpoints/)")
     return code
@@ -365,9 +386,10 @@ def _experiment(args: argparse.Namespace) -> int:
             raise ConfigError(f"{exp.source}: no fleet: name one in the file (fleet: FILE) or pass --fleet FLEET.yaml")
         fleet = emulated_fleet(load_fleet(path))
     runs = exp.runs(list(args.arms), boards=len(fleet.boards))
-    return run_experiment(exp, runs, fleet, Options(out_dir=args.out, arms=args.arms, live=args.live,
-                                                    server=args.server, insecure=args.insecure,
-                                                    data_dir=args.data_dir))
+    with _sigterm_as_interrupt():
+        return run_experiment(exp, runs, fleet, Options(out_dir=args.out, arms=args.arms, live=args.live,
+                                                        server=args.server, insecure=args.insecure,
+                                                        data_dir=args.data_dir))
 
 
 def _report(args: argparse.Namespace) -> int:

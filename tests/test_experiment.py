@@ -4,6 +4,7 @@ runs, what a live fleet refuses, and one real run of two EdgeTrain arms on two e
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -11,8 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
+from conftest import read_metrics, wait_for
 
 from edgetrain.cli import main
 from edgetrain.experiment.results import collect
@@ -186,3 +189,30 @@ def test_an_experiment_runs_its_arms_on_emulated_boards_and_writes_arm_json(tmp_
     assert row["reached"] and row["steps_to_target"] == 2 and row["steps"] == 3
     assert row["time_to_target_s"] == pytest.approx(
         evaluation["time"] - (first["time"] - first["step_s"]) - evaluation["eval_s"], abs=0.01)
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_stops_the_runner_and_every_process_it_started(tmp_path):
+    # Prepare: an arm far longer than the test, its coordinator and boards training
+    path = _write(tmp_path, {"stop": {"wall_s": 3600}})
+    out = tmp_path / "results"
+    started: list[psutil.Process] = []
+    runner = subprocess.Popen([sys.executable, "-m", "edgetrain", "experiment", "run", str(path), "--out", str(out),
+                               "--data-dir", str(tmp_path / "data")], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env={**os.environ, "GRPC_VERBOSITY": "ERROR"})
+    try:
+        wait_for(lambda: read_metrics(out / "a-r0"), 150, "the arm's first step", interval_s=0.5)
+        started += psutil.Process(runner.pid).children(recursive=True)
+        assert len(started) >= 3  # a coordinator and a client per board
+
+        # Execute: what a service manager or `kill` sends
+        runner.terminate()
+        code = runner.wait(timeout=60)
+
+        # Assert: the runner ended as on Ctrl-C, and nothing it started is left running
+        _, alive = psutil.wait_procs(started, timeout=30)
+        assert code == 130 and not alive, [p.cmdline() for p in alive]
+    finally:
+        for proc in [*started, psutil.Process(runner.pid)] if runner.poll() is None else started:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
