@@ -48,6 +48,18 @@ def test_three_client_dp_equals_single_process_sgd(coordinator_factory, client_f
             assert stats["energy_j"] > 0
     diff = max_abs_difference(checkpoint_state(coordinator.run_dir), reference_state(job))
     assert diff < TOLERANCE, f"distributed and single-process parameters differ by {diff}"
+    # where the time went: each board's compute, communication and waiting fit inside the step
+    # (the rest is idle), and so does the coordinator's own part
+    for s in steps:
+        assert sum(s["coordinator"].values()) <= s["step_s"]
+        for stats in s["devices"].values():
+            parts = [stats["compute_s"], stats["comm_s"], stats["waiting_s"], stats["idle_s"]]
+            assert min(parts) >= 0 and sum(parts) == pytest.approx(s["step_s"], abs=2e-3)
+    split_ = json.loads((coordinator.run_dir / "summary.json").read_text())["time_split"]
+    by_name = {device.split("-")[0]: t for device, t in split_["boards"].items()}
+    assert set(by_name) == {"fast", "mid", "slow"} and split_["coordinator"]["aggregate_s"] > 0
+    if split == "equal":  # equal shares: the fastest board waits for the slowest
+        assert by_name["fast"]["waiting_s"] > by_name["slow"]["waiting_s"]
 
 
 @pytest.mark.timeout(240)

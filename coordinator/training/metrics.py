@@ -11,10 +11,57 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import time
+from collections import defaultdict, deque
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+
+def _waiting_s(contribution, outcome, staleness: int) -> float | None:
+    """Seconds from a board's update being accepted to its attempt closing; None when unknown or
+    when the update is a late one from an earlier step."""
+    if staleness or contribution.accepted_at is None or outcome.closed_at is None:
+        return None
+    return max(0.0, outcome.closed_at - contribution.accepted_at)
+
+
+class TimeSplit:
+    """Where the steps' time goes: per board, the median seconds per step of compute,
+    communication, waiting for the step to close and idle; and the coordinator's part. Medians
+    over the last `window` steps a board took part in."""
+
+    BOARD = ("compute_s", "comm_s", "waiting_s", "idle_s")
+    COORDINATOR = ("publish_s", "configure_s", "aggregate_s")
+
+    def __init__(self, window: int = 1000) -> None:
+        self._boards: dict[str, dict[str, deque]] = defaultdict(lambda: {k: deque(maxlen=window) for k in self.BOARD})
+        self._coordinator = {k: deque(maxlen=window) for k in self.COORDINATOR}
+        self._steps: deque = deque(maxlen=window)
+
+    def add(self, record: dict) -> None:
+        """Take a `train` record as MetricsLog.train_step wrote it."""
+        self._steps.append(record["step_s"])
+        for key, value in record.get("coordinator", {}).items():
+            self._coordinator[key].append(value)
+        for device, entry in record["devices"].items():
+            for key in self.BOARD:
+                if entry.get(key) is not None:
+                    self._boards[device][key].append(entry[key])
+
+    def summary(self) -> dict | None:
+        """{"step_s", "coordinator": {...}, "boards": {device: {compute_s, comm_s, waiting_s, idle_s}}}
+        as medians; None before the first step."""
+        if not self._steps:
+            return None
+
+        def median(values: deque) -> float | None:
+            return round(statistics.median(values), 4) if values else None
+
+        return {"step_s": median(self._steps),
+                "coordinator": {k: median(v) for k, v in self._coordinator.items()},
+                "boards": {d: {k: median(v) for k, v in keys.items()} for d, keys in sorted(self._boards.items())}}
 
 
 class MetricsLog:
@@ -30,8 +77,14 @@ class MetricsLog:
         """Append one record (adds the wall-clock time)."""
         self._file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
 
-    def train_step(self, record, *, lr: float, epoch: float, total_steps: int, log_every: int) -> None:
-        """Record one completed step (`record` is a trainer.StepRecord)."""
+    def train_step(self, record, *, lr: float, epoch: float, total_steps: int, log_every: int) -> dict:
+        """Record one completed step (`record` is a trainer.StepRecord); returns the record written.
+
+        Each board's entry splits the step: `compute_s`; communication (`comm_s`: `download_s`,
+        `encode_s`, `upload_s` and the coordinator's `decode_s`); `waiting_s`, from its update being
+        accepted to the attempt closing (waiting for the slowest board; None for a late update
+        from an earlier step); and `idle_s`, the rest of the step (before it had its work, and
+        through the coordinator's part: `coordinator` → publish, configure, aggregate)."""
         used = [w.contribution for w in record.used]
         samples = sum(c.samples for c in used)
         loss = sum(c.loss * c.samples for c in used) / samples if samples else None
@@ -39,12 +92,16 @@ class MetricsLog:
         devices = {}
         for item in record.used:
             c = item.contribution
+            waiting = _waiting_s(c, record.outcome, item.staleness)
+            idle = max(0.0, record.seconds - c.compute_s - c.comm_s - (waiting or 0.0))
             devices[c.device_id] = {
                 "samples": c.samples, "compute_s": round(c.compute_s, 4), "download_s": round(c.download_s, 4),
-                "encode_s": round(c.encode_s, 4), "upload_s": round(c.upload_s, 4), "comm_s": round(c.comm_s, 4),
+                "encode_s": round(c.encode_s, 4), "upload_s": round(c.upload_s, 4), "decode_s": round(c.decode_s, 4),
+                "comm_s": round(c.comm_s, 4), "waiting_s": None if waiting is None else round(waiting, 4),
+                "idle_s": round(idle, 4),
                 "energy_j": None if c.energy_j is None else round(c.energy_j, 4), "codec": c.codec,
                 "upload_bytes": c.wire_bytes, "staleness": item.staleness, "weight": round(item.factor, 4)}
-        self.write({
+        entry = {
             "kind": "train", "step": record.step, "epoch": round(epoch, 4), "loss": loss,
             "train_accuracy": correct / samples if samples else None, "lr": lr, "samples": samples,
             "step_s": round(record.seconds, 4), "samples_per_s": samples / record.seconds,
@@ -52,14 +109,17 @@ class MetricsLog:
             "rejected": record.rejected, "clipped": {d: round(n, 4) for d, n in record.clipped.items()},
             "failed": record.lost, "late": record.outcome.late, "quarantined": record.quarantined,
             "attempt_log": record.attempt_log,
+            "coordinator": {k: round(v, 4) for k, v in record.coordinator.items()},
             **({"stages": record.stages} if record.stages else {}),
-            **({"failures": record.failures} if record.failures else {})})
+            **({"failures": record.failures} if record.failures else {})}
+        self.write(entry)
         if samples and (record.step % log_every == 0 or record.step == total_steps - 1):
             shares = "/".join(str(n) for n in record.shares.values())
             codecs = sorted(set(record.codecs.values()))
             logger.info("step %4d/%d  loss %.4f  acc %.3f  %.1f samples/s  shares %s%s", record.step + 1,
                         total_steps, loss, correct / max(samples, 1), samples / record.seconds, shares,
                         "" if codecs == ["none"] else f"  codecs {'/'.join(record.codecs.values())}")
+        return entry
 
     def evaluation(self, step: int, loss: float, accuracy: float, samples: int, seconds: float) -> None:
         """Record a test-set evaluation after `step`."""

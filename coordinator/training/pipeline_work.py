@@ -138,6 +138,8 @@ def merge_pipelines(contributions: Sequence[Contribution]) -> list[Contribution]
             energy_j=None if None in energies else sum(energies), step=first.step,
             param_version=min(c.param_version for c in parts), codec=first.codec,
             wire_bytes=sum(c.wire_bytes for c in parts), wait_s=max(c.wait_s for c in parts),
-            peak_activation_bytes=max(c.peak_activation_bytes for c in parts)))
+            peak_activation_bytes=max(c.peak_activation_bytes for c in parts),
+            decode_s=max(c.decode_s for c in parts),
+            accepted_at=max((c.accepted_at for c in parts if c.accepted_at is not None), default=None)))
     return out
 

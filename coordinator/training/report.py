@@ -71,6 +71,7 @@ def summarize(job: JobConfig, final_eval: dict, trainer, devices, *, stopped: st
         "energy_estimated": any(r["energy_source"] == "estimated" for r in rows)
         if any(r["energy_source"] for r in rows) else None,
         "plan": plan_accuracy(getattr(trainer, "plans", []), getattr(trainer, "step_seconds", [])),
+        "time_split": trainer.time_split.summary() if hasattr(trainer, "time_split") else None,
     }
 
 
@@ -108,7 +109,25 @@ def summary_table(summary: dict) -> str:
                      f"{_energy_cell(row):>10}"
                      f"{row['download_bytes'] / 1e6:>9.1f}{row['upload_bytes'] / 1e6:>8.1f}  {row['codec']}"
                      + (f"  (speed claim: {row['speed_claim']})" if row.get("speed_claim") else ""))
-    return "\n".join(lines)
+    return "\n".join(lines + _time_split_lines(summary.get("time_split")))
+
+
+def _time_split_lines(split: dict | None) -> list[str]:
+    """Where a step's time goes (medians of recent steps), per board and for the coordinator."""
+    if not split:
+        return []
+
+    def cell(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    coord = split["coordinator"]
+    lines = ["", f"where a step's time goes (median s of {cell(split['step_s'])} s/step): coordinator publish "
+             f"{cell(coord['publish_s'])}, configure {cell(coord['configure_s'])}, aggregate {cell(coord['aggregate_s'])}",
+             f"{'device':<18}{'compute':>9}{'comm':>9}{'waiting':>9}{'idle':>9}"]
+    for device, t in split["boards"].items():
+        lines.append(f"{device:<18}{cell(t['compute_s']):>9}{cell(t['comm_s']):>9}{cell(t['waiting_s']):>9}"
+                     f"{cell(t['idle_s']):>9}")
+    return lines
 
 
 def _energy_cell(row: dict) -> str:

@@ -73,11 +73,17 @@ class Contribution:
     turnaround_s: float | None = None
     """Seconds from the board taking its work (GetWork) to its upload being complete, on the
     coordinator's own clock (None: the work was never taken through GetWork)."""
+    decode_s: float = 0.0
+    """Seconds the coordinator spent unpacking, decoding and checking the upload (after its last
+    byte arrived; not part of `upload_s`)."""
+    accepted_at: float | None = None
+    """When the update was accepted (decoded and checked), on the step board's clock."""
 
     @property
     def comm_s(self) -> float:
-        """Seconds this device spent moving parameters and gradients this step."""
-        return self.download_s + self.encode_s + self.upload_s
+        """Seconds this device's update spent being moved: parameters down, the update encoded,
+        uploaded, and decoded on the coordinator."""
+        return self.download_s + self.encode_s + self.upload_s + self.decode_s
 
 
 @dataclass
@@ -97,6 +103,8 @@ class _Ticket:
     collected: bool = False
     taken_at: float | None = None
     """When the board first took this work (GetWork), on the coordinator's clock."""
+    opened_at: float | None = None
+    """When the attempt was opened, on the coordinator's clock."""
 
     @property
     def answered(self) -> bool:
@@ -115,6 +123,9 @@ class AttemptOutcome:
     """Devices still alive whose tickets were unanswered at the deadline."""
     taken: dict[str, float] = field(default_factory=dict)
     """When each board took its work (GetWork), on the step board's clock."""
+    opened_at: float | None = None
+    closed_at: float | None = None
+    """When the attempt was opened and when it closed (wait_attempt returned), on the step board's clock."""
 
 
 class StepBoard:
@@ -135,9 +146,10 @@ class StepBoard:
     def open_attempt(self, assignments: Mapping[str, Assignment]) -> None:
         """Start a step attempt: each device in `assignments` gets its work on its next poll."""
         with self._cond:
+            now = self._clock()
             for device_id, a in assignments.items():
                 self._tickets[(device_id, a.step, a.attempt)] = _Ticket(
-                    a, self._formats(a.codec, self._upload_prefixes(a.stage)))
+                    a, self._formats(a.codec, self._upload_prefixes(a.stage)), opened_at=now)
                 self._current = (a.step, a.attempt)
             self._cond.notify_all()
 
@@ -172,7 +184,8 @@ class StepBoard:
             accepted = {d: t.accepted for d, t in mine.items() if t.accepted is not None}
             rejected = {d: t.rejected for d, t in mine.items() if t.rejected is not None}
             taken = {d: t.taken_at for d, t in mine.items() if t.taken_at is not None}
-            return AttemptOutcome(accepted, rejected, [d for d in pending if d not in late], late, taken)
+            return AttemptOutcome(accepted, rejected, [d for d in pending if d not in late], late, taken,
+                                  opened_at=min(t.opened_at for t in mine.values()), closed_at=self._clock())
 
     def take_late(self, oldest_step: int) -> tuple[list[Contribution], dict[str, str]]:
         """Answers that arrived for kept-open tickets since the last call; tickets of steps before
@@ -277,6 +290,7 @@ class StepBoard:
             payload = upload.assembler.payload()
         a = ticket.assignment
         what = f"upload from {device_id} for step {step}"
+        received = self._clock()
         try:  # decoding a large gradient takes tens of ms: not under the lock
             wire = unpack(ticket.fmt.metas(), payload)
             check_finite(wire, what)
@@ -293,7 +307,8 @@ class StepBoard:
                 self._reject(device_id, self._ticket_for(device_id, step, attempt), str(e))
             raise
         now = self._clock()
-        contribution = Contribution(device_id=device_id, tensors=tensors, upload_s=now - upload.started,
+        contribution = Contribution(device_id=device_id, tensors=tensors, upload_s=received - upload.started,
+                                    decode_s=now - received, accepted_at=now,
                                     step=a.step, param_version=a.param_version, codec=str(ticket.fmt.spec),
                                     wire_bytes=len(payload), stage=a.stage,
                                     turnaround_s=None if ticket.taken_at is None else now - ticket.taken_at,

@@ -40,7 +40,7 @@ from coordinator.training.checkpoint import (
     save_checkpoint,
     set_aside,
 )
-from coordinator.training.metrics import MetricsLog
+from coordinator.training.metrics import MetricsLog, TimeSplit
 from coordinator.training.parameters import ParameterStore
 from coordinator.training.rounds import JobAborted, RoundContext, make_round_policy
 from coordinator.training.steps import AttemptOutcome, StepBoard
@@ -76,6 +76,9 @@ class StepRecord:
     """Every attempt of the step: when it was opened and ended (wall clock), the boards it was
     handed to and when each took its work, those lost in it (gone or silent), and how it ended:
     applied, redone (it did not count) or void (it counted, but no update was usable)."""
+    coordinator: dict[str, float] = field(default_factory=dict)
+    """The coordinator's own part of the step, seconds: publishing the parameters, configuring
+    the attempts, and aggregating + applying the update (the boards wait through all three)."""
 
     @property
     def lost(self) -> list[str]:
@@ -100,6 +103,8 @@ class Trainer:
         self.store = store
         self.aggregator = aggregator
         self.metrics = MetricsLog(run_dir / "metrics.jsonl")
+        self.time_split = TimeSplit()
+        """Where the steps' time went, per board and for the coordinator (medians of recent steps)."""
         self.train_size = train_size
         self.start_step = 0
         self.train_seconds = 0.0
@@ -197,15 +202,18 @@ class Trainer:
         cfg = self.job.training
         self.steps_attempted = step + 1
         self.registry.release_quarantine(step)  # boards whose term is over work again, in every mode
+        started = time.monotonic()  # publishing is on the step's critical path: no board can start before it
         self.store.publish(step, state_tensors(self.model))
+        coordinator = {"publish_s": time.monotonic() - started, "configure_s": 0.0, "aggregate_s": 0.0}
         indices = batch_indices(step, cfg.global_batch, self.train_size, self.job.seed)
-        started = time.monotonic()
         refused: dict[str, str] = {}  # updates refused in attempts that brought no usable one: in the record too
         quarantined: list[str] = []
         attempt_log: list[dict] = []
         for attempt in range(cfg.max_attempts):
             last_void = ""
+            configuring = time.monotonic()
             round_ = self.policy.configure(step, attempt, indices)
+            coordinator["configure_s"] += time.monotonic() - configuring
             if round_ is None:
                 continue
             self.board.open_attempt(round_.assignments)
@@ -221,8 +229,10 @@ class Trainer:
             if self.stop.is_set():
                 raise JobAborted(f"stopped during step {step}")
             if self.policy.complete(round_, outcome, time.monotonic() - opened):
+                aggregating = time.monotonic()
                 collected = self.policy.collect(round_, outcome)
                 result = self.aggregator.apply(step, self.board, collected.contributions, outcome.rejected)
+                coordinator["aggregate_s"] += time.monotonic() - aggregating
                 quarantined += result.quarantined
                 if result.used:
                     entry["outcome"] = "applied"
@@ -242,7 +252,7 @@ class Trainer:
                           used=result.used, rejected={**refused, **result.rejected}, clipped=result.clipped,
                           codecs={d: a.codec for d, a in round_.assignments.items()},
                           quarantined=quarantined, stages=collected.stages, failures=failures,
-                          attempt_log=attempt_log)
+                          attempt_log=attempt_log, coordinator=coordinator)
 
     def _void(self, step: int, attempt: int, rejected: dict[str, str], *, redo: bool) -> str:
         """An attempt counted but none of its updates was usable: nothing was applied; say so, and
@@ -291,9 +301,10 @@ class Trainer:
         self.ctx.step_seconds.append((record.step, record.seconds))
         self.samples_done += sum(w.contribution.samples for w in record.used)
         self.train_seconds += record.seconds
-        self.metrics.train_step(record, lr=self.aggregator.lr,
-                                epoch=epoch_of(record.step, self.job.training.global_batch, self.train_size),
-                                total_steps=self.job.training.steps, log_every=self.job.training.log_every)
+        logged = self.metrics.train_step(record, lr=self.aggregator.lr,
+                                         epoch=epoch_of(record.step, self.job.training.global_batch, self.train_size),
+                                         total_steps=self.job.training.steps, log_every=self.job.training.log_every)
+        self.time_split.add(logged)
 
     def _evaluate(self, step: int) -> None:
         started = time.monotonic()
