@@ -103,8 +103,6 @@ class _Ticket:
     collected: bool = False
     taken_at: float | None = None
     """When the board first took this work (GetWork), on the coordinator's clock."""
-    opened_at: float | None = None
-    """When the attempt was opened, on the coordinator's clock."""
 
     @property
     def answered(self) -> bool:
@@ -123,9 +121,8 @@ class AttemptOutcome:
     """Devices still alive whose tickets were unanswered at the deadline."""
     taken: dict[str, float] = field(default_factory=dict)
     """When each board took its work (GetWork), on the step board's clock."""
-    opened_at: float | None = None
     closed_at: float | None = None
-    """When the attempt was opened and when it closed (wait_attempt returned), on the step board's clock."""
+    """When the attempt closed (wait_attempt returned), on the step board's clock."""
 
 
 class StepBoard:
@@ -146,10 +143,9 @@ class StepBoard:
     def open_attempt(self, assignments: Mapping[str, Assignment]) -> None:
         """Start a step attempt: each device in `assignments` gets its work on its next poll."""
         with self._cond:
-            now = self._clock()
             for device_id, a in assignments.items():
                 self._tickets[(device_id, a.step, a.attempt)] = _Ticket(
-                    a, self._formats(a.codec, self._upload_prefixes(a.stage)), opened_at=now)
+                    a, self._formats(a.codec, self._upload_prefixes(a.stage)))
                 self._current = (a.step, a.attempt)
             self._cond.notify_all()
 
@@ -185,7 +181,7 @@ class StepBoard:
             rejected = {d: t.rejected for d, t in mine.items() if t.rejected is not None}
             taken = {d: t.taken_at for d, t in mine.items() if t.taken_at is not None}
             return AttemptOutcome(accepted, rejected, [d for d in pending if d not in late], late, taken,
-                                  opened_at=min(t.opened_at for t in mine.values()), closed_at=self._clock())
+                                  closed_at=self._clock())
 
     def take_late(self, oldest_step: int) -> tuple[list[Contribution], dict[str, str]]:
         """Answers that arrived for kept-open tickets since the last call; tickets of steps before
