@@ -119,8 +119,9 @@ class LinkShaper:
     """
 
     def __init__(self, spec: LinkSpec | None = None, *,
+                 clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
-        self._sleep = sleep
+        self._clock, self._sleep = clock, sleep
         self._lock = threading.Lock()
         self._spec: LinkSpec | None = None
         self._up: TokenBucket | None = None
@@ -165,8 +166,8 @@ class LinkShaper:
                 self._down.set_rate(spec.bytes_per_s)
             else:
                 burst = max(16 * 1024, int(spec.bytes_per_s * _MIN_BURST_S))
-                self._up = TokenBucket(spec.bytes_per_s, burst)
-                self._down = TokenBucket(spec.bytes_per_s, burst)
+                self._up = TokenBucket(spec.bytes_per_s, burst, clock=self._clock, sleep=self._sleep)
+                self._down = TokenBucket(spec.bytes_per_s, burst, clock=self._clock, sleep=self._sleep)
             self._spec = spec
 
 
