@@ -137,19 +137,17 @@ def test_get_work_answers_idle_then_the_assignment_then_finished(coordinator, bo
 
     # Execute: a short poll before any work; a long poll that the opened attempt ends; then the end
     idle = poll(0.05)
-    pending = board.stub.GetWork.future(pb.WorkRequest(device_id=board.device_id, max_wait_s=20.0),
+    # (a poll that waited out its 30 s would end as DEADLINE_EXCEEDED at the 15 s RPC timeout)
+    pending = board.stub.GetWork.future(pb.WorkRequest(device_id=board.device_id, max_wait_s=30.0),
                                         timeout=RPC_TIMEOUT_S)
-    started = time.monotonic()
     coordinator.open({board.device_id: mine})
     assigned = pending.result(timeout=RPC_TIMEOUT_S)
-    answered_s = time.monotonic() - started
     coordinator.board.finish("all 6 steps done")
     finished = poll(5.0)
 
     # Assert
     assert idle.WhichOneof("work") == "idle"
     assert serde.work_from_proto(assigned) == mine
-    assert answered_s < 10.0, "the long poll waited out its max_wait_s instead of answering the new work"
     assert serde.work_from_proto(finished) == Finished("all 6 steps done")
 
 
