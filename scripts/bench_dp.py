@@ -1,144 +1,250 @@
-"""Benchmark: proportional vs equal data-parallel split on an emulated heterogeneous fleet.
+"""Benchmark: data-parallel throughput on a heterogeneous fleet against its ideal, its ceiling and DDP.
 
-Four emulated boards (0.5, 0.3, 0.2, 0.1 of a core; cgroup quota as root, duty-cycle otherwise)
-train MobileNetV2 with a global batch of 64 on SYNTHETIC CIFAR-shaped data, once with the equal
-split and once with the proportional split, in the same run. Each board's standalone training
-throughput under its own emulated speed is measured first, one at a time; their sum is the
-fleet's ideal throughput. Because small batches are much less efficient per sample on a CPU
-(MobileNetV2 here: ~22 ms for 1 sample, ~104 ms for 8, ~238 ms for 32), the benchmark also times
-each board standalone at several batch sizes and reports the best any split of the global batch
-could do if communication were free (`compute_bound_samples_per_s`): the tighter bound for this
-batch size. The last line printed is one JSON object with the figures.
+The `compute` fleet (experiments/fleets/compute.yaml: four emulated boards at 0.5, 0.3, 0.2 and
+0.1 of a core on loopback; cgroup CPU quota as root, duty-cycle otherwise) trains MobileNetV2 on
+SYNTHETIC CIFAR-shaped data at each global batch of `--batches`, in these arms, measured in one
+run:
+- `ceiling`: the boards training alone, at once, with no communication (each its proportional
+  share of the global batch, its own SGD step): what the emulation itself allows;
+- `ddp`: PyTorch DistributedDataParallel over gloo with its equal split, on the same throttled
+  boards (`edgetrain experiment run`'s `baseline: ddp`; gloo has no authentication: loopback only,
+  INSECURE, and said so in its run's outputs);
+- `equal`, `proportional`: EdgeTrain synchronous data parallelism with the equal split and with
+  shares from measured speed;
+- `hybrid`: EdgeTrain with its planner on (pipeline stages and data-parallel groups).
+With `--sixteen`, the `sixteen` fleet (16 boards at 0.1 of a core) runs the proportional arm at a
+global batch of 512.
 
-    python scripts/bench_dp.py [--steps 40] [--warmup 5] [--standalone-batch 32]
+"Ideal" is nominal: the sum of the boards' fractions of a core times one unthrottled core's
+training throughput on the same model and batch, measured in this run. Throughput is samples per
+second of training over the steps after `--warmup`. `time_split` gives, per arm, batch and board,
+the median seconds per step of compute, communication and waiting (from metrics.jsonl; for DDP
+communication is the step time outside forward + backward, all-reduce waits included, so its
+waiting is null).
+
+    python scripts/bench_dp.py [--batches 128,64] [--steps 40] [--warmup 8]
+                               [--arms ceiling,ddp,equal,proportional,hybrid] [--sixteen] [--keep DIR]
+
+Last line: one JSON object: `ideal_samples_per_s` (batch -> value; batch as a string), and maps
+arm -> batch -> value for `samples_per_s`, `fraction_of_ideal`, `fraction_of_ceiling`, `over_ddp`;
+`time_split` (arm -> batch -> board -> {compute_s, comm_s, waiting_s}); `prediction_error`
+(EdgeTrain arm -> batch -> the planner's or split's predicted step time over the measured one,
+minus 1, where the run reports a plan).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
 
-from edgetrain.emulator.launch import DEMO_JOB, LocalRun, run_local
+REPO = Path(__file__).resolve().parent.parent
+FLEETS = {"compute": REPO / "experiments" / "fleets" / "compute.yaml",
+          "sixteen": REPO / "experiments" / "fleets" / "sixteen.yaml"}
+EDGETRAIN_ARMS = {"equal": {"set": {"training.split": "equal"}},
+                  "proportional": {"set": {"training.split": "proportional"}},
+                  "hybrid": {"set": {"planner.enabled": True}}}
+ALL_ARMS = ("ceiling", "ddp", *EDGETRAIN_ARMS)
+SIXTEEN_BATCH = 512
+TRAIN_SIZE = 4096
 
-SPEEDS = (0.5, 0.3, 0.2, 0.1)
-PROFILE_BATCHES = (2, 4, 8, 16, 32)
+
+def fleet_speeds(fleet: str) -> list[float]:
+    return [b["speed"] for b in yaml.safe_load(FLEETS[fleet].read_text())["boards"]]
 
 
-def standalone(speed: float, model: str, batch: int) -> None:
-    """Child mode: this process limits itself to `speed` and prints its training throughput."""
+def _train_alone(model: str, speed: float | None, batch: int, seconds: float, barrier, results) -> None:
+    """Child: train `model` at `batch` samples a step (SGD) under `speed` of a core (None: a whole
+    unthrottled core) for `seconds` after warm-up and the barrier; put (speed, samples/s)."""
     import torch
 
-    from edge_client.profiler import time_training_step
-    from edgetrain.data import DatasetSpec, load_dataset
+    from edgetrain.config import DatasetSpec
+    from edgetrain.data import load_dataset, make_batch
     from edgetrain.emulator.throttle import limit_cpu
     from edgetrain.models import build_model
 
     torch.set_num_threads(1)
-    dataset = load_dataset(DatasetSpec(name="synthetic", train_size=512), train=True)
+    dataset = load_dataset(DatasetSpec(name="synthetic", train_size=max(batch, 256)), train=True)
     net = build_model(model, seed=0)
-    with limit_cpu(speed, name=f"bench-{speed:g}") as limiter:
-        seconds = {b: time_training_step(net, dataset, b, limiter, repeats=3) for b in PROFILE_BATCHES}
-        print(json.dumps({"speed": speed, "mode": limiter.mode, "samples_per_s": batch / seconds[batch],
-                          "seconds": seconds}))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    x, y = make_batch(dataset, [i % len(dataset) for i in range(batch)], augment=False, seed=0, step=0)
+    net.train()
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        optimizer.step()
+
+    with limit_cpu(speed, name=f"bench-dp-{speed}") as limiter:
+        for _ in range(2):
+            with limiter.working():
+                step()
+        barrier.wait()
+        started, samples = time.perf_counter(), 0
+        while time.perf_counter() - started < seconds:
+            with limiter.working():
+                step()
+            samples += batch
+        results.put((speed, samples / (time.perf_counter() - started), limiter.mode))
 
 
-def interpolated_seconds(seconds: dict[int, float], samples: int) -> float:
-    """Step time at `samples` from measured points (linear between them, 0 at 0, extrapolated)."""
-    points = [(0, 0.0)] + sorted(seconds.items())
-    for (b0, t0), (b1, t1) in zip(points, points[1:]):
-        if samples <= b1:
-            return t0 + (t1 - t0) * (samples - b0) / (b1 - b0)
-    (b0, t0), (b1, t1) = points[-2], points[-1]
-    return t1 + (t1 - t0) * (samples - b1) / (b1 - b0)
+def train_alone_at_once(model: str, boards: list[tuple[float | None, int]], seconds: float) -> list[tuple]:
+    """Run every (speed, batch) in `boards` as its own process, all timed over the same window."""
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(len(boards)), ctx.Queue()
+    procs = [ctx.Process(target=_train_alone, args=(model, s, b, seconds, barrier, results)) for s, b in boards]
+    for p in procs:
+        p.start()
+    out = [results.get(timeout=600 + seconds) for _ in procs]
+    for p in procs:
+        p.join()
+    return out
 
 
-def compute_bound(alone: list[dict], batch: int) -> float:
-    """Samples/s of the best split of `batch` with free communication (greedy min-max)."""
-    shares = [0] * len(alone)
-    for _ in range(batch):
-        cost = [interpolated_seconds(a["seconds"], n + 1) for a, n in zip(alone, shares)]
-        shares[cost.index(min(cost))] += 1
-    return batch / max(interpolated_seconds(a["seconds"], n) for a, n in zip(alone, shares) if n)
+def proportional_shares(speeds: list[float], batch: int) -> list[int]:
+    """`batch` split in proportion to `speeds` (largest remainders), at least 1 each."""
+    total = sum(speeds)
+    raw = [batch * s / total for s in speeds]
+    shares = [max(1, int(r)) for r in raw]
+    for i in sorted(range(len(raw)), key=lambda i: raw[i] - int(raw[i]), reverse=True)[: batch - sum(shares)]:
+        shares[i] += 1
+    return shares
 
 
-def measure_standalone(speed: float, model: str, batch: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--standalone", str(speed), "--model", model,
-                          "--standalone-batch", str(batch)], check=True, capture_output=True, text=True)
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    result["seconds"] = {int(b): s for b, s in result["seconds"].items()}
-    return result
-
-
-def fleet_throughput(split: str, args: argparse.Namespace, workdir: Path) -> dict:
-    """Run the fleet with `split`; samples/s over the steps after warm-up, from metrics.jsonl."""
-    name = f"bench-dp-{split}"
-    job = yaml.safe_load(DEMO_JOB.read_text())
-    job.update(name=name, model=args.model)
-    job["dataset"].update(train_size=4096, test_size=256)
-    job["training"].update(steps=args.steps, split=split, min_clients=len(SPEEDS), eval_every=0,
-                           global_batch=args.batch, log_every=10)
-    job_file = workdir / f"{name}.yaml"
-    job_file.write_text(yaml.safe_dump(job))
-    code = run_local(LocalRun(job_file=job_file, speeds=SPEEDS, runs_dir=workdir / "runs"), job_name=name)
+def run_arms(workdir: Path, name: str, fleet: str, arms: list[str], batches: list[int], steps: int,
+             model: str) -> dict[tuple[str, int], Path]:
+    """Run every arm at every batch with `edgetrain experiment run`; their run directories."""
+    entries = []
+    for batch in batches:
+        for arm in arms:
+            entry = {"name": f"{arm}-b{batch}", **(EDGETRAIN_ARMS.get(arm) or {"baseline": "ddp"})}
+            entry["set"] = {**entry.get("set", {}), "training.global_batch": batch}
+            entries.append(entry)
+    spec = {"name": name, "fleet": str(FLEETS[fleet]), "stop": {"steps": steps}, "seeds": [0], "arms": entries,
+            "job": {"name": name, "model": model, "seed": 0,
+                    "dataset": {"name": "synthetic", "train_size": TRAIN_SIZE, "test_size": 256},
+                    "training": {"eval_every": 0, "log_every": 10},
+                    "optimizer": {"lr": 0.05, "momentum": 0.9, "schedule": "constant", "warmup_steps": 0}}}
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    out = workdir / name
+    code = subprocess.run([sys.executable, "-m", "edgetrain", "experiment", "run", str(path), "--out", str(out)],
+                          cwd=REPO).returncode
     if code != 0:
-        raise RuntimeError(f"{split} run failed with exit code {code}")
-    records = [json.loads(line) for line in (workdir / "runs" / name / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r["kind"] == "train" and r["step"] >= args.warmup]
-    samples = sum(r["samples"] for r in steps)
-    seconds = sum(r["step_s"] for r in steps)
-    shares = steps[-1]["shares"]
-    return {"samples_per_s": samples / seconds, "shares": list(shares.values()),
-            "compute_s": {d: v["compute_s"] for d, v in steps[-1]["devices"].items()},
-            "comm_s": {d: v["comm_s"] for d, v in steps[-1]["devices"].items()}}
+        print(f"experiment {name} exited with code {code}; reading the arms that finished", file=sys.stderr)
+    return {(arm, batch): out / f"{arm}-b{batch}-r0" for batch in batches for arm in arms}
+
+
+def steady_state(run_dir: Path, warmup: int) -> dict | None:
+    """Samples/s over the steps after `warmup`, the per-board time split, and the plan's
+    prediction error (None when the run did not finish)."""
+    metrics = run_dir / "metrics.jsonl"
+    if not (run_dir / "summary.json").exists() or not metrics.exists():
+        return None
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r for r in records if r.get("kind") == "train" and r["step"] >= warmup]
+    if not steps:
+        return None
+    split: dict[str, dict] = {}
+    for board in sorted({d for r in steps for d in r["devices"]}):
+        mine = [r["devices"][board] for r in steps if board in r["devices"]]
+
+        def median(key: str, mine=mine) -> float | None:
+            values = [d[key] for d in mine if d.get(key) is not None]
+            return round(statistics.median(values), 4) if values else None
+
+        split[board] = {"compute_s": median("compute_s"), "comm_s": median("comm_s"), "waiting_s": median("waiting_s")}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    plan = summary.get("plan")
+    return {"samples_per_s": sum(r["samples"] for r in steps) / sum(r["step_s"] for r in steps),
+            "time_split": split, "prediction_error": round(plan["error"], 3) if plan else None,
+            "step_s": round(statistics.median(r["step_s"] for r in steps), 4)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", default="128,64")
+    parser.add_argument("--arms", default=",".join(ALL_ARMS))
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the throughput")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=8, help="steps left out of the throughput")
+    parser.add_argument("--seconds", type=float, default=30.0, help="timed window of the ceiling and ideal runs")
     parser.add_argument("--model", default="mobilenet_v2")
-    parser.add_argument("--standalone-batch", type=int, default=32)
-    parser.add_argument("--standalone", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--sixteen", action="store_true", help="also the 16-board fleet (proportional, batch 512)")
+    parser.add_argument("--keep", type=Path, help="keep the run directories here")
     args = parser.parse_args()
-    if args.standalone:
-        standalone(args.standalone, args.model, args.standalone_batch)
-        return
-    print(f"# {args.model}, global batch {args.batch}, emulated boards {SPEEDS}; data: SYNTHETIC", flush=True)
-    alone = [measure_standalone(s, args.model, args.standalone_batch) for s in SPEEDS]
-    for a in alone:
-        print(f"standalone speed {a['speed']:.1f} ({a['mode']}): {a['samples_per_s']:.1f} samples/s", flush=True)
-    ideal = sum(a["samples_per_s"] for a in alone)
-    bound = compute_bound(alone, args.batch)
-    with tempfile.TemporaryDirectory(prefix="bench_dp_") as tmp:
-        equal = fleet_throughput("equal", args, Path(tmp))
-        proportional = fleet_throughput("proportional", args, Path(tmp))
-    print(f"ideal (sum of standalone at batch {args.standalone_batch}): {ideal:.1f} samples/s; best split of "
-          f"{args.batch} with free communication: {bound:.1f} samples/s")
-    for name, result in (("equal", equal), ("proportional", proportional)):
-        print(f"{name:>13}: {result['samples_per_s']:.1f} samples/s = {result['samples_per_s'] / ideal:.2f} x ideal; "
-              f"shares {result['shares']}")
-    print(f"proportional / equal = {proportional['samples_per_s'] / equal['samples_per_s']:.2f}")
-    print(json.dumps({
-        "model": args.model, "global_batch": args.batch, "speeds": SPEEDS, "synthetic_data": True,
-        "throttle": alone[0]["mode"], "standalone_batch": args.standalone_batch,
-        "standalone_samples_per_s": [round(a["samples_per_s"], 2) for a in alone],
-        "ideal_samples_per_s": round(ideal, 2),
-        "compute_bound_samples_per_s": round(bound, 2),
-        "proportional_fraction_of_compute_bound": round(proportional["samples_per_s"] / bound, 3),
-        "equal_samples_per_s": round(equal["samples_per_s"], 2),
-        "proportional_samples_per_s": round(proportional["samples_per_s"], 2),
-        "proportional_fraction_of_ideal": round(proportional["samples_per_s"] / ideal, 3),
-        "equal_fraction_of_ideal": round(equal["samples_per_s"] / ideal, 3),
-        "proportional_over_equal": round(proportional["samples_per_s"] / equal["samples_per_s"], 2),
-        "proportional_shares": proportional["shares"], "equal_shares": equal["shares"],
-    }))
+    batches = [int(b) for b in args.batches.split(",")]
+    arms = args.arms.split(",")
+    unknown = sorted(set(arms) - set(ALL_ARMS))
+    if unknown:
+        parser.error(f"unknown arms {unknown}; choose from {', '.join(ALL_ARMS)}")
+    if args.warmup >= args.steps:
+        parser.error("--warmup must be below --steps")
+    speeds = fleet_speeds("compute")
+    print(f"# {args.model}, batches {batches}, emulated boards {speeds}, loopback; data: SYNTHETIC", flush=True)
+
+    # the nominal ideal: one unthrottled core at each batch, times the fleet's fraction of a core
+    all_batches = batches + ([SIXTEEN_BATCH] if args.sixteen else [])
+    one_core = {b: train_alone_at_once(args.model, [(None, b)], args.seconds)[0][1] for b in sorted(set(all_batches))}
+    ideal = {b: one_core[b] * sum(speeds) for b in batches}
+    if args.sixteen:
+        ideal[SIXTEEN_BATCH] = one_core[SIXTEEN_BATCH] * sum(fleet_speeds("sixteen"))
+    for b, v in one_core.items():
+        print(f"one unthrottled core at batch {b}: {v:.1f} samples/s", flush=True)
+
+    results: dict[str, dict[int, dict]] = {arm: {} for arm in arms}
+    if "ceiling" in arms:
+        for b in batches:
+            alone = train_alone_at_once(args.model, list(zip(speeds, proportional_shares(speeds, b))), args.seconds)
+            results["ceiling"][b] = {"samples_per_s": sum(r[1] for r in alone), "throttle": alone[0][2],
+                                     "boards": {f"{s:g}": round(r, 2) for s, r, _ in sorted(alone, reverse=True)}}
+            print(f"ceiling at batch {b}: {results['ceiling'][b]['samples_per_s']:.1f} samples/s "
+                  f"({results['ceiling'][b]['throttle']} throttle)", flush=True)
+    workdir = args.keep or Path(tempfile.mkdtemp(prefix="bench-dp-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    fleet_arms = [a for a in arms if a != "ceiling"]
+    runs = run_arms(workdir, "bench-dp", "compute", fleet_arms, batches, args.steps, args.model) if fleet_arms else {}
+    if args.sixteen:
+        runs.update(run_arms(workdir, "bench-dp-sixteen", "sixteen", ["proportional"], [SIXTEEN_BATCH],
+                             args.steps, args.model))
+        results.setdefault("proportional", {})
+    for (arm, b), run_dir in runs.items():
+        measured = steady_state(run_dir, args.warmup)
+        if measured is not None:
+            results[arm][b] = measured
+
+    def by_arm(key) -> dict:
+        return {arm: {str(b): key(arm, b, r) for b, r in sorted(per.items())} for arm, per in results.items() if per}
+
+    out = {
+        "model": args.model, "speeds": speeds, "synthetic_data": True, "steps": args.steps, "warmup": args.warmup,
+        "ddp_insecure": "ddp" in arms,
+        "one_core_samples_per_s": {str(b): round(v, 2) for b, v in one_core.items()},
+        "ideal_samples_per_s": {str(b): round(v, 2) for b, v in ideal.items()},
+        "samples_per_s": by_arm(lambda a, b, r: round(r["samples_per_s"], 2)),
+        "fraction_of_ideal": by_arm(lambda a, b, r: round(r["samples_per_s"] / ideal[b], 3)),
+        "fraction_of_ceiling": by_arm(lambda a, b, r: round(r["samples_per_s"] / results["ceiling"][b]["samples_per_s"], 3)
+                                      if b in results.get("ceiling", {}) else None),
+        "over_ddp": by_arm(lambda a, b, r: round(r["samples_per_s"] / results["ddp"][b]["samples_per_s"], 2)
+                           if b in results.get("ddp", {}) else None),
+        "time_split": {a: v for a, v in by_arm(lambda a, b, r: r.get("time_split")).items() if a != "ceiling"},
+        "prediction_error": {a: v for a, v in by_arm(lambda a, b, r: r.get("prediction_error")).items()
+                             if a in EDGETRAIN_ARMS},
+        "ceiling_boards": {str(b): r["boards"] for b, r in results.get("ceiling", {}).items()},
+    }
+    for arm, per in results.items():
+        for b, r in sorted(per.items()):
+            print(f"{arm:>13} batch {b:>4}: {r['samples_per_s']:6.1f} samples/s = "
+                  f"{r['samples_per_s'] / ideal[b]:.2f} of the ideal" + (" (INSECURE: gloo)" if arm == "ddp" else ""),
+                  flush=True)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
