@@ -28,7 +28,7 @@ waiting is null).
 Last line: one JSON object: `ideal_samples_per_s` (batch -> value; batch as a string), and maps
 arm -> batch -> value for `samples_per_s`, `fraction_of_ideal`, `fraction_of_ceiling`, `over_ddp`;
 `time_split` (arm -> batch -> board -> {compute_s, comm_s, waiting_s}); `prediction_error`
-(EdgeTrain arm -> batch -> the planner's or split's predicted step time over the measured one,
+(EdgeTrain arm -> batch -> the planner's (hybrid) or the split's predicted step time over the measured one,
 minus 1, where the run reports a plan).
 """
 
@@ -163,9 +163,10 @@ def steady_state(run_dir: Path, warmup: int) -> dict | None:
 
         split[board] = {"compute_s": median("compute_s"), "comm_s": median("comm_s"), "waiting_s": median("waiting_s")}
     summary = json.loads((run_dir / "summary.json").read_text())
-    plan = summary.get("plan")
+    plan, timing = summary.get("plan"), summary.get("time_split") or {}
+    error = plan["error"] if plan else timing.get("prediction_error")  # the planner's, else the split's
     return {"samples_per_s": sum(r["samples"] for r in steps) / sum(r["step_s"] for r in steps),
-            "time_split": split, "prediction_error": round(plan["error"], 3) if plan else None,
+            "time_split": split, "prediction_error": None if error is None else round(error, 3),
             "step_s": round(statistics.median(r["step_s"] for r in steps), 4)}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 from conftest import read_metrics, small_job, wait_for
@@ -58,6 +59,10 @@ def test_three_client_dp_equals_single_process_sgd(coordinator_factory, client_f
     split_ = json.loads((coordinator.run_dir / "summary.json").read_text())["time_split"]
     by_name = {device.split("-")[0]: t for device, t in split_["boards"].items()}
     assert set(by_name) == {"fast", "mid", "slow"} and split_["coordinator"]["aggregate_s"] > 0
+    # the split's predicted step time is recorded beside the measured one
+    assert all(s["predicted_step_s"] > 0 for s in steps)
+    assert split_["prediction_error"] == pytest.approx(split_["predicted_step_s"] / statistics.median(
+        s["step_s"] for s in steps) - 1, abs=1e-3)
     if split == "equal":  # equal shares: the fastest board waits for the slowest
         assert by_name["fast"]["waiting_s"] > by_name["slow"]["waiting_s"]
 

@@ -82,8 +82,9 @@ class DataParallelRound(RoundPolicy):
         shares = self._split(len(indices), speeds)
         choices = self._choose_codecs(shares, speeds, fleet)
         assignments = self._assign(step, attempt, indices, shares, choices, fleet)
-        return Round(step, attempt, assignments, self._timeout(shares, speeds, attempt, choices, fleet),
-                     keep_late=bool(self.deadline and self.deadline.keep_late), ends_on_loss=self.deadline is None)
+        timeout, predicted = self._timeout(shares, speeds, attempt, choices, fleet)
+        return Round(step, attempt, assignments, timeout, keep_late=bool(self.deadline and self.deadline.keep_late),
+                     ends_on_loss=self.deadline is None, predicted_s=predicted)
 
     def complete(self, round_: Round, outcome: AttemptOutcome, elapsed_s: float) -> bool:
         registry, step, attempt = self.ctx.registry, round_.step, round_.attempt
@@ -171,20 +172,20 @@ class DataParallelRound(RoundPolicy):
         return 1
 
     def _timeout(self, shares: dict[str, int], speeds: dict[str, SpeedEstimate], attempt: int,
-                 choices: dict[str, LinkChoice], fleet: Fleet) -> float:
-        """How long the attempt may take: the configured timeout, the deadline, or 3 x the
-        prediction + 10 s. Until a board's communication time has been observed, its prediction
-        includes its transfers at its measured bandwidth."""
+                 choices: dict[str, LinkChoice], fleet: Fleet) -> tuple[float, float]:
+        """How long the attempt may take (the configured timeout, the deadline, or 3 x the
+        prediction + 10 s) and the predicted step time. Until a board's communication time has
+        been observed, its prediction includes its transfers at its measured bandwidth."""
         speeds = {d: self._with_transfers(speeds[d], choices[d], fleet.link_mbit(d)) for d in shares}
         configured = self.ctx.job.training.step_timeout_s
         extra = self._calls() - 1
+        predicted = predicted_step_seconds(shares, speeds) + max(speeds[d].overhead_s for d in shares) * extra
         if self.deadline is not None:  # the typical board's time: a straggler does not set the pace
             typical = statistics.median_low([speeds[d].seconds(n) for d, n in shares.items() if n])
             typical += statistics.median_low([speeds[d].overhead_s for d in shares]) * extra
             deadline = self.deadline.seconds(typical, attempt)
-            return min(deadline, configured) if configured > 0 else deadline
-        predicted = predicted_step_seconds(shares, speeds) + max(speeds[d].overhead_s for d in shares) * extra
-        return configured if configured > 0 else 3 * predicted + 10.0
+            return (min(deadline, configured) if configured > 0 else deadline), predicted
+        return (configured if configured > 0 else 3 * predicted + 10.0), predicted
 
     def _with_transfers(self, speed: SpeedEstimate, choice: LinkChoice, mbit: float | None) -> SpeedEstimate:
         if speed.comm_s > 0:

@@ -39,10 +39,14 @@ class TimeSplit:
         self._boards: dict[str, dict[str, deque]] = defaultdict(lambda: {k: deque(maxlen=window) for k in self.BOARD})
         self._coordinator = {k: deque(maxlen=window) for k in self.COORDINATOR}
         self._steps: deque = deque(maxlen=window)
+        self._predicted: deque = deque(maxlen=window)
+        """(predicted, measured) step seconds of the steps whose split predicted one."""
 
     def add(self, record: dict) -> None:
         """Take a `train` record as MetricsLog.train_step wrote it."""
         self._steps.append(record["step_s"])
+        if record.get("predicted_step_s"):
+            self._predicted.append((record["predicted_step_s"], record["step_s"]))
         for key, value in record.get("coordinator", {}).items():
             self._coordinator[key].append(value)
         for device, entry in record["devices"].items():
@@ -59,7 +63,10 @@ class TimeSplit:
         def median(values: deque) -> float | None:
             return round(statistics.median(values), 4) if values else None
 
-        return {"step_s": median(self._steps),
+        predicted = median(deque(p for p, _ in self._predicted))
+        measured = median(deque(m for _, m in self._predicted))
+        return {"step_s": median(self._steps), "predicted_step_s": predicted,
+                "prediction_error": round(predicted / measured - 1, 4) if predicted and measured else None,
                 "coordinator": {k: median(v) for k, v in self._coordinator.items()},
                 "boards": {d: {k: median(v) for k, v in keys.items()} for d, keys in sorted(self._boards.items())}}
 
@@ -110,6 +117,7 @@ class MetricsLog:
             "failed": record.lost, "late": record.outcome.late, "quarantined": record.quarantined,
             "attempt_log": record.attempt_log,
             "coordinator": {k: round(v, 4) for k, v in record.coordinator.items()},
+            "predicted_step_s": None if record.predicted_s is None else round(record.predicted_s, 4),
             **({"stages": record.stages} if record.stages else {}),
             **({"failures": record.failures} if record.failures else {})}
         self.write(entry)

@@ -64,6 +64,9 @@ class Round:
     ends_on_loss: bool = False
     """The attempt ends as soon as one board leaves: it cannot count without it (synchronous data
     parallelism), so the redo starts now instead of after the others' useless uploads."""
+    predicted_s: float | None = None
+    """The step time the split predicts from the boards' measured speeds and links (None: no
+    prediction, e.g. a pipeline round: its plan carries one)."""
 
 
 @dataclass

@@ -76,6 +76,8 @@ class StepRecord:
     """Every attempt of the step: when it was opened and ended (wall clock), the boards it was
     handed to and when each took its work, those lost in it (gone or silent), and how it ended:
     applied, redone (it did not count) or void (it counted, but no update was usable)."""
+    predicted_s: float | None = None
+    """The step time the applied attempt's split predicted (None: no prediction)."""
     coordinator: dict[str, float] = field(default_factory=dict)
     """The coordinator's own part of the step, seconds: publishing the parameters, configuring
     the attempts, and aggregating + applying the update (the boards wait through all three)."""
@@ -252,7 +254,7 @@ class Trainer:
                           used=result.used, rejected={**refused, **result.rejected}, clipped=result.clipped,
                           codecs={d: a.codec for d, a in round_.assignments.items()},
                           quarantined=quarantined, stages=collected.stages, failures=failures,
-                          attempt_log=attempt_log, coordinator=coordinator)
+                          attempt_log=attempt_log, coordinator=coordinator, predicted_s=round_.predicted_s)
 
     def _void(self, step: int, attempt: int, rejected: dict[str, str], *, redo: bool) -> str:
         """An attempt counted but none of its updates was usable: nothing was applied; say so, and
