@@ -9,6 +9,7 @@ INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Sequence
 
@@ -49,7 +50,17 @@ def header_to_proto(metas: Sequence[TensorMeta]) -> tpb.BundleHeader:
 
 
 def header_from_proto(msg: tpb.BundleHeader) -> tuple[list[TensorMeta], int]:
-    """Metas and declared total size; TransferError(invalid_argument) if inconsistent."""
+    """Metas and declared total size; TransferError(invalid_argument) if inconsistent.
+
+    A model's headers repeat every step (hundreds of tensors: ~5 ms to check): the last few
+    checked are remembered by their bytes."""
+    metas, total = _checked_header(msg.SerializeToString(deterministic=True))
+    return list(metas), total
+
+
+@functools.lru_cache(maxsize=16)
+def _checked_header(serialized: bytes) -> tuple[tuple[TensorMeta, ...], int]:
+    msg = tpb.BundleHeader.FromString(serialized)
     metas, offset = [], 0
     for spec in msg.tensors:
         if spec.dtype not in _DTYPE_FROM_PROTO:
@@ -66,7 +77,7 @@ def header_from_proto(msg: tpb.BundleHeader) -> tuple[list[TensorMeta], int]:
         offset += spec.nbytes
     if offset != msg.total_bytes:
         raise TransferError("invalid_argument", f"bundle declares {msg.total_bytes} bytes, tensors cover {offset}")
-    return metas, msg.total_bytes
+    return tuple(metas), msg.total_bytes
 
 
 def chunk_to_proto(chunk: RawChunk) -> tpb.Chunk:

@@ -39,6 +39,7 @@ class UpdateFormat:
         spec = parse_codec(spec) if isinstance(spec, str) else spec
         grads = {n: t for n, t in templates if n.startswith(GRAD_PREFIX)}
         self._buffers = [(n, t) for n, t in templates if not n.startswith(GRAD_PREFIX)]
+        self._buffer_names = frozenset(n for n, _ in self._buffers)
         self.codec = Codec(spec, grads)
         layout = _layout(self.codec.wire_metas())
         layout.update({n: torch.empty(t.shape, dtype=torch.float32) for n, t in self._buffers})
@@ -75,7 +76,7 @@ class UpdateFormat:
         return out
 
     def _is_buffer(self, name: str) -> bool:
-        return any(name == n for n, _ in self._buffers)
+        return name in self._buffer_names
 
 
 class UpdateFormats:

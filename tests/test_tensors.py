@@ -348,3 +348,13 @@ def test_check_finite_names_tensor_and_counts_bad_values(values, bad: int, dtype
 
 def test_check_finite_ignores_integer_tensors_and_finite_floats() -> None:
     check_finite({"n": torch.tensor([2**62]), "x": torch.tensor([1e30, -0.0]), "e": torch.empty(0)}, "x")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_check_finite_accepts_finite_values_whose_sum_overflows(dtype) -> None:
+    # Prepare: every value finite, their sum past the dtype's (and float32's) largest value
+    big = torch.finfo(dtype).max
+    tensors = {"a": torch.tensor([big, big], dtype=dtype), "b": torch.tensor([-big, big / 2], dtype=dtype)}
+
+    # Execute / Assert: no error (the quick sum is not finite; the element-wise look finds nothing)
+    check_finite(tensors, "x")
