@@ -21,7 +21,9 @@ applied it. A resume continues from the newest complete checkpoint with its ledg
 
 from __future__ import annotations
 
+import collections
 import logging
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -77,7 +79,8 @@ class StepRecord:
     handed to and when each took its work, those lost in it (gone or silent), and how it ended:
     applied, redone (it did not count) or void (it counted, but no update was usable)."""
     predicted_s: float | None = None
-    """The step time the applied attempt's split predicted (None: no prediction)."""
+    """The step time predicted for the applied attempt: its split's (or plan's) time for the boards,
+    plus the coordinator's own part as measured over the last steps (None: no prediction)."""
     coordinator: dict[str, float] = field(default_factory=dict)
     """The coordinator's own part of the step, seconds: publishing the parameters, configuring
     the attempts, and aggregating + applying the update (the boards wait through all three)."""
@@ -114,6 +117,8 @@ class Trainer:
         self.steps_applied = 0
         """Steps whose update was applied (including those of a run resumed from)."""
         self.steps_attempted = 0
+        self._coordinator_s: collections.deque[float] = collections.deque(maxlen=10)
+        """The coordinator's own part (publish + configure + aggregate) of the last steps, seconds."""
         """Steps begun: the applied ones, and the one the job stopped in, if it stopped."""
         self.stop_reason: str | None = None
         """Why training ended: "steps" (all of them), "target_accuracy", "time_limit"; None
@@ -249,12 +254,15 @@ class Trainer:
             raise JobAborted(f"step {step} failed on all {cfg.max_attempts} attempts{reason}")
         self.policy.committed(round_)
         failures, self.policy.failures = self.policy.failures, []
+        predicted = None if round_.predicted_s is None else round_.predicted_s + (
+            statistics.median(self._coordinator_s) if self._coordinator_s else 0.0)
+        self._coordinator_s.append(sum(coordinator.values()))
         return StepRecord(step, attempt + 1, time.monotonic() - started, outcome,
                           shares={d: len(a.indices) for d, a in round_.assignments.items()},
                           used=result.used, rejected={**refused, **result.rejected}, clipped=result.clipped,
                           codecs={d: a.codec for d, a in round_.assignments.items()},
                           quarantined=quarantined, stages=collected.stages, failures=failures,
-                          attempt_log=attempt_log, coordinator=coordinator, predicted_s=round_.predicted_s)
+                          attempt_log=attempt_log, coordinator=coordinator, predicted_s=predicted)
 
     def _void(self, step: int, attempt: int, rejected: dict[str, str], *, redo: bool) -> str:
         """An attempt counted but none of its updates was usable: nothing was applied; say so, and
