@@ -12,9 +12,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from conftest import read_metrics, small_job, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import read_metrics, small_job, wait_for
 from coordinator.dashboard.server import COOKIE, DashboardServer
 from coordinator.dashboard.view import MetricsTail, RunView
 from coordinator.registry import DeviceRegistry
@@ -174,7 +174,8 @@ def test_from_the_lan_it_serves_https_with_the_gateway_certificate(tmp_path: Pat
 def test_a_training_coordinator_shows_its_boards_steps_and_a_killed_board_as_lost(
         coordinator_factory, client_factory) -> None:
     # Prepare: a real coordinator with its dashboard; three real boards
-    job = small_job(training={"steps": 400, "min_clients": 3, "global_batch": 24, "heartbeat_timeout_s": 3.0})
+    job = small_job(training={"steps": 400, "min_clients": 3, "global_batch": 24, "heartbeat_timeout_s": 3.0,
+                              "tensorboard": True})
     coordinator = coordinator_factory(job, dashboard="127.0.0.1:0")
     url = (coordinator.run_dir / "dashboard.url").read_text().strip()
     token = url.rsplit("token=", 1)[1]
@@ -207,3 +208,36 @@ def test_a_training_coordinator_shows_its_boards_steps_and_a_killed_board_as_los
     assert set(samples) == {"a", "c", "victim"} and all(v > 0 for v in samples.values())
     assert metrics[("edgetrain_loss", (("job", job.name),))] in {r["loss"] for r in read_metrics(coordinator.run_dir)}
     assert _get(url, "/metrics").status == 401
+    # TensorBoard (training.tensorboard: true) got the same losses as metrics.jsonl
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    coordinator.stop.set()
+    coordinator.thread.join(60)
+    events = EventAccumulator(str(coordinator.run_dir / "tensorboard"))
+    events.Reload()
+    losses = {e.step: e.value for e in events.Scalars("train/loss")}
+    written = {r["step"]: r["loss"] for r in read_metrics(coordinator.run_dir)}
+    assert losses and set(losses) <= set(written)
+    assert all(losses[s] == pytest.approx(written[s], rel=1e-6) for s in losses)
+    assert {t.split("/")[0] for t in events.Tags()["scalars"]} >= {"train", "share", "compute_s", "comm_s"}
+
+
+def test_tensorboard_scalars_are_the_metrics_jsonl_values(tmp_path: Path) -> None:
+    # Prepare: a log with TensorBoard on; one step and one evaluation
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from coordinator.training.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path / "metrics.jsonl", tensorboard=tmp_path / "tb", note="SYNTHETIC data")
+    log.evaluation(0, loss=2.25, accuracy=0.125, samples=64, seconds=0.5)
+    log.evaluation(9, loss=2.0, accuracy=0.25, samples=64, seconds=0.5)
+    log.close()
+
+    # Execute: read the event files back with TensorBoard's own reader
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+
+    # Assert: the values, and the synthetic-data note
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert scalars == {"test/accuracy": [(0, 0.125), (9, 0.25)], "test/loss": [(0, 2.25), (9, 2.0)]}
+    assert "SYNTHETIC" in events.Tensors("run/text_summary")[0].tensor_proto.string_val[0].decode()

@@ -94,8 +94,8 @@ class RunView:
                 "curves": [{"step": s.get("step"), "time": s.get("time"), "loss": s.get("loss"),
                             "train_accuracy": s.get("train_accuracy"), "samples_per_s": s.get("samples_per_s"),
                             "energy_j": _step_energy(s)} for s in steps],
-                "evals": [{"step": e.get("step"), "time": e.get("time"), "accuracy": e.get("accuracy"),
-                           "loss": e.get("loss")} for e in self._evals],
+                "evals": [{"step": e.get("step"), "time": e.get("time"), "accuracy": e.get("test_accuracy"),
+                           "loss": e.get("test_loss")} for e in self._evals],
                 "timeline": [{"step": s.get("step"), "step_s": s.get("step_s"),
                               "boards": {d: {k: v.get(k) for k in ("compute_s", "comm_s", "waiting_s", "idle_s")}
                                          for d, v in s.get("devices", {}).items()}}
