@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from coordinator.advertiser import advertise_on
-from coordinator.dashboard.server import DashboardServer
+from coordinator.dashboard.server import serve_dashboard
 from coordinator.dashboard.view import RunView
 from coordinator.data_service import datasets_service
 from coordinator.pairing import serve_gateway
@@ -122,7 +122,8 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
     advertiser = page = None
     try:
         if dashboard:
-            page = start_dashboard(dashboard, job, run_dir, registry, authority)
+            view = RunView(job.name, run_dir, registry, synthetic=dataset_is_synthetic(job.dataset))
+            page = serve_dashboard(dashboard, view.state, run_dir / "dashboard.url", authority)
         host = bind.rsplit(":", 1)[0]
         if authority is None:
             logger.warning("[Coordinator] serving job %r on %s:%d WITHOUT TLS (--insecure): any host that "
@@ -153,24 +154,6 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
         if page:
             page.close()
         servers.stop(grace=2.0)
-
-
-def start_dashboard(bind: str, job: JobConfig, run_dir: Path, registry: DeviceRegistry,
-                    authority: trust.Authority | None) -> DashboardServer:
-    """Serve the run's dashboard on `bind` and say where (see run_coordinator)."""
-    host = bind.rsplit(":", 1)[0].strip("[]")
-    loopback = host in ("127.0.0.1", "::1", "localhost")
-    tls = authority.gateway_identity() if authority is not None and not loopback else None
-    view = RunView(job.name, run_dir, registry, synthetic=dataset_is_synthetic(job.dataset))
-    page = DashboardServer(bind, view.state, tls=tls)
-    url_file = run_dir / "dashboard.url"
-    url_file.touch(mode=0o600)
-    url_file.write_text(page.url + "\n")
-    if tls is None and not loopback:
-        logger.warning("[Coordinator] dashboard on %s WITHOUT TLS (--insecure): its token crosses the LAN in "
-                       "the clear", bind)
-    logger.info("[Coordinator] dashboard: %s", page.url)
-    return page
 
 
 def _resume_or_start(trainer: Trainer, run_dir: Path, *, resume: bool, resume_or_start: bool) -> None:

@@ -99,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="where boards pair with a join token (default: the next port, or any with port 0)")
     coord.add_argument("--dashboard", default=None, metavar="HOST:PORT",
                        help="serve the live dashboard and Prometheus /metrics here (port 0: any free port); "
-                            "its URL, with the access token, is printed and written to RUNS_DIR/<job>/dashboard.url")
+                            "its URL, with the access token, is printed and written to RUNS_DIR/<job>/dashboard.url "
+                            "(a job server: STATE_DIR/dashboard.url)")
     _authority_arg(coord)
     _insecure_arg(coord, "serve")
 
@@ -267,7 +268,7 @@ def _coordinator(args: argparse.Namespace) -> int:
 
         serve_jobs(bind=args.bind, state_dir=args.state_dir, runs_dir=args.runs_dir, data_dir=args.data_dir,
                    scheduler=args.scheduler, port_file=args.port_file, stop=stop, cluster=args.cluster,
-                   advertise=advertise, authority=authority, pair_bind=args.pair_bind)
+                   advertise=advertise, authority=authority, pair_bind=args.pair_bind, dashboard=args.dashboard)
         return 0
     job = load_job(args.config, dict(parse_override(o) for o in args.set))
     try:

@@ -241,3 +241,33 @@ def test_tensorboard_scalars_are_the_metrics_jsonl_values(tmp_path: Path) -> Non
     scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
     assert scalars == {"test/accuracy": [(0, 0.125), (9, 0.25)], "test/loss": [(0, 2.25), (9, 2.0)]}
     assert "SYNTHETIC" in events.Tensors("run/text_summary")[0].tensor_proto.string_val[0].decode()
+
+
+def test_a_job_server_dashboard_lists_its_jobs_and_lobby(tmp_path: Path) -> None:
+    # Prepare: a real job server (no scheduling loop: the job stays waiting) with one job and one board
+    import yaml
+
+    from coordinator.dashboard.server import serve_dashboard
+    from coordinator.dashboard.view import JobServerView
+    from coordinator.jobs.server import JobServer
+
+    server = JobServer(state_dir=tmp_path / "state", runs_dir=tmp_path / "runs", data_dir=tmp_path / "data",
+                       reference_s=0.05)
+    record = server.submit(yaml.safe_dump({"name": "queued", "model": "small_cnn",
+                                           "dataset": {"name": "synthetic", "train_size": 64, "test_size": 16},
+                                           "training": {"global_batch": 8, "steps": 5}, "schedule": {"kind": "hard", "count": 2}}))
+    server.join("lobby-1", reference_s=0.1, mbit_per_s=100.0)
+    page = serve_dashboard("127.0.0.1:0", JobServerView(server).state, tmp_path / "state" / "dashboard.url", None)
+    try:
+        url = (tmp_path / "state" / "dashboard.url").read_text().strip()
+        # Execute
+        state = json.loads(_get(url, "/api/state", bearer=page.token).body)
+        metrics = _metrics(_get(url, "/metrics", bearer=page.token).body)
+        # Assert
+        assert [(j["id"], j["name"], j["state"], j["steps"]) for j in state["jobs"]] == [(record.id, "queued", "waiting", 5)]
+        assert [(b["name"], b["state"], b["speed"]) for b in state["boards"]] == [("lobby-1", "ready", 0.5)]
+        assert metrics[("edgetrain_board_up", (("board", "lobby-1"), ("job", "job server")))] == 1
+        assert _get(url, "/api/state").status == 401
+    finally:
+        page.close()
+        server.shutdown()

@@ -27,6 +27,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 from coordinator.dashboard.prometheus import exposition
+from edgetrain import trust
 from edgetrain.trust import Identity
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,26 @@ class DashboardServer:
 
     def allows(self, presented: str | None) -> bool:
         return presented is not None and hmac.compare_digest(presented.encode(), self.token.encode())
+
+
+def serve_dashboard(bind: str, snapshot: Callable[[], dict], url_file: Path,
+                    authority: trust.Authority | None) -> DashboardServer:
+    """Serve `snapshot` on `bind`: over HTTPS with the gateway's certificate unless the host is
+    loopback or there is no fleet authority (`--insecure`, which is said on the log). Its URL,
+    token included, is logged and written to `url_file`, readable by its owner only."""
+    host = bind.rsplit(":", 1)[0].strip("[]")
+    loopback = host in ("127.0.0.1", "::1", "localhost")
+    tls = authority.gateway_identity() if authority is not None and not loopback else None
+    page = DashboardServer(bind, snapshot, tls=tls)
+    url_file.parent.mkdir(parents=True, exist_ok=True)
+    url_file.unlink(missing_ok=True)
+    url_file.touch(mode=0o600)
+    url_file.write_text(page.url + "\n")
+    if tls is None and not loopback:
+        logger.warning("[Dashboard] serving on %s WITHOUT TLS (--insecure): its token crosses the network in the "
+                       "clear", bind)
+    logger.info("[Dashboard] %s (the token in it grants access; also in %s)", page.url, url_file)
+    return page
 
 
 def _tls_context(identity: Identity) -> ssl.SSLContext:

@@ -149,3 +149,34 @@ def _board(record, last_step: dict) -> dict:
         "rtt_ms": t.rtt_ms if t else None,
         "energy_j": t.energy_j if t else None,
     }
+
+
+class JobServerView:
+    """A live view of a job server: its jobs (state, boards, planned start, predicted finish,
+    progress) and its lobby of boards. The same shape as `RunView.state()`, with `jobs` added and
+    no step curves (each job's coordinator serves those of its run)."""
+
+    def __init__(self, server) -> None:
+        self._server = server  # coordinator.jobs.server.JobServer (duck-typed: the roles' layering)
+
+    def state(self) -> dict:
+        jobs, boards = self._server.snapshot()
+        return {
+            "job": "job server", "synthetic_data": None, "ideal_samples_per_s": None,
+            "jobs": [{"id": j.id, "name": j.name, "model": j.model, "state": j.state, "boards": list(j.boards),
+                      "request": j.request, "planned_start": j.planned_start or None,
+                      "predicted_finish": j.predicted_finish or None, "steps": j.steps,
+                      "steps_done": j.steps_done, "predicted_samples_per_s": j.predicted_samples_per_s or None,
+                      "measured_samples_per_s": j.measured_samples_per_s or None, "message": j.message}
+                     for j in jobs],
+            "boards": [{"id": b.name, "name": b.name, "state": "lost" if not b.alive else
+                        ("training" if b.job else "ready"), "role": f"job {b.job}" if b.job else "",
+                        "share": None, "emulated_speed": None, "samples_per_s": None,
+                        "speed": b.speed, "link_mbit_per_s": b.mbit_per_s or None, "rtt_ms": None,
+                        "cpu_percent": None, "memory_used_bytes": None, "memory_total_bytes": None,
+                        "battery_percent": None, "temperature_c": None, "energy_j": None, "codec": "",
+                        "samples": 0, "steps": 0, "download_bytes": 0, "upload_bytes": 0, "failures": 0,
+                        "left_reason": "", "flag": b.flag}
+                       for b in sorted(boards, key=lambda b: b.name)],
+            "curves": [], "evals": [], "timeline": [], "plans": [], "failures": [], "last_step": None,
+        }

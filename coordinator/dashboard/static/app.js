@@ -36,6 +36,27 @@ function renderBoards(boards) {
   }
 }
 
+const clock = (t) => (t ? new Date(t * 1000).toLocaleTimeString() : "–");
+
+function renderJobs(jobs) {
+  $("jobs-section").hidden = !jobs;
+  if (!jobs) return;
+  const body = $("jobs").querySelector("tbody");
+  body.replaceChildren();
+  for (const j of jobs) {
+    const tr = document.createElement("tr");
+    tr.dataset.job = j.id;
+    cell(tr, `${j.id} ${j.name} (${j.model})`);
+    cell(tr, j.state, "state");
+    cell(tr, j.boards.join(", ") || j.request);
+    cell(tr, `${j.steps_done}/${j.steps}`);
+    cell(tr, clock(j.planned_start));
+    cell(tr, clock(j.predicted_finish));
+    cell(tr, `${fmt(j.predicted_samples_per_s)} / ${fmt(j.measured_samples_per_s)}`);
+    body.appendChild(tr);
+  }
+}
+
 function line(svg, points, cls) {
   const el = document.createElementNS(SVG, "polyline");
   el.setAttribute("points", points.map(([x, y]) => `${x.toFixed(1)},${y.toFixed(1)}`).join(" "));
@@ -108,6 +129,7 @@ function renderEvents(plans, failures) {
 function render(state) {
   $("job").textContent = state.job;
   $("synthetic").hidden = !state.synthetic_data;
+  renderJobs(state.jobs);
   renderBoards(state.boards);
   const steps = state.curves.map((c) => c.step);
   chart($("loss"), steps, state.curves.map((c) => c.loss));
