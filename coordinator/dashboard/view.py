@@ -75,6 +75,10 @@ class RunView:
                 self._steps.append(record)
                 for failure in record.get("failures", []):
                     self._failures.append({"step": record.get("step"), **failure})
+                for attempt in record.get("attempt_log", []):
+                    if attempt.get("lost") and not any("failed" in f for f in record.get("failures", [])):
+                        self._failures.append({"step": record.get("step"), "attempt": attempt.get("attempt"),
+                                               "lost": attempt["lost"], "outcome": attempt.get("outcome")})
             elif kind == "eval":
                 self._evals.append(record)
             elif kind == "plan":

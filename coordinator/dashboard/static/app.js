@@ -115,8 +115,12 @@ function renderEvents(plans, failures) {
   list.replaceChildren();
   const items = plans.map((p) => ({ step: p.step, text: `step ${p.step}: ${p.switched ? "re-planned" : "plan kept"}` +
       (p.reasons && p.reasons.length ? ` (${p.reasons.join("; ")})` : ""), kind: "plan" }))
-    .concat(failures.map((f) => ({ step: f.step, text: `step ${f.step}: ` +
-      (f.failed ? Object.entries(f.failed).map(([d, r]) => `${d} ${r}`).join("; ") : JSON.stringify(f)), kind: "fault" })));
+    .concat(failures.map((f) => ({ step: f.step, text: `step ${f.step}: ` + (f.failed
+      ? Object.entries(f.failed).map(([d, r]) => `${d} ${r}`).join("; ")
+      : f.lost ? `attempt ${f.attempt} lost ${f.lost.join(", ")} (${f.outcome})`
+      : f.no_usable_update ? `attempt ${f.attempt}: no usable update (` +
+          Object.entries(f.no_usable_update).map(([d, r]) => `${d} ${r}`).join("; ") + ")"
+      : f.lost_state ? "state lost with a stage owner" : "failure"), kind: "fault" })));
   items.sort((a, b) => a.step - b.step);
   for (const item of items) {
     const li = document.createElement("li");
