@@ -271,3 +271,17 @@ def test_a_job_server_dashboard_lists_its_jobs_and_lobby(tmp_path: Path) -> None
     finally:
         page.close()
         server.shutdown()
+
+
+def test_a_step_over_other_boards_than_the_last_is_listed_as_a_re_plan(tmp_path: Path) -> None:
+    # Prepare: steps over a and b, then over a alone (b left), then over a and c (c joined)
+    shares = [{"a-1": 8, "b-2": 8}, {"a-1": 8, "b-2": 8}, {"a-1": 16}, {"a-1": 8, "c-3": 8}]
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"kind": "train", "step": i, "shares": s}) + "\n" for i, s in enumerate(shares)))
+
+    # Execute
+    plans = RunView("j", tmp_path, DeviceRegistry(), synthetic=False).state()["plans"]
+
+    # Assert
+    assert [(p["step"], p["left"], p["joined"], p["reasons"]) for p in plans] == [
+        (2, ["b-2"], [], ["b-2 left"]), (3, [], ["c-3"], ["c-3 joined"])]

@@ -67,12 +67,14 @@ class RunView:
         self._evals: deque[dict] = deque(maxlen=STEPS_KEPT)
         self._plans: list[dict] = []
         self._failures: deque[dict] = deque(maxlen=100)
+        self._boards_in_steps: set[str] | None = None
 
     def _read(self) -> None:
         for record in self._tail.new_records():
             kind = record.get("kind")
             if kind == "train":
                 self._steps.append(record)
+                self._note_membership(record)
                 for failure in record.get("failures", []):
                     self._failures.append({"step": record.get("step"), **failure})
                 for attempt in record.get("attempt_log", []):
@@ -83,6 +85,19 @@ class RunView:
                 self._evals.append(record)
             elif kind == "plan":
                 self._plans.append(record)
+
+    def _note_membership(self, record: dict) -> None:
+        """A step whose boards differ from the last one's was planned anew (a board left or joined):
+        listed with the plans."""
+        boards = set(record.get("shares", {})) | set(record.get("stages", {}))
+        before, self._boards_in_steps = self._boards_in_steps, boards
+        if before is None or boards == before or record.get("kind") != "train":
+            return
+        self._plans.append({"kind": "membership", "step": record.get("step"), "switched": True,
+                            "boards": sorted(boards), "left": sorted(before - boards),
+                            "joined": sorted(boards - before),
+                            "reasons": [f"{d} left" for d in sorted(before - boards)]
+                            + [f"{d} joined" for d in sorted(boards - before)]})
 
     def state(self) -> dict:
         """The run now (JSON-ready)."""

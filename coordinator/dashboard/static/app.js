@@ -114,6 +114,7 @@ function renderEvents(plans, failures) {
   const list = $("events");
   list.replaceChildren();
   const items = plans.map((p) => ({ step: p.step, text: `step ${p.step}: ${p.switched ? "re-planned" : "plan kept"}` +
+      (p.kind === "membership" ? ` over ${p.boards.join(", ")}` : "") +
       (p.reasons && p.reasons.length ? ` (${p.reasons.join("; ")})` : ""), kind: "plan" }))
     .concat(failures.map((f) => ({ step: f.step, text: `step ${f.step}: ` + (f.failed
       ? Object.entries(f.failed).map(([d, r]) => `${d} ${r}`).join("; ")
