@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_pipeline.py
 	$(PY) scripts/bench_planner.py
 	$(PY) scripts/bench_jobs.py
+	$(PY) scripts/bench_dashboard.py
 	$(PY) scripts/bench_tls.py
 	$(PY) scripts/bench_chaos.py
 	$(PY) scripts/bench_fleet_load.py --repeat 3

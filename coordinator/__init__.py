@@ -12,4 +12,6 @@
                      state held by boards, metrics, checkpoints.
 - ``planning/``      the hybrid planner, its inputs, live re-planning, ``edgetrain plan``.
 - ``jobs/``          the job server: several jobs share one fleet.
+- ``dashboard/``     the live dashboard and Prometheus ``/metrics``: ``server.py`` (HTTP, token,
+                     TLS), ``view.py`` (the run as one snapshot), ``prometheus.py``, ``static/``.
 """

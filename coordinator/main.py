@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from coordinator.advertiser import advertise_on
+from coordinator.dashboard.server import serve_dashboard
+from coordinator.dashboard.view import RunView
 from coordinator.data_service import datasets_service
 from coordinator.pairing import serve_gateway
 from coordinator.registry import DeviceRegistry
@@ -68,7 +70,8 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
                     runs_dir: str = "runs", port_file: str | None = None, resume: bool = False,
                     resume_or_start: bool = False, stop: threading.Event | None = None,
                     cluster: str = "edgetrain", advertise: list[str] | None = None,
-                    authority: trust.Authority | None = None, pair_bind: str | None = None) -> dict:
+                    authority: trust.Authority | None = None, pair_bind: str | None = None,
+                    dashboard: str | None = None) -> dict:
     """Serve and train `job` to completion; returns the run summary (also under runs/<name>/).
 
     With an `authority` the fleet port takes mutual TLS under the fleet CA and boards pair on the
@@ -82,6 +85,10 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
     CheckpointError, before serving anything, when there is none; `resume_or_start`: continue
     from it if there is one, else train from step 0. Without either, training starts from step 0
     and an earlier run's checkpoints are moved to checkpoints.previous/.
+
+    `dashboard` ("host:port"): serve the live dashboard there (coordinator.dashboard), over HTTPS
+    with the gateway's certificate unless the host is loopback or the run is `--insecure`; its URL,
+    access token included, is logged and written to runs/<name>/dashboard.url (owner-only).
     """
     stop = stop or threading.Event()
     job = replace(job, dataset=replace(job.dataset, data_dir=data_dir))
@@ -112,8 +119,11 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
     services = coordinator_service(servicer) + datasets_service(data_dir)  # boards fetch CIFAR-10 blocks
     servers = serve_gateway(bind, services, authority=authority, pair_bind=pair_bind)
     freeze_heap()
-    advertiser = None
+    advertiser = page = None
     try:
+        if dashboard:
+            view = RunView(job.name, run_dir, registry, synthetic=dataset_is_synthetic(job.dataset))
+            page = serve_dashboard(dashboard, view.state, run_dir / "dashboard.url", authority)
         host = bind.rsplit(":", 1)[0]
         if authority is None:
             logger.warning("[Coordinator] serving job %r on %s:%d WITHOUT TLS (--insecure): any host that "
@@ -141,6 +151,8 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
         trainer.metrics.close()
         if advertiser:
             advertiser.close()
+        if page:
+            page.close()
         servers.stop(grace=2.0)
 
 

@@ -97,6 +97,10 @@ def _parser() -> argparse.ArgumentParser:
     coord.add_argument("--no-advertise", action="store_true", help="do not advertise over mDNS")
     coord.add_argument("--pair-bind", default=None, metavar="HOST:PORT",
                        help="where boards pair with a join token (default: the next port, or any with port 0)")
+    coord.add_argument("--dashboard", default=None, metavar="HOST:PORT",
+                       help="serve the live dashboard and Prometheus /metrics here (port 0: any free port); "
+                            "its URL, with the access token, is printed and written to RUNS_DIR/<job>/dashboard.url "
+                            "(a job server: STATE_DIR/dashboard.url)")
     _authority_arg(coord)
     _insecure_arg(coord, "serve")
 
@@ -216,6 +220,9 @@ def _parser() -> argparse.ArgumentParser:
         local.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="job override")
         local.add_argument("--data-dir", type=Path, default=Path("data"), help="dataset directory")
         local.add_argument("--runs-dir", type=Path, default=Path("runs"), help="results directory")
+        local.add_argument("--dashboard", default="127.0.0.1:0", metavar="HOST:PORT",
+                           help="where the live dashboard listens (default: a free port on 127.0.0.1; "
+                                "'none': no dashboard)")
         _insecure_arg(local, "run the coordinator and boards")
 
     experiment = sub.add_parser("experiment", help="experiments: arms run to one stop rule and compared")
@@ -261,13 +268,14 @@ def _coordinator(args: argparse.Namespace) -> int:
 
         serve_jobs(bind=args.bind, state_dir=args.state_dir, runs_dir=args.runs_dir, data_dir=args.data_dir,
                    scheduler=args.scheduler, port_file=args.port_file, stop=stop, cluster=args.cluster,
-                   advertise=advertise, authority=authority, pair_bind=args.pair_bind)
+                   advertise=advertise, authority=authority, pair_bind=args.pair_bind, dashboard=args.dashboard)
         return 0
     job = load_job(args.config, dict(parse_override(o) for o in args.set))
     try:
         run_coordinator(job, bind=args.bind, data_dir=args.data_dir, runs_dir=args.runs_dir, port_file=args.port_file,
                         resume=args.resume, resume_or_start=args.resume_or_start, stop=stop, cluster=args.cluster,
-                        advertise=advertise, authority=authority, pair_bind=args.pair_bind)
+                        advertise=advertise, authority=authority, pair_bind=args.pair_bind,
+                        dashboard=args.dashboard)
     except CheckpointError as e:
         print(f"edgetrain coordinator: error: {e}", file=sys.stderr)
         return 2
@@ -350,7 +358,8 @@ def _local(args: argparse.Namespace) -> int:
     job_file = getattr(args, "config", DEMO_JOB)
     job = load_job(job_file, dict(parse_override(o) for o in args.set))
     run = LocalRun(job_file=job_file, speeds=args.speeds, overrides=tuple(args.set), runs_dir=args.runs_dir,
-                   data_dir=args.data_dir, insecure=args.insecure)
+                   data_dir=args.data_dir, insecure=args.insecure,
+                   dashboard=None if args.dashboard == "none" else args.dashboard)
     with _sigterm_as_interrupt():
         code = run_local(run, job_name=job.name)
     if code == 0:

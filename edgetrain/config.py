@@ -116,6 +116,8 @@ class TrainingConfig:
     """Chunk size for parameter and gradient streams (256 KiB - 1 MiB is fastest)."""
     log_every: int = 10
     """Print a progress line every this many steps."""
+    tensorboard: bool = False
+    """Also write TensorBoard scalars to runs/<name>/tensorboard/ (`tensorboard --logdir runs`)."""
     max_forward_batch: int = 64
     """Most samples a board puts through the model at once: a larger shard is computed in equal
     chunks of at most this size, gradients accumulated. A CPU trains fastest at 32-64 samples per

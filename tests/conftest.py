@@ -109,8 +109,10 @@ class RunningCoordinator:
         return self.result["summary"]
 
 
-def start_coordinator(job: JobConfig, tmp_path: Path, *, resume: bool = False) -> RunningCoordinator:
-    """Run `job` on a real gRPC server bound to 127.0.0.1:0; returns once it serves."""
+def start_coordinator(job: JobConfig, tmp_path: Path, *, resume: bool = False,
+                      dashboard: str | None = None) -> RunningCoordinator:
+    """Run `job` on a real gRPC server bound to 127.0.0.1:0 (with its dashboard on `dashboard`);
+    returns once it serves."""
     from coordinator.main import run_coordinator
 
     port_file = tmp_path / "address"
@@ -122,7 +124,8 @@ def start_coordinator(job: JobConfig, tmp_path: Path, *, resume: bool = False) -
         try:
             result["summary"] = run_coordinator(job, bind="127.0.0.1:0", runs_dir=str(tmp_path / "runs"),
                                                 port_file=str(port_file), stop=stop, resume=resume,
-                                                authority=trust.Authority(trust.default_authority_dir()))
+                                                authority=trust.Authority(trust.default_authority_dir()),
+                                                dashboard=dashboard)
         except BaseException as e:  # surfaced by RunningCoordinator.wait
             result["error"] = e
 
@@ -140,8 +143,8 @@ def coordinator_factory(tmp_path: Path) -> Iterator:
     """Start coordinators for a test; they are stopped afterwards."""
     started: list[RunningCoordinator] = []
 
-    def factory(job: JobConfig) -> RunningCoordinator:
-        running = start_coordinator(job, tmp_path)
+    def factory(job: JobConfig, **options) -> RunningCoordinator:
+        running = start_coordinator(job, tmp_path, **options)
         started.append(running)
         return running
 

@@ -17,6 +17,8 @@ import grpc
 
 import edgetrain
 from coordinator.advertiser import advertise_on
+from coordinator.dashboard.server import serve_dashboard
+from coordinator.dashboard.view import JobServerView
 from coordinator.jobs.server import JobServer
 from coordinator.jobs.store import JobRecord
 from coordinator.pairing import serve_gateway
@@ -97,13 +99,15 @@ class JobServerServicer(pb_grpc.JobServerServicer):
 def serve_jobs(*, bind: str, state_dir: Path, runs_dir: Path, data_dir: Path, scheduler: str = "rolling",
                port_file: str | None = None, stop: threading.Event | None = None, cluster: str = "edgetrain",
                advertise: list[str] | None = None, authority: trust.Authority | None = None,
-               pair_bind: str | None = None) -> None:
+               pair_bind: str | None = None, dashboard: str | None = None) -> None:
     """Run a job server until `stop` (or SIGTERM in the CLI).
 
     Under `authority` it serves mutual TLS on `bind` and the pairing port (the next port, or
     `pair_bind`; "none": no pairing), advertises the CA's fingerprint, and its jobs' coordinators
     serve under the same authority; without one (``--insecure``) everything is plaintext. The
     port file gets the fleet address on line 1 and the pairing address, when served, on line 2.
+    With `dashboard` ("host:port") it serves the jobs' dashboard there (coordinator.dashboard; its
+    URL is logged and written to <state_dir>/dashboard.url).
     """
     stop = stop or threading.Event()
     host = bind.rsplit(":", 1)[0]
@@ -127,9 +131,13 @@ def serve_jobs(*, bind: str, state_dir: Path, runs_dir: Path, data_dir: Path, sc
                     scheduler, state_dir)
     if port_file:
         Path(port_file).write_text("".join(f"{line}\n" for line in (f"{host}:{servers.port}", pairing) if line))
+    page = serve_dashboard(dashboard, JobServerView(server).state, Path(state_dir) / "dashboard.url",
+                           authority) if dashboard else None
     try:
         server.run(stop)
     finally:
+        if page:
+            page.close()
         if advertiser:
             advertiser.close()
         servers.stop(grace=1.0)

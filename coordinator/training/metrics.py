@@ -72,13 +72,31 @@ class TimeSplit:
 
 
 class MetricsLog:
-    """Appends metrics records to a JSONL file and keeps the latest evaluation."""
+    """Appends metrics records to a JSONL file and keeps the latest evaluation; with a
+    `tensorboard` directory also writes TensorBoard scalars there (loss, accuracy, samples/s, step
+    time, learning rate, each board's share and seconds of compute and communication), headed by
+    `note` as text (e.g. that the data is synthetic)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, tensorboard: Path | None = None, note: str = "") -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.last_eval: dict = {}
         self._file = path.open("a", buffering=1)
+        self._board = None
+        if tensorboard is not None:
+            # imports tensorboard: only when asked
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._board = SummaryWriter(log_dir=str(tensorboard))
+            if note:
+                self._board.add_text("run", note)
+
+    def _scalars(self, step: int, values: dict) -> None:
+        if self._board is None:
+            return
+        for tag, value in values.items():
+            if value is not None:
+                self._board.add_scalar(tag, value, step)
 
     def write(self, record: dict) -> None:
         """Append one record (adds the wall-clock time)."""
@@ -121,6 +139,12 @@ class MetricsLog:
             **({"stages": record.stages} if record.stages else {}),
             **({"failures": record.failures} if record.failures else {})}
         self.write(entry)
+        self._scalars(record.step, {
+            "train/loss": loss, "train/accuracy": entry["train_accuracy"], "train/samples_per_s": entry["samples_per_s"],
+            "train/step_s": entry["step_s"], "train/lr": lr,
+            **{f"share/{d}": n for d, n in record.shares.items()},
+            **{f"compute_s/{d}": v["compute_s"] for d, v in devices.items()},
+            **{f"comm_s/{d}": v["comm_s"] for d, v in devices.items()}})
         if samples and (record.step % log_every == 0 or record.step == total_steps - 1):
             shares = "/".join(str(n) for n in record.shares.values())
             codecs = sorted(set(record.codecs.values()))
@@ -134,6 +158,7 @@ class MetricsLog:
         self.last_eval = {"kind": "eval", "step": step, "test_loss": loss, "test_accuracy": accuracy,
                           "test_samples": samples, "eval_s": round(seconds, 3)}
         self.write(self.last_eval)
+        self._scalars(step, {"test/accuracy": accuracy, "test/loss": loss})
         logger.info("eval after step %d: test loss %.4f, test accuracy %.3f (%d samples)", step + 1, loss,
                     accuracy, samples)
 
@@ -148,5 +173,7 @@ class MetricsLog:
         self.write({"kind": "resume", "from_step": from_step, "checkpoint": checkpoint, "skipped": skipped})
 
     def close(self) -> None:
-        """Close the file."""
+        """Close the file (and the TensorBoard writer)."""
         self._file.close()
+        if self._board is not None:
+            self._board.close()

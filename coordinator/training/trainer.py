@@ -48,6 +48,7 @@ from coordinator.training.rounds import JobAborted, RoundContext, make_round_pol
 from coordinator.training.steps import AttemptOutcome, StepBoard
 from edgetrain import transport
 from edgetrain.config import JobConfig
+from edgetrain.data import dataset_is_synthetic
 from edgetrain.sampling import batch_indices, epoch_of
 from edgetrain.training import evaluate_dataset, state_tensors
 
@@ -107,7 +108,12 @@ class Trainer:
         self.stop = stop or threading.Event()
         self.store = store
         self.aggregator = aggregator
-        self.metrics = MetricsLog(run_dir / "metrics.jsonl")
+        synthetic = dataset_is_synthetic(job.dataset)
+        self.metrics = MetricsLog(run_dir / "metrics.jsonl",
+                                  tensorboard=run_dir / "tensorboard" if job.training.tensorboard else None,
+                                  note=f"job {job.name}: " + ("SYNTHETIC CIFAR-shaped data, not CIFAR-10: accuracy "
+                                                              "says training works, not how well a model learns"
+                                                              if synthetic else f"dataset {job.dataset.name}"))
         self.time_split = TimeSplit()
         """Where the steps' time went, per board and for the coordinator (medians of recent steps)."""
         self.train_size = train_size

@@ -44,6 +44,8 @@ class LocalRun:
     """Extra arguments for every client (e.g. --probe-interval 5)."""
     insecure: bool = False
     """Run without TLS or authentication (loopback experiments; the coordinator warns)."""
+    dashboard: str | None = None
+    """host:port of the coordinator's live dashboard (None: none)."""
 
     def __post_init__(self) -> None:
         if not self.board_files and (not self.speeds or any(s <= 0 for s in self.speeds)):
@@ -155,7 +157,7 @@ def run_local(run: LocalRun, *, job_name: str) -> int:
     coordinator = subprocess.Popen(edgetrain_command(
         "coordinator", "--config", str(run.job_file), *overrides, "--bind", "127.0.0.1:0",
         "--port-file", str(port_file), "--runs-dir", str(run.runs_dir), "--data-dir", str(run.data_dir),
-        *trust.gateway_args()))
+        *trust.gateway_args(), *(("--dashboard", run.dashboard) if run.dashboard else ())))
     clients: list[subprocess.Popen] = []
     try:
         address = _wait_for_address(port_file, coordinator)

@@ -1,0 +1,201 @@
+"""What the dashboard shows of a run: its boards (from the registry, live) and its records
+(read from the run's metrics.jsonl as the trainer appends them).
+
+`RunView.state()` is one JSON-ready snapshot: the page renders it, `/events` streams it and the
+Prometheus collector reads its numbers, so the three never disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import deque
+from pathlib import Path
+
+from coordinator.registry import DeviceRegistry
+
+STEPS_KEPT = 500
+"""Train records the view holds (the curves' points; older ones stay in metrics.jsonl)."""
+TIMELINE_STEPS = 20
+"""Steps shown in the per-board step timeline."""
+
+
+class MetricsTail:
+    """Reads the records appended to a metrics.jsonl since the last call (a line still being
+    written is left for the next call)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+
+    def new_records(self) -> list[dict]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        data, self._partial = self._partial + data, b""
+        lines = data.split(b"\n")
+        if lines and lines[-1]:
+            self._partial = lines[-1]
+        out = []
+        for line in lines[:-1]:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # not ours to judge here: the run's report says what is wrong with the file
+            if isinstance(record, dict):
+                out.append(record)
+        return out
+
+
+class RunView:
+    """A live view of one run: `registry` for the boards, `run_dir`/metrics.jsonl for the steps."""
+
+    def __init__(self, job_name: str, run_dir: Path, registry: DeviceRegistry, *, synthetic: bool,
+                 ideal_samples_per_s: float | None = None) -> None:
+        self.job_name = job_name
+        self.synthetic = synthetic
+        self.ideal_samples_per_s = ideal_samples_per_s
+        self._registry = registry
+        self._tail = MetricsTail(Path(run_dir) / "metrics.jsonl")
+        self._lock = threading.Lock()
+        self._steps: deque[dict] = deque(maxlen=STEPS_KEPT)
+        self._evals: deque[dict] = deque(maxlen=STEPS_KEPT)
+        self._plans: list[dict] = []
+        self._failures: deque[dict] = deque(maxlen=100)
+        self._boards_in_steps: set[str] | None = None
+
+    def _read(self) -> None:
+        for record in self._tail.new_records():
+            kind = record.get("kind")
+            if kind == "train":
+                self._steps.append(record)
+                self._note_membership(record)
+                for failure in record.get("failures", []):
+                    self._failures.append({"step": record.get("step"), **failure})
+                for attempt in record.get("attempt_log", []):
+                    if attempt.get("lost") and not any("failed" in f for f in record.get("failures", [])):
+                        self._failures.append({"step": record.get("step"), "attempt": attempt.get("attempt"),
+                                               "lost": attempt["lost"], "outcome": attempt.get("outcome")})
+            elif kind == "eval":
+                self._evals.append(record)
+            elif kind == "plan":
+                self._plans.append(record)
+
+    def _note_membership(self, record: dict) -> None:
+        """A step whose boards differ from the last one's was planned anew (a board left or joined):
+        listed with the plans."""
+        boards = set(record.get("shares", {})) | set(record.get("stages", {}))
+        before, self._boards_in_steps = self._boards_in_steps, boards
+        if before is None or boards == before or record.get("kind") != "train":
+            return
+        self._plans.append({"kind": "membership", "step": record.get("step"), "switched": True,
+                            "boards": sorted(boards), "left": sorted(before - boards),
+                            "joined": sorted(boards - before),
+                            "reasons": [f"{d} left" for d in sorted(before - boards)]
+                            + [f"{d} joined" for d in sorted(boards - before)]})
+
+    def state(self) -> dict:
+        """The run now (JSON-ready)."""
+        with self._lock:
+            self._read()
+            steps = list(self._steps)
+            last = steps[-1] if steps else {}
+            return {
+                "job": self.job_name,
+                "synthetic_data": self.synthetic,
+                "ideal_samples_per_s": self.ideal_samples_per_s,
+                "boards": [_board(r, last) for r in self._registry.snapshot()],
+                "curves": [{"step": s.get("step"), "time": s.get("time"), "loss": s.get("loss"),
+                            "train_accuracy": s.get("train_accuracy"), "samples_per_s": s.get("samples_per_s"),
+                            "energy_j": _step_energy(s)} for s in steps],
+                "evals": [{"step": e.get("step"), "time": e.get("time"), "accuracy": e.get("test_accuracy"),
+                           "loss": e.get("test_loss")} for e in self._evals],
+                "timeline": [{"step": s.get("step"), "step_s": s.get("step_s"),
+                              "boards": {d: {k: v.get(k) for k in ("compute_s", "comm_s", "waiting_s", "idle_s")}
+                                         for d, v in s.get("devices", {}).items()}}
+                             for s in steps[-TIMELINE_STEPS:]],
+                "plans": list(self._plans),
+                "failures": list(self._failures),
+                "last_step": {"step": last.get("step"), "step_s": last.get("step_s"),
+                              "predicted_step_s": last.get("predicted_step_s"), "shares": last.get("shares", {}),
+                              "loss": last.get("loss"), "samples_per_s": last.get("samples_per_s")} if last else None,
+            }
+
+
+def _step_energy(step: dict) -> float | None:
+    values = [v.get("energy_j") for v in step.get("devices", {}).values()]
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def _board(record, last_step: dict) -> dict:
+    """One board's row: identity, role in the last step, live telemetry, totals."""
+    t = record.latest_telemetry
+    shares = last_step.get("shares", {})
+    stages = last_step.get("stages", {})
+    if not record.alive:
+        state = "lost"
+    elif record.quarantined:
+        state = "quarantined"
+    elif record.speed is None:
+        state = "joining"
+    elif record.device_id in shares or record.device_id in stages:
+        state = "training"
+    else:
+        state = "ready"
+    role = ("stage" if record.device_id in stages else "shard" if record.device_id in shares else "")
+    stats = record.stats
+    return {
+        "id": record.device_id, "name": record.name, "state": state, "role": role,
+        "left_reason": record.left_reason, "codec": record.codec,
+        "share": shares.get(record.device_id),
+        "emulated_speed": record.info.get("emulated_speed"),
+        "samples_per_s": (stats["samples"] / stats["compute_s"]) if stats.get("compute_s") else None,
+        "samples": stats.get("samples", 0), "steps": stats.get("steps", 0),
+        "download_bytes": stats.get("download_bytes", 0), "upload_bytes": stats.get("upload_bytes", 0),
+        "failures": len(record.rejections),
+        "cpu_percent": t.cpu_percent if t else None,
+        "memory_used_bytes": t.memory_used_bytes if t else None,
+        "memory_total_bytes": t.memory_total_bytes if t else None,
+        "battery_percent": t.battery_percent if t else None,
+        "temperature_c": t.temperature_c if t else None,
+        "link_mbit_per_s": t.link_mbit_per_s if t else None,
+        "rtt_ms": t.rtt_ms if t else None,
+        "energy_j": t.energy_j if t else None,
+    }
+
+
+class JobServerView:
+    """A live view of a job server: its jobs (state, boards, planned start, predicted finish,
+    progress) and its lobby of boards. The same shape as `RunView.state()`, with `jobs` added and
+    no step curves (each job's coordinator serves those of its run)."""
+
+    def __init__(self, server) -> None:
+        self._server = server  # coordinator.jobs.server.JobServer (duck-typed: the roles' layering)
+
+    def state(self) -> dict:
+        jobs, boards = self._server.snapshot()
+        return {
+            "job": "job server", "synthetic_data": None, "ideal_samples_per_s": None,
+            "jobs": [{"id": j.id, "name": j.name, "model": j.model, "state": j.state, "boards": list(j.boards),
+                      "request": j.request, "planned_start": j.planned_start or None,
+                      "predicted_finish": j.predicted_finish or None, "steps": j.steps,
+                      "steps_done": j.steps_done, "predicted_samples_per_s": j.predicted_samples_per_s or None,
+                      "measured_samples_per_s": j.measured_samples_per_s or None, "message": j.message}
+                     for j in jobs],
+            "boards": [{"id": b.name, "name": b.name, "state": "lost" if not b.alive else
+                        ("training" if b.job else "ready"), "role": f"job {b.job}" if b.job else "",
+                        "share": None, "emulated_speed": None, "samples_per_s": None,
+                        "speed": b.speed, "link_mbit_per_s": b.mbit_per_s or None, "rtt_ms": None,
+                        "cpu_percent": None, "memory_used_bytes": None, "memory_total_bytes": None,
+                        "battery_percent": None, "temperature_c": None, "energy_j": None, "codec": "",
+                        "samples": 0, "steps": 0, "download_bytes": 0, "upload_bytes": 0, "failures": 0,
+                        "left_reason": "", "flag": b.flag}
+                       for b in sorted(boards, key=lambda b: b.name)],
+            "curves": [], "evals": [], "timeline": [], "plans": [], "failures": [], "last_step": None,
+        }
