@@ -274,8 +274,9 @@ def test_a_job_server_dashboard_lists_its_jobs_and_lobby(tmp_path: Path) -> None
 
 
 def test_a_step_over_other_boards_than_the_last_is_listed_as_a_re_plan(tmp_path: Path) -> None:
-    # Prepare: steps over a and b, then over a alone (b left), then over a and c (c joined)
-    shares = [{"a-1": 8, "b-2": 8}, {"a-1": 8, "b-2": 8}, {"a-1": 16}, {"a-1": 8, "c-3": 8}]
+    # Prepare: steps over a and b, then over a alone (b left), then over a and c (c joined), then b is back
+    shares = [{"a-1": 8, "b-2": 8}, {"a-1": 8, "b-2": 8}, {"a-1": 16}, {"a-1": 8, "c-3": 8},
+              {"a-1": 8, "b-2": 4, "c-3": 4}]
     (tmp_path / "metrics.jsonl").write_text("".join(
         json.dumps({"kind": "train", "step": i, "shares": s}) + "\n" for i, s in enumerate(shares)))
 
@@ -284,4 +285,4 @@ def test_a_step_over_other_boards_than_the_last_is_listed_as_a_re_plan(tmp_path:
 
     # Assert
     assert [(p["step"], p["left"], p["joined"], p["reasons"]) for p in plans] == [
-        (2, ["b-2"], [], ["b-2 left"]), (3, [], ["c-3"], ["c-3 joined"])]
+        (2, ["b-2"], [], ["without b-2"]), (3, [], ["c-3"], ["with c-3"]), (4, [], ["b-2"], ["with b-2 again"])]

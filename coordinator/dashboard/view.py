@@ -68,6 +68,7 @@ class RunView:
         self._plans: list[dict] = []
         self._failures: deque[dict] = deque(maxlen=100)
         self._boards_in_steps: set[str] | None = None
+        self._ever: set[str] = set()
 
     def _read(self) -> None:
         for record in self._tail.new_records():
@@ -87,17 +88,19 @@ class RunView:
                 self._plans.append(record)
 
     def _note_membership(self, record: dict) -> None:
-        """A step whose boards differ from the last one's was planned anew (a board left or joined):
-        listed with the plans."""
+        """A step whose boards differ from the last one's was planned anew (a board left, joined,
+        or the split gave it nothing this time): listed with the plans."""
         boards = set(record.get("shares", {})) | set(record.get("stages", {}))
         before, self._boards_in_steps = self._boards_in_steps, boards
-        if before is None or boards == before or record.get("kind") != "train":
+        if before is None or boards == before:
+            self._ever |= boards
             return
         self._plans.append({"kind": "membership", "step": record.get("step"), "switched": True,
                             "boards": sorted(boards), "left": sorted(before - boards),
                             "joined": sorted(boards - before),
-                            "reasons": [f"{d} left" for d in sorted(before - boards)]
-                            + [f"{d} joined" for d in sorted(boards - before)]})
+                            "reasons": [f"without {d}" for d in sorted(before - boards)]
+                            + [f"with {d} again" if d in self._ever else f"with {d}" for d in sorted(boards - before)]})
+        self._ever |= boards
 
     def state(self) -> dict:
         """The run now (JSON-ready)."""

@@ -75,6 +75,15 @@ function chart(svg, xs, ys, extra) {
   const sx = (x) => 30 + (x1 > x0 ? ((x - x0) / (x1 - x0)) * 360 : 180);
   const sy = (y) => 150 - ((y - y0) / (y1 - y0 || 1)) * 140;
   line(svg, pts.map(([x, y]) => [sx(x), sy(y)]));
+  if (pts.length < 8) {  // few points (evaluations): mark each
+    for (const [x, y] of pts) {
+      const dot = document.createElementNS(SVG, "circle");
+      dot.setAttribute("cx", sx(x).toFixed(1));
+      dot.setAttribute("cy", sy(y).toFixed(1));
+      dot.setAttribute("r", "3");
+      svg.appendChild(dot);
+    }
+  }
   if (extra) line(svg, [[30, sy(extra)], [390, sy(extra)]], "ideal");
   const label = document.createElementNS(SVG, "text");
   label.setAttribute("x", "2");
