@@ -50,12 +50,18 @@ def test_the_page_shows_the_fleet_training_live_and_a_killed_board_as_lost(
         client_factory(coordinator.address, name, 0.5)
     wait_for(lambda: len(read_metrics(coordinator.run_dir)) >= 2, 120, "two steps", interval_s=0.2)
 
+    # read the page in one script call each: it redraws itself every second (elements found one
+    # call and read the next may be gone)
     def rows() -> dict[str, str]:
-        return {r.get_attribute("data-board"): r.get_attribute("data-state")
-                for r in browser.find_elements(By.CSS_SELECTOR, "#boards tbody tr")}
+        return dict(browser.execute_script(
+            "return Array.from(document.querySelectorAll('#boards tbody tr'), r => [r.dataset.board, r.dataset.state])"))
 
     def loss_points() -> int:
-        return int(browser.find_element(By.ID, "loss").get_attribute("data-points") or 0)
+        return int(browser.execute_script("return document.getElementById('loss').dataset.points") or 0)
+
+    def plans() -> list[str]:
+        return browser.execute_script(
+            "return Array.from(document.querySelectorAll('#events li.plan'), li => li.textContent)")
 
     # Execute / Assert: the printed URL opens the page (the token moves to a cookie)
     browser.get(url)
@@ -72,8 +78,7 @@ def test_the_page_shows_the_fleet_training_live_and_a_killed_board_as_lost(
     victim.kill()
     wait_for(lambda: rows().get("victim") == "lost", 30, "the killed board to show as lost", interval_s=0.2)
     # and the steps after it are planned without it: the re-plan is on the timeline, with why
-    wait_for(lambda: any("without victim" in e.text
-                         for e in browser.find_elements(By.CSS_SELECTOR, "#events li.plan")), 60,
+    wait_for(lambda: any("without victim" in text for text in plans()), 60,
              "the re-plan without the killed board on the timeline", interval_s=0.2)
     browser.save_screenshot(str(tmp_path / "dashboard.png"))
 
