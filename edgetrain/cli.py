@@ -49,6 +49,14 @@ def _speeds(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated fractions, e.g. 0.5,0.3, got {text!r}") from None
 
 
+def _dashboard(text: str) -> str:
+    """HOST:PORT for a dashboard (port 0: any free one), or "none"."""
+    host, _, port = text.rpartition(":")
+    if text == "none" or (host and port.isdigit() and int(port) < 65536):
+        return text
+    raise argparse.ArgumentTypeError(f"expected HOST:PORT (e.g. 127.0.0.1:8080, port 0: any free one), got {text!r}")
+
+
 def _duration(text: str) -> float:
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     try:
@@ -97,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     coord.add_argument("--no-advertise", action="store_true", help="do not advertise over mDNS")
     coord.add_argument("--pair-bind", default=None, metavar="HOST:PORT",
                        help="where boards pair with a join token (default: the next port, or any with port 0)")
-    coord.add_argument("--dashboard", default=None, metavar="HOST:PORT",
+    coord.add_argument("--dashboard", default=None, metavar="HOST:PORT", type=_dashboard,
                        help="serve the live dashboard and Prometheus /metrics here (port 0: any free port); "
                             "its URL, with the access token, is printed and written to RUNS_DIR/<job>/dashboard.url "
                             "(a job server: STATE_DIR/dashboard.url)")
@@ -220,7 +228,7 @@ def _parser() -> argparse.ArgumentParser:
         local.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="job override")
         local.add_argument("--data-dir", type=Path, default=Path("data"), help="dataset directory")
         local.add_argument("--runs-dir", type=Path, default=Path("runs"), help="results directory")
-        local.add_argument("--dashboard", default="127.0.0.1:0", metavar="HOST:PORT",
+        local.add_argument("--dashboard", default="127.0.0.1:0", metavar="HOST:PORT", type=_dashboard,
                            help="where the live dashboard listens (default: a free port on 127.0.0.1; "
                                 "'none': no dashboard)")
         _insecure_arg(local, "run the coordinator and boards")
@@ -268,14 +276,15 @@ def _coordinator(args: argparse.Namespace) -> int:
 
         serve_jobs(bind=args.bind, state_dir=args.state_dir, runs_dir=args.runs_dir, data_dir=args.data_dir,
                    scheduler=args.scheduler, port_file=args.port_file, stop=stop, cluster=args.cluster,
-                   advertise=advertise, authority=authority, pair_bind=args.pair_bind, dashboard=args.dashboard)
+                   advertise=advertise, authority=authority, pair_bind=args.pair_bind,
+                   dashboard=None if args.dashboard == "none" else args.dashboard)
         return 0
     job = load_job(args.config, dict(parse_override(o) for o in args.set))
     try:
         run_coordinator(job, bind=args.bind, data_dir=args.data_dir, runs_dir=args.runs_dir, port_file=args.port_file,
                         resume=args.resume, resume_or_start=args.resume_or_start, stop=stop, cluster=args.cluster,
                         advertise=advertise, authority=authority, pair_bind=args.pair_bind,
-                        dashboard=args.dashboard)
+                        dashboard=None if args.dashboard == "none" else args.dashboard)
     except CheckpointError as e:
         print(f"edgetrain coordinator: error: {e}", file=sys.stderr)
         return 2

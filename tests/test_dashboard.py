@@ -286,3 +286,24 @@ def test_a_step_over_other_boards_than_the_last_is_listed_as_a_re_plan(tmp_path:
     # Assert
     assert [(p["step"], p["left"], p["joined"], p["reasons"]) for p in plans] == [
         (2, ["b-2"], [], ["without b-2"]), (3, [], ["c-3"], ["with c-3"]), (4, [], ["b-2"], ["with b-2 again"])]
+
+
+def test_a_dashboard_address_that_cannot_serve_is_a_one_line_error(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    from coordinator.dashboard.server import serve_dashboard
+    from edgetrain.config import ConfigError
+
+    # a port somebody holds: a clear ConfigError (the CLI prints it in one line), nothing left listening
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--dashboard 127.0.0.1:{port}: cannot listen there"):
+            serve_dashboard(f"127.0.0.1:{port}", dict, tmp_path / "dashboard.url", None)
+    # an address that is not HOST:PORT: refused by the command line before anything starts
+    done = subprocess.run([sys.executable, "-m", "edgetrain", "coordinator", "--insecure", "--dashboard", "8080"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "expected HOST:PORT" in done.stderr and "Traceback" not in done.stderr

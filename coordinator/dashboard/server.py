@@ -28,6 +28,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from coordinator.dashboard.prometheus import exposition
 from edgetrain import trust
+from edgetrain.config import ConfigError
 from edgetrain.trust import Identity
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,10 @@ def serve_dashboard(bind: str, snapshot: Callable[[], dict], url_file: Path,
     host = bind.rsplit(":", 1)[0].strip("[]")
     loopback = host in ("127.0.0.1", "::1", "localhost")
     tls = authority.gateway_identity() if authority is not None and not loopback else None
-    page = DashboardServer(bind, snapshot, tls=tls)
+    try:
+        page = DashboardServer(bind, snapshot, tls=tls)
+    except OSError as e:  # the port is taken, the address is not this machine's
+        raise ConfigError(f"--dashboard {bind}: cannot listen there ({e.strerror or e})") from None
     url_file.parent.mkdir(parents=True, exist_ok=True)
     url_file.unlink(missing_ok=True)
     url_file.touch(mode=0o600)
