@@ -141,16 +141,10 @@ def _board(record, last_step: dict) -> dict:
     t = record.latest_telemetry
     shares = last_step.get("shares", {})
     stages = last_step.get("stages", {})
-    if not record.alive:
-        state = "lost"
-    elif record.quarantined:
-        state = "quarantined"
-    elif record.speed is None:
-        state = "joining"
-    elif record.device_id in shares or record.device_id in stages:
+    # the registry's state in the page's words; a ready board with work in the last step is training
+    state = {"gone": "lost", "registered": "joining"}.get(record.state, record.state)
+    if state == "ready" and (record.device_id in shares or record.device_id in stages):
         state = "training"
-    else:
-        state = "ready"
     role = ("stage" if record.device_id in stages else "shard" if record.device_id in shares else "")
     stats = record.stats
     return {
