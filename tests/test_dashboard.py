@@ -114,7 +114,13 @@ def test_state_and_metrics_say_what_the_registry_and_metrics_jsonl_hold(served, 
         f.flush()
         before = json.loads(_get(server, "/api/state", bearer=server.token).body)
         f.write(line[20:])
-    state = json.loads(_get(server, "/api/state", bearer=server.token).body)
+
+    def state_now() -> dict:
+        return json.loads(_get(server, "/api/state", bearer=server.token).body)
+
+    # the snapshot is shared by every viewer and made at most once a second: the step shows up within it
+    wait_for(lambda: len(state_now()["curves"]) == 3, 10, "the third step in the snapshot", interval_s=0.1)
+    state = state_now()
     metrics = _metrics(_get(server, "/metrics", bearer=server.token).body)
 
     # Assert: the half-written line was not read early; then every step is there
@@ -123,8 +129,13 @@ def test_state_and_metrics_say_what_the_registry_and_metrics_jsonl_hold(served, 
     boards = {b["name"]: b for b in state["boards"]}
     assert boards["a"]["state"] == "training" and boards["a"]["share"] == 16 and boards["a"]["role"] == "shard"
     assert boards["b"]["state"] == "joining" and boards["b"]["cpu_percent"] is None
-    assert state["timeline"][-1]["boards"][a_id] == {"compute_s": 1.0, "comm_s": 0.3, "waiting_s": 0.1,
+    assert state["timeline"][-1]["boards"]["a"] == {"compute_s": 1.0, "comm_s": 0.3, "waiting_s": 0.1,
                                                      "idle_s": 0.1}
+    # the plan the last step ran (no planner: the proportional split), predicted against measured
+    assert state["plan"] == {"kind": "dp", "source": "proportional split", "stages": [],
+                             "shards": [{"name": "a", "samples": 16}], "microbatches": None, "schedule": None,
+                             "left_out": {}, "predicted_step_s": 1.4, "measured_step_s": 1.5, "step": 2}
+    assert state["ideal_samples_per_s"] == pytest.approx(32 / 1.5, abs=0.01)  # a's best profiled batch; b has none
     job = ("job", "job-x")
     assert metrics[("edgetrain_loss", (job,))] == pytest.approx(1.7)
     assert metrics[("edgetrain_samples_per_second", (job,))] == pytest.approx(33.0)
@@ -286,6 +297,32 @@ def test_a_step_over_other_boards_than_the_last_is_listed_as_a_re_plan(tmp_path:
     # Assert
     assert [(p["step"], p["left"], p["joined"], p["reasons"]) for p in plans] == [
         (2, ["b-2"], [], ["without b-2"]), (3, [], ["c-3"], ["with c-3"]), (4, [], ["b-2"], ["with b-2 again"])]
+
+
+def test_the_plan_picture_is_the_planners_plan_as_the_last_step_ran_it(tmp_path: Path) -> None:
+    # Prepare: the planner's record (2 stages, the second a group of two, one DP shard, one board
+    # left out) and a step that ran it
+    plan = {"kind": "plan", "step": 0, "reasons": ["first plan"], "switched": True, "predicted_step_s": 2.0,
+            "plan": {"stages": [{"blocks": 4, "boards": ["s0"]}, {"blocks": 6, "boards": ["g1", "g2"]}],
+                     "microbatches": 4, "schedule": "1f1b", "dp_boards": ["d"], "dp_share": 0.25},
+            "left_out": {"w": "no gain"}}
+    step = {"kind": "train", "step": 0, "step_s": 2.5, "predicted_step_s": 2.0,
+            "shares": {"s0": 24, "g1": 14, "g2": 10, "d": 8},
+            "stages": {"g2": {"stage": 1, "blocks": [4, 10]}, "s0": {"stage": 0, "blocks": [0, 4]},
+                       "g1": {"stage": 1, "blocks": [4, 10]}}}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(plan) + "\n" + json.dumps(step) + "\n")
+
+    # Execute
+    picture = RunView("j", tmp_path, DeviceRegistry(), synthetic=False).state()["plan"]
+
+    # Assert
+    assert picture == {
+        "kind": "hybrid", "source": "planner", "step": 0, "microbatches": 4, "schedule": "1f1b",
+        "stages": [{"stage": 0, "blocks": [0, 4], "boards": [{"name": "s0", "samples": 24}]},
+                   {"stage": 1, "blocks": [4, 10], "boards": [{"name": "g1", "samples": 14},
+                                                              {"name": "g2", "samples": 10}]}],
+        "shards": [{"name": "d", "samples": 8}], "left_out": {"w": "no gain"},
+        "predicted_step_s": 2.0, "measured_step_s": 2.5}
 
 
 def test_a_dashboard_address_that_cannot_serve_is_a_one_line_error(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import secrets
 import ssl
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from http import cookies
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -54,7 +55,9 @@ class DashboardServer:
         if not host or not port.isdigit():
             raise ValueError(f"--dashboard wants HOST:PORT, got {bind!r}")
         self.token = token or new_token()
-        self.snapshot = snapshot
+        self._source = snapshot
+        self._shared_lock = threading.Lock()
+        self._shared: tuple[float, dict, str] | None = None
         self._closed = threading.Event()
         self._http = ThreadingHTTPServer((host.strip("[]"), int(port)), _handler_for(self))
         self._http.daemon_threads = True
@@ -83,6 +86,19 @@ class DashboardServer:
         self._http.shutdown()
         self._http.server_close()
         self._thread.join(timeout=5)
+
+    def snapshot(self) -> dict:
+        return self.shared()[0]
+
+    def shared(self) -> tuple[dict, str]:
+        """The snapshot and its JSON, made at most once per EVENT_INTERVAL_S whoever asks (every
+        open page, /api/state and /metrics share it: more viewers cost the run nothing more)."""
+        with self._shared_lock:
+            now = time.monotonic()
+            if self._shared is None or now - self._shared[0] >= EVENT_INTERVAL_S:
+                state = self._source()
+                self._shared = (now, state, json.dumps(state))
+            return self._shared[1], self._shared[2]
 
     def allows(self, presented: str | None) -> bool:
         return presented is not None and hmac.compare_digest(presented.encode(), self.token.encode())
@@ -190,7 +206,7 @@ def _handler_for(server: DashboardServer) -> type[BaseHTTPRequestHandler]:
             elif path.startswith("/static/"):
                 self._static(path[len("/static/"):])
             elif path == "/api/state":
-                self._send(200, json.dumps(server.snapshot()).encode(), "application/json")
+                self._send(200, server.shared()[1].encode(), "application/json")
             elif path == "/metrics":
                 self._send(200, exposition(server.snapshot), "text/plain; version=0.0.4; charset=utf-8")
             elif path == "/events":
@@ -217,7 +233,7 @@ def _handler_for(server: DashboardServer) -> type[BaseHTTPRequestHandler]:
             self.close_connection = True
             sent = None
             while not server.closed.is_set():
-                data = json.dumps(server.snapshot())
+                data = server.shared()[1]
                 if data != sent:
                     self.wfile.write(f"data: {data}\n\n".encode())
                     self.wfile.flush()

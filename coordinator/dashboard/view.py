@@ -108,18 +108,21 @@ class RunView:
             self._read()
             steps = list(self._steps)
             last = steps[-1] if steps else {}
+            records = self._registry.snapshot()
+            names = {r.device_id: r.name for r in records}
             return {
                 "job": self.job_name,
                 "synthetic_data": self.synthetic,
-                "ideal_samples_per_s": self.ideal_samples_per_s,
-                "boards": [_board(r, last) for r in self._registry.snapshot()],
+                "ideal_samples_per_s": self.ideal_samples_per_s or _profiled_sum(records),
+                "boards": [_board(r, last) for r in records],
+                "plan": _plan_picture(last, self._plans, steps, names) if last else None,
                 "curves": [{"step": s.get("step"), "time": s.get("time"), "loss": s.get("loss"),
                             "train_accuracy": s.get("train_accuracy"), "samples_per_s": s.get("samples_per_s"),
                             "energy_j": _step_energy(s)} for s in steps],
                 "evals": [{"step": e.get("step"), "time": e.get("time"), "accuracy": e.get("test_accuracy"),
                            "loss": e.get("test_loss")} for e in self._evals],
                 "timeline": [{"step": s.get("step"), "step_s": s.get("step_s"),
-                              "boards": {d: {k: v.get(k) for k in ("compute_s", "comm_s", "waiting_s", "idle_s")}
+                              "boards": {names.get(d, d): {k: v.get(k) for k in ("compute_s", "comm_s", "waiting_s", "idle_s")}
                                          for d, v in s.get("devices", {}).items()}}
                              for s in steps[-TIMELINE_STEPS:]],
                 "plans": list(self._plans),
@@ -128,6 +131,43 @@ class RunView:
                               "predicted_step_s": last.get("predicted_step_s"), "shares": last.get("shares", {}),
                               "loss": last.get("loss"), "samples_per_s": last.get("samples_per_s")} if last else None,
             }
+
+
+def _profiled_sum(records) -> float | None:
+    """The fleet's ideal when none was given: the sum of the live boards' own samples/s, each
+    at the best batch it profiled (training alone, no communication)."""
+    speeds = [max(batch / seconds for batch, seconds in r.profile.timings)
+              for r in records if r.state == "ready" and r.profile is not None]
+    return round(sum(speeds), 2) if speeds else None
+
+
+def _plan_picture(last: dict, plans: list[dict], steps: list[dict], names: dict[str, str]) -> dict:
+    """The plan the last step ran, as the page draws it: pipeline stages (blocks, hosts: more
+    than one host is a sample-split group), DP shards with their samples, the micro-batches and
+    schedule and the boards left out (from the planner's last record, when the planner is on),
+    and the predicted against the measured step time (median of the last steps)."""
+    name = lambda d: names.get(d, d)  # noqa: E731
+    by_stage: dict[int, dict] = {}
+    for d, s in sorted(last.get("stages", {}).items(), key=lambda kv: (kv[1].get("stage", 0), name(kv[0]))):
+        entry = by_stage.setdefault(s.get("stage", 0), {"stage": s.get("stage", 0), "blocks": s.get("blocks"),
+                                                       "boards": []})
+        entry["boards"].append({"name": name(d), "samples": last.get("shares", {}).get(d)})
+    shards = [{"name": name(d), "samples": n} for d, n in last.get("shares", {}).items()
+              if d not in last.get("stages", {})]
+    planned = next((p for p in reversed(plans) if p.get("kind") == "plan"), None)
+    section = (planned or {}).get("plan", {})
+    recent = sorted(s["step_s"] for s in steps[-10:] if s.get("step_s"))
+    kind = ("hybrid" if by_stage and shards else "pipeline" if by_stage else "dp")
+    return {
+        "kind": kind, "source": "planner" if planned else "proportional split",
+        "stages": [by_stage[k] for k in sorted(by_stage)], "shards": shards,
+        "microbatches": section.get("microbatches") if by_stage else None,
+        "schedule": section.get("schedule") if by_stage else None,
+        "left_out": (planned or {}).get("left_out", {}),
+        "predicted_step_s": last.get("predicted_step_s"),
+        "measured_step_s": recent[len(recent) // 2] if recent else None,
+        "step": last.get("step"),
+    }
 
 
 def _step_energy(step: dict) -> float | None:

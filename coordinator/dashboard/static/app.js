@@ -93,30 +93,112 @@ function chart(svg, xs, ys, extra) {
 }
 
 function renderTimeline(timeline) {
+  // one row per board: its last steps side by side, each as wide as the step took, split into
+  // compute, communication, waiting and idle (a board without work in a step: an empty gap)
   const box = $("timeline");
   box.replaceChildren();
   const last = timeline[timeline.length - 1];
   if (!last) return;
-  $("step").textContent = `step ${last.step}: ${fmt(last.step_s, 2)} s`;
-  for (const [name, parts] of Object.entries(last.boards)) {
+  $("step").textContent = `steps ${timeline[0].step}–${last.step}; step ${last.step}: ${fmt(last.step_s, 2)} s`;
+  const total = timeline.reduce((sum, s) => sum + (s.step_s || 0), 0) || 1;
+  const names = [...new Set(timeline.flatMap((s) => Object.keys(s.boards)))];
+  for (const name of names) {
     const bar = document.createElement("div");
     bar.className = "bar";
+    bar.dataset.board = name;
     const label = document.createElement("span");
     label.className = "name";
     label.textContent = name;
     const track = document.createElement("span");
     track.className = "track";
-    for (const part of ["compute", "comm", "waiting", "idle"]) {
-      const v = parts[part + "_s"] || 0;
-      const seg = document.createElement("span");
-      seg.className = part;
-      seg.style.width = `${(100 * v) / (last.step_s || 1)}%`;
-      seg.title = `${part} ${fmt(v, 3)} s`;
-      track.appendChild(seg);
+    for (const step of timeline) {
+      const parts = step.boards[name];
+      const cell = document.createElement("span");
+      cell.className = "stepcell";
+      cell.style.width = `${(100 * (step.step_s || 0)) / total}%`;
+      cell.title = `step ${step.step}: ${fmt(step.step_s, 2)} s`;
+      if (parts) {
+        for (const part of ["compute", "comm", "waiting", "idle"]) {
+          const v = parts[part + "_s"] || 0;
+          const seg = document.createElement("span");
+          seg.className = part;
+          seg.style.width = `${(100 * v) / (step.step_s || 1)}%`;
+          seg.title = `step ${step.step} ${part} ${fmt(v, 3)} s`;
+          cell.appendChild(seg);
+        }
+      }
+      track.appendChild(cell);
     }
     bar.append(label, track);
     box.appendChild(bar);
   }
+}
+
+function box(cls, title, lines) {
+  const el = document.createElement("div");
+  el.className = "node " + cls;
+  const head = document.createElement("div");
+  head.className = "head";
+  head.textContent = title;
+  el.appendChild(head);
+  for (const text of lines) {
+    const row = document.createElement("div");
+    row.className = "host";
+    row.textContent = text;
+    el.appendChild(row);
+  }
+  return el;
+}
+
+function renderPlan(plan) {
+  // the plan the last step ran: stages left to right (a stage with several hosts is a group
+  // splitting its samples), DP shards below with their samples, boards left out
+  const picture = $("plan");
+  picture.replaceChildren();
+  $("plan-times").textContent = "";
+  if (!plan) return;
+  const head = { dp: "data parallelism", pipeline: "pipeline", hybrid: "pipeline + data-parallel shards" }[plan.kind];
+  $("plan-kind").textContent = `${head} (${plan.source}), step ${plan.step}` +
+    (plan.microbatches ? `; ${plan.microbatches} micro-batches, ${plan.schedule}` : "");
+  $("plan-times").textContent = `step time: predicted ${fmt(plan.predicted_step_s, 2)} s, ` +
+    `measured ${fmt(plan.measured_step_s, 2)} s (median of the last steps)`;
+  if (plan.stages.length) {
+    const row = document.createElement("div");
+    row.className = "stages";
+    plan.stages.forEach((s, i) => {
+      if (i) {
+        const arrow = document.createElement("span");
+        arrow.className = "arrow";
+        arrow.textContent = "→";
+        row.appendChild(arrow);
+      }
+      const title = `stage ${s.stage}: blocks ${s.blocks[0]}–${s.blocks[1] - 1}` + (s.boards.length > 1 ? " (group)" : "");
+      const node = box("stage", title, s.boards.map((b) => b.name + (b.samples ? ` · ${b.samples} samples` : "")));
+      node.dataset.stage = String(s.stage);
+      row.appendChild(node);
+    });
+    picture.appendChild(row);
+  }
+  if (plan.shards.length) {
+    const total = plan.shards.reduce((sum, b) => sum + (b.samples || 0), 0) || 1;
+    const node = box("shards", plan.stages.length ? "data-parallel shards (whole model)" : "data-parallel shards", []);
+    for (const b of plan.shards) {
+      const row = document.createElement("div");
+      row.className = "shard";
+      row.dataset.board = b.name;
+      const label = document.createElement("span");
+      label.className = "name";
+      label.textContent = `${b.name} · ${b.samples} samples`;
+      const fill = document.createElement("span");
+      fill.className = "fill";
+      fill.style.width = `${(100 * (b.samples || 0)) / total}%`;
+      row.append(label, fill);
+      node.appendChild(row);
+    }
+    picture.appendChild(node);
+  }
+  const out = Object.entries(plan.left_out || {});
+  if (out.length) picture.appendChild(box("left", "left out", out.map(([b, why]) => `${b}: ${why}`)));
 }
 
 function renderEvents(plans, failures) {
@@ -150,6 +232,9 @@ function render(state) {
   chart($("throughput"), steps, state.curves.map((c) => c.samples_per_s), state.ideal_samples_per_s);
   $("ideal").textContent = state.ideal_samples_per_s ? `(dashed: ideal ${fmt(state.ideal_samples_per_s)})` : "";
   chart($("accuracy"), state.evals.map((e) => e.step), state.evals.map((e) => e.accuracy));
+  let energy = 0;  // the boards' energy, summed over the steps the view holds
+  chart($("energy"), steps, state.curves.map((c) => (c.energy_j === null ? null : (energy += c.energy_j))));
+  renderPlan(state.plan);
   renderTimeline(state.timeline);
   renderEvents(state.plans, state.failures);
 }
