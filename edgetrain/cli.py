@@ -201,6 +201,10 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--state-dir", type=Path, default=Path(".fleet"), help="where fleet state is kept")
         cmd.add_argument("--runs-dir", type=Path, default=Path("runs"), help="results directory")
         cmd.add_argument("--data-dir", type=Path, default=Path("data"), help="dataset directory")
+        if name != "down":
+            cmd.add_argument("--dashboard", default="127.0.0.1:0", metavar="HOST:PORT", type=_dashboard,
+                             help="where the fleet's coordinator serves its live dashboard (default: a free port "
+                                  "on 127.0.0.1; 'none': no dashboard)")
         _insecure_arg(cmd, "run the fleet")
 
     plan = sub.add_parser("plan", help="the plan the coordinator would choose for a fleet file, explained")
@@ -449,21 +453,25 @@ def _fleet(args: argparse.Namespace) -> int:
 
     if args.fleet_command == "supervise":
         return supervise(Path(args.fleet), args.state_dir / f"{load_fleet(args.fleet).name}.json",
-                         args.runs_dir, args.data_dir, insecure=args.insecure)
+                         args.runs_dir, args.data_dir, insecure=args.insecure,
+                         dashboard=None if args.dashboard == "none" else args.dashboard)
     if args.fleet_command == "up":
         state = fleet_up(Path(args.fleet), state_dir=args.state_dir, runs_dir=args.runs_dir,
-                         data_dir=args.data_dir, insecure=args.insecure)
+                         data_dir=args.data_dir, insecure=args.insecure,
+                         dashboard=None if args.dashboard == "none" else args.dashboard)
+        page = (f"\ndashboard: {Path(state['dashboard_url_file']).read_text().strip()} (the token in it grants "
+                f"access)") if state.get("dashboard_url_file") else ""
         if load_fleet(args.fleet).jobs:
             server = f"--server {state['coordinator']} {' '.join(state['operator_args'])}"
             print(f"fleet {state['name']} is up ({state['mode']} network): job server {state['coordinator']}, "
                   f"{len(state['pids']) - 1} boards; `edgetrain submit JOB.yaml {server}` "
                   f"queues a job, `edgetrain jobs {server}` shows them, "
-                  f"`edgetrain fleet down {state['name']}` stops it")
+                  f"`edgetrain fleet down {state['name']}` stops it{page}")
             return 0
         print(f"fleet {state['name']} is up ({state['mode']} network): coordinator {state['coordinator']}, "
               f"{len(state['pids']) - 1} boards; `edgetrain devices --coordinator {state['coordinator']} "
               f"{' '.join(state['operator_args'])}` shows them, "
-              f"`edgetrain fleet down {state['name']}` stops it")
+              f"`edgetrain fleet down {state['name']}` stops it{page}")
         return 0
     name = load_fleet(args.fleet).name if args.fleet.endswith((".yaml", ".yml")) else args.fleet
     removed = fleet_down(name, state_dir=args.state_dir)

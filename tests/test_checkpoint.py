@@ -194,19 +194,25 @@ def test_resuming_a_longer_job_records_where_it_continues_and_extends_the_ledger
                       "reason": "no manifest.json (its save did not finish)"}]}]
 
 
-def test_a_run_from_step_0_moves_an_earlier_runs_sets_aside(tmp_path):
+def test_a_run_from_step_0_moves_an_earlier_runs_sets_and_metrics_aside(tmp_path):
     # Prepare
     model, optimizer = _trained(seed=1)
     save_checkpoint(tmp_path, model, optimizer, _state(5))
+    earlier = '{"kind": "train", "step": 4}\n'
+    (tmp_path / "metrics.jsonl").write_text(earlier)
     trainer = _trainer(small_job(), tmp_path)
 
     # Execute
     trainer.start_from_scratch()
+    trainer.metrics.write({"kind": "train", "step": 0})
     trainer.metrics.close()
 
-    # Assert: nothing to resume this run from, the earlier sets kept one generation
+    # Assert: nothing to resume this run from, the earlier sets kept one generation; the earlier
+    # run's records are set aside too: this run's metrics.jsonl holds its own steps only
     assert checkpoint_sets(tmp_path) == []
     assert (tmp_path / PREVIOUS_DIR / "step-000005" / MANIFEST_FILE).exists()
+    assert (tmp_path / "metrics.previous.jsonl").read_text() == earlier
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0]
 
 
 def _legacy_checkpoint(tmp_path: Path) -> None:

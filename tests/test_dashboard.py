@@ -306,14 +306,18 @@ def test_the_plan_picture_is_the_planners_plan_as_the_last_step_ran_it(tmp_path:
             "plan": {"stages": [{"blocks": 4, "boards": ["s0"]}, {"blocks": 6, "boards": ["g1", "g2"]}],
                      "microbatches": 4, "schedule": "1f1b", "dp_boards": ["d"], "dp_share": 0.25},
             "left_out": {"w": "no gain"}}
-    step = {"kind": "train", "step": 0, "step_s": 2.5, "predicted_step_s": 2.0,
+    step = {"kind": "train", "step": 0, "step_s": 2.5, "predicted_step_s": None,  # pipeline steps: the plan's
             "shares": {"s0": 24, "g1": 14, "g2": 10, "d": 8},
-            "stages": {"g2": {"stage": 1, "blocks": [4, 10]}, "s0": {"stage": 0, "blocks": [0, 4]},
-                       "g1": {"stage": 1, "blocks": [4, 10]}}}
+            "stages": {"g2": {"stage": 1, "blocks": [4, 10]}, "s0": {"stage": 0, "blocks": [0, 4], "compute_s": 1.0,
+                                                                      "wait_s": 0.5},
+                       "g1": {"stage": 1, "blocks": [4, 10]}},
+            "devices": {"pipeline0": {"compute_s": 1.2}, "d": {"compute_s": 2.0, "comm_s": 0.3, "waiting_s": 0.1,
+                                                               "idle_s": 0.1}}}
     (tmp_path / "metrics.jsonl").write_text(json.dumps(plan) + "\n" + json.dumps(step) + "\n")
 
     # Execute
-    picture = RunView("j", tmp_path, DeviceRegistry(), synthetic=False).state()["plan"]
+    state = RunView("j", tmp_path, DeviceRegistry(), synthetic=False).state()
+    picture = state["plan"]
 
     # Assert
     assert picture == {
@@ -323,6 +327,11 @@ def test_the_plan_picture_is_the_planners_plan_as_the_last_step_ran_it(tmp_path:
                                                               {"name": "g2", "samples": 10}]}],
         "shards": [{"name": "d", "samples": 8}], "left_out": {"w": "no gain"},
         "predicted_step_s": 2.0, "measured_step_s": 2.5}
+    # the step timeline has each stage host, not the merged pipeline the aggregation saw
+    parts = state["timeline"][-1]["boards"]
+    assert sorted(parts) == ["d", "g1", "g2", "s0"]
+    assert parts["s0"] == {"compute_s": 1.0, "comm_s": None, "waiting_s": 0.5, "idle_s": 1.0}
+    assert parts["d"] == {"compute_s": 2.0, "comm_s": 0.3, "waiting_s": 0.1, "idle_s": 0.1}
 
 
 def test_a_dashboard_address_that_cannot_serve_is_a_one_line_error(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -86,6 +87,15 @@ def reap(pid: int) -> None:
         pass
 
 
+def dashboard_state(url: str) -> dict:
+    """A dashboard's snapshot, read with the token its URL carries."""
+    import urllib.request
+
+    assert url.startswith("http://127.0.0.1:"), url
+    with urllib.request.urlopen(url.replace("/?token=", "/api/state?token="), timeout=10) as response:
+        return json.loads(response.read())
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("network", [
     pytest.param("namespaces", marks=[pytest.mark.root, pytest.mark.skipif(
@@ -112,6 +122,12 @@ def test_fleet_up_shows_live_telemetry_and_down_leaves_nothing(tmp_path: Path, n
             120, "both boards with telemetry")
         first = boards["battery"].telemetry.battery_percent
         assert not boards["wifi"].telemetry.HasField("battery_percent")  # no battery: unknown, not 0
+        # the coordinator serves its dashboard on loopback; the state names the owner-only file with its URL
+        url_file = Path(state["dashboard_url_file"])
+        assert url_file.stat().st_mode & 0o077 == 0
+        page = wait_for(lambda: (p := dashboard_state(url_file.read_text().strip())) and len(p["boards"]) == 2 and p,
+                        30, "both boards on the dashboard")
+        assert {b["name"] for b in page["boards"]} == {"battery", "wifi"}
         wait_for(lambda: devices(address, authority)["battery"].telemetry.battery_percent < first - 0.5, 60,
                  "the emulated battery to drain")
         assert wait_for(lambda: within(link_rate(address, authority), RATE_MBIT), 60, f"a probe near {RATE_MBIT} Mbit/s")

@@ -350,6 +350,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _page_state(url: str) -> dict:
+    """A dashboard's snapshot, read with the token its printed URL carries."""
+    import urllib.request
+
+    with urllib.request.urlopen(url.replace("/?token=", "/api/state?token="), timeout=10) as response:
+        return json.loads(response.read())
+
+
 def test_a_killed_job_server_adopts_its_running_job_when_it_comes_back(tmp_path, client_factory):
     port = _free_port()
     address = f"127.0.0.1:{port}"
@@ -359,7 +367,8 @@ def test_a_killed_job_server_adopts_its_running_job_when_it_comes_back(tmp_path,
         logs.append((tmp_path / f"server{len(logs)}.log").open("w"))
         return subprocess.Popen([sys.executable, "-m", "edgetrain", "coordinator", "--jobs", "--bind", address,
                                  "--state-dir", str(tmp_path / "state"), "--runs-dir", str(tmp_path / "runs"),
-                                 "--data-dir", str(tmp_path / "data"), "--no-advertise"],
+                                 "--data-dir", str(tmp_path / "data"), "--no-advertise", "--dashboard",
+                                 "127.0.0.1:0" if not logs[:-1] else "none"],
                                 stdout=logs[-1], stderr=subprocess.STDOUT)
 
     server = start_server()
@@ -374,6 +383,14 @@ def test_a_killed_job_server_adopts_its_running_job_when_it_comes_back(tmp_path,
                                                        step_timeout_s=600.0)))
         wait_for(lambda: stub.ListJobs(pb.ListJobsRequest()).jobs[0].steps_done >= 3, 180, "the job to train",
                  interval_s=0.1)
+        # the job server's dashboard lists the job with a link to its coordinator's own page, which
+        # shows the run's steps on the board the job server gave it
+        page = (tmp_path / "state" / "dashboard.url").read_text().strip()
+        listed = _page_state(page)["jobs"]
+        assert [(j["id"], j["state"], j["boards"]) for j in listed] == [("j1", "running", ["b0"])]
+        run_page = _page_state(listed[0]["dashboard"])
+        assert run_page["job"] == "j1-long" and run_page["curves"]
+        assert [b["name"] for b in run_page["boards"]] == ["b0"]
         os.kill(boards[0].pid, signal.SIGSTOP)  # the job stays mid-run however long the restart takes
         coordinators = psutil.Process(server.pid).children(recursive=True)
         assert len(coordinators) == 1

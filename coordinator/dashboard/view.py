@@ -121,9 +121,7 @@ class RunView:
                             "energy_j": _step_energy(s)} for s in steps],
                 "evals": [{"step": e.get("step"), "time": e.get("time"), "accuracy": e.get("test_accuracy"),
                            "loss": e.get("test_loss")} for e in self._evals],
-                "timeline": [{"step": s.get("step"), "step_s": s.get("step_s"),
-                              "boards": {names.get(d, d): {k: v.get(k) for k in ("compute_s", "comm_s", "waiting_s", "idle_s")}
-                                         for d, v in s.get("devices", {}).items()}}
+                "timeline": [{"step": s.get("step"), "step_s": s.get("step_s"), "boards": _step_parts(s, names)}
                              for s in steps[-TIMELINE_STEPS:]],
                 "plans": list(self._plans),
                 "failures": list(self._failures),
@@ -131,6 +129,21 @@ class RunView:
                               "predicted_step_s": last.get("predicted_step_s"), "shares": last.get("shares", {}),
                               "loss": last.get("loss"), "samples_per_s": last.get("samples_per_s")} if last else None,
             }
+
+
+def _step_parts(step: dict, names: dict[str, str]) -> dict[str, dict]:
+    """Each board's seconds of one step: compute, communication, waiting, idle. A pipeline's
+    stage hosts count separately (compute, waiting for their neighbours, the rest idle), not as
+    the merged pipeline the aggregation saw."""
+    stages = step.get("stages", {})
+    parts = {names.get(d, d): {k: v.get(k) for k in ("compute_s", "comm_s", "waiting_s", "idle_s")}
+             for d, v in step.get("devices", {}).items()
+             if not (stages and d.startswith("pipeline") and d[len("pipeline"):].isdigit())}
+    for d, st in stages.items():
+        compute, wait = st.get("compute_s") or 0.0, st.get("wait_s") or 0.0
+        parts[names.get(d, d)] = {"compute_s": compute, "comm_s": None, "waiting_s": wait,
+                                  "idle_s": round(max(0.0, (step.get("step_s") or 0.0) - compute - wait), 4)}
+    return parts
 
 
 def _profiled_sum(records) -> float | None:
@@ -164,7 +177,7 @@ def _plan_picture(last: dict, plans: list[dict], steps: list[dict], names: dict[
         "microbatches": section.get("microbatches") if by_stage else None,
         "schedule": section.get("schedule") if by_stage else None,
         "left_out": (planned or {}).get("left_out", {}),
-        "predicted_step_s": last.get("predicted_step_s"),
+        "predicted_step_s": last.get("predicted_step_s") or (planned or {}).get("predicted_step_s"),
         "measured_step_s": recent[len(recent) // 2] if recent else None,
         "step": last.get("step"),
     }
@@ -223,7 +236,8 @@ class JobServerView:
                       "request": j.request, "planned_start": j.planned_start or None,
                       "predicted_finish": j.predicted_finish or None, "steps": j.steps,
                       "steps_done": j.steps_done, "predicted_samples_per_s": j.predicted_samples_per_s or None,
-                      "measured_samples_per_s": j.measured_samples_per_s or None, "message": j.message}
+                      "measured_samples_per_s": j.measured_samples_per_s or None, "message": j.message,
+                      "dashboard": self._server.dashboard_url(j)}
                      for j in jobs],
             "boards": [{"id": b.name, "name": b.name, "state": "lost" if not b.alive else
                         ("training" if b.job else "ready"), "role": f"job {b.job}" if b.job else "",

@@ -67,7 +67,7 @@ class JobServer:
     def __init__(self, *, state_dir: Path, runs_dir: Path, data_dir: Path, host: str = "127.0.0.1",
                  scheduler: str = "rolling", poll_s: float = 5.0, board_timeout_s: float = 20.0,
                  reference_s: float | None = None, clock: Callable[[], float] = time.time,
-                 authority: trust.Authority | None = None) -> None:
+                 authority: trust.Authority | None = None, job_dashboards: str | None = None) -> None:
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, got {scheduler!r}")
         self.state_dir, self.runs_dir, self.data_dir = Path(state_dir), Path(runs_dir), Path(data_dir)
@@ -76,6 +76,8 @@ class JobServer:
         self.poll_s, self.board_timeout_s = poll_s, board_timeout_s
         self.clock = clock
         self.authority = authority
+        self.job_dashboards = job_dashboards
+        """HOST (or None): each job's coordinator serves its run's dashboard on HOST, a free port."""
         self.store = JobStore(self.state_dir / "jobs.json")
         self.boards: dict[str, LobbyBoard] = {}
         self.procs: dict[str, subprocess.Popen | psutil.Process] = {}
@@ -492,6 +494,15 @@ class JobServer:
         with (self.state_dir / "decisions.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
 
+    def dashboard_url(self, job: JobRecord) -> str | None:
+        """The URL (token included) of the job's own dashboard while its coordinator runs."""
+        if job.state not in ("starting", "running") or not self.job_dashboards:
+            return None
+        try:
+            return (self.runs_dir / job.run_name / "dashboard.url").read_text().strip() or None
+        except OSError:
+            return None
+
     def _launch(self, job: JobRecord, config: JobConfig, boards: list[str], now: float) -> None:
         run_config = replace(config, name=job.run_name,
                              training=replace(config.training, min_clients=len(boards)))
@@ -506,7 +517,8 @@ class JobServer:
             proc = subprocess.Popen(edgetrain_command(
                 "coordinator", "--config", str(config_file), "--bind", f"{self.host}:0", "--port-file", str(port_file),
                 "--runs-dir", str(self.runs_dir), "--data-dir", str(self.data_dir), "--no-advertise",
-                *self.coordinator_trust_args(), *(["--resume-or-start"] if job.resume else [])), stdout=log,
+                *self.coordinator_trust_args(), *(["--resume-or-start"] if job.resume else []),
+                "--dashboard", f"{self.job_dashboards}:0" if self.job_dashboards else "none"), stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True)
         self.procs[job.id] = proc

@@ -112,7 +112,8 @@ def serve_jobs(*, bind: str, state_dir: Path, runs_dir: Path, data_dir: Path, sc
     stop = stop or threading.Event()
     host = bind.rsplit(":", 1)[0]
     server = JobServer(state_dir=state_dir, runs_dir=runs_dir, data_dir=data_dir,
-                       host="0.0.0.0" if host in ("", "[::]") else host, scheduler=scheduler, authority=authority)
+                       host="0.0.0.0" if host in ("", "[::]") else host, scheduler=scheduler, authority=authority,
+                       job_dashboards=dashboard.rsplit(":", 1)[0] if dashboard else None)
     servers = serve_gateway(bind, [(pb_grpc.add_JobServerServicer_to_server, JobServerServicer(server))],
                             authority=authority, pair_bind=pair_bind)
     server.reference_s  # noqa: B018 - measure before boards join, on a quiet machine
@@ -129,10 +130,10 @@ def serve_jobs(*, bind: str, state_dir: Path, runs_dir: Path, data_dir: Path, sc
         logger.info("[JobServer] serving on %s:%d with mutual TLS (fleet CA %s…)%s (scheduler %s, state in %s)", host,
                     servers.port, authority.fingerprint[:16], f"; boards pair on {pairing}" if pairing else "",
                     scheduler, state_dir)
-    if port_file:
-        Path(port_file).write_text("".join(f"{line}\n" for line in (f"{host}:{servers.port}", pairing) if line))
     page = serve_dashboard(dashboard, JobServerView(server).state, Path(state_dir) / "dashboard.url",
                            authority) if dashboard else None
+    if port_file:  # last: whoever waits for it finds the dashboard's URL written too
+        Path(port_file).write_text("".join(f"{line}\n" for line in (f"{host}:{servers.port}", pairing) if line))
     try:
         server.run(stop)
     finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 import time
 from collections import defaultdict, deque
@@ -90,6 +91,18 @@ class MetricsLog:
             self._board = SummaryWriter(log_dir=str(tensorboard))
             if note:
                 self._board.add_text("run", note)
+
+    def start_over(self) -> Path | None:
+        """A run from step 0 in a directory that held an earlier run: that run's records move to
+        metrics.previous.jsonl (replacing an older one there), so no report or dashboard mixes
+        the two; returns where they went (None: there were none)."""
+        self._file.close()
+        previous = None
+        if self.path.stat().st_size:
+            previous = self.path.with_name("metrics.previous.jsonl")
+            os.replace(self.path, previous)
+        self._file = self.path.open("a", buffering=1)
+        return previous
 
     def _scalars(self, step: int, values: dict) -> None:
         if self._board is None:

@@ -177,11 +177,15 @@ class Trainer:
 
     def start_from_scratch(self) -> None:
         """Train from step 0: an earlier run's checkpoints (if any) move to checkpoints.previous/,
-        so nothing resumes this run from them."""
+        so nothing resumes this run from them, and its metrics to metrics.previous.jsonl."""
         moved = set_aside(self.run_dir)
         if moved:
             logger.warning("[Coordinator.Trainer] starting from step 0: the earlier checkpoints in %s were moved to %s",
                            self.run_dir, moved)
+        records = self.metrics.start_over()
+        if records:
+            logger.warning("[Coordinator.Trainer] starting from step 0: the earlier run's metrics were moved to %s",
+                           records)
 
     def run(self) -> dict:
         """Train to the configured number of steps; returns the final evaluation."""

@@ -38,6 +38,8 @@ from edgetrain.emulator.throttle import remove_stale_cgroups
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_DASHBOARD = "127.0.0.1:0"
+"""Where a fleet's coordinator serves its dashboard unless told otherwise (None: no dashboard)."""
 UNSHAPED_MBIT = 1e6
 """Rate given to a client's application-level shaper when `tc` shapes the link instead."""
 
@@ -57,8 +59,9 @@ class Supervisor:
     """Owns one running fleet: its network, coordinator, boards and events."""
 
     def __init__(self, spec: FleetSpec, state_file: Path, runs_dir: Path, data_dir: Path, *,
-                 insecure: bool = False) -> None:
+                 insecure: bool = False, dashboard: str | None = DEFAULT_DASHBOARD) -> None:
         self.spec = spec
+        self.dashboard = dashboard
         self.state_file = state_file
         self.work_dir = state_file.with_suffix("")
         self.trust = EmulatedTrust(self.work_dir / "trust", insecure=insecure)
@@ -118,12 +121,15 @@ class Supervisor:
         address_file = self.work_dir / "coordinator.address"
         address_file.unlink(missing_ok=True)
         log = (self.log_dir / "coordinator.log").open("a")
-        role = (["--jobs", "--state-dir", str(self.runs_dir / self.spec.name / "job-server")] if self.spec.jobs
-                else ["--config", str(job_file)])
+        server_dir = self.runs_dir / self.spec.name / "job-server"
+        role = (["--jobs", "--state-dir", str(server_dir)] if self.spec.jobs else ["--config", str(job_file)])
+        url_file = (server_dir if self.spec.jobs else self.runs_dir / self.spec.job.name) / "dashboard.url"
+        url_file.unlink(missing_ok=True)  # an earlier run's: the new one is written before the address
         self.procs["coordinator"] = subprocess.Popen(edgetrain_command(
             "coordinator", *role, "--bind", f"{self.gateway}:0", "--port-file",
             str(address_file), "--cluster", self.spec.cluster, "--advertise", self.gateway, "--runs-dir",
-            str(self.runs_dir), "--data-dir", str(self.data_dir), *self.trust.gateway_args()),
+            str(self.runs_dir), "--data-dir", str(self.data_dir), *self.trust.gateway_args(),
+            "--dashboard", self.dashboard or "none"),
             stdout=log, stderr=subprocess.STDOUT)
         self._save()
         deadline = time.monotonic() + 120
@@ -132,6 +138,8 @@ class Supervisor:
                 raise RuntimeError(f"the coordinator did not start; see {self.log_dir / 'coordinator.log'}")
             time.sleep(0.1)
         self.state["coordinator"] = address_file.read_text().splitlines()[0].strip()  # line 2: pairing
+        # the URL holds the dashboard's token: the state file names the file (owner-only), not the URL
+        self.state["dashboard_url_file"] = str(url_file) if self.dashboard and url_file.exists() else None
 
     def _board_file(self, board: BoardSpec) -> Path:
         path = self.work_dir / f"{board.name}.yaml"
@@ -207,9 +215,11 @@ class Supervisor:
         self.state_file.unlink(missing_ok=True)
 
 
-def supervise(spec_file: Path, state_file: Path, runs_dir: Path, data_dir: Path, *, insecure: bool = False) -> int:
+def supervise(spec_file: Path, state_file: Path, runs_dir: Path, data_dir: Path, *, insecure: bool = False,
+              dashboard: str | None = DEFAULT_DASHBOARD) -> int:
     """Entry point of the supervisor process."""
-    supervisor = Supervisor(load_fleet(spec_file), state_file, runs_dir, data_dir, insecure=insecure)
+    supervisor = Supervisor(load_fleet(spec_file), state_file, runs_dir, data_dir, insecure=insecure,
+                            dashboard=dashboard)
     signal.signal(signal.SIGTERM, supervisor.stop)
     signal.signal(signal.SIGINT, supervisor.stop)
     try:
@@ -230,8 +240,10 @@ def supervise(spec_file: Path, state_file: Path, runs_dir: Path, data_dir: Path,
 
 
 def fleet_up(spec_file: Path, *, state_dir: Path, runs_dir: Path, data_dir: Path, timeout_s: float = 180,
-             insecure: bool = False) -> dict:
-    """Start the fleet's supervisor in the background; returns its state once the coordinator serves."""
+             insecure: bool = False, dashboard: str | None = DEFAULT_DASHBOARD) -> dict:
+    """Start the fleet's supervisor in the background; returns its state once the coordinator serves.
+    `dashboard` ("host:port", None: none): where the coordinator serves its dashboard; the state's
+    `dashboard_url_file` names the file holding its URL."""
     spec = load_fleet(spec_file)
     state_dir.mkdir(parents=True, exist_ok=True)
     path = state_path(state_dir, spec.name)
@@ -241,7 +253,8 @@ def fleet_up(spec_file: Path, *, state_dir: Path, runs_dir: Path, data_dir: Path
     log = (runs_dir / spec.name / "fleet-supervisor.log").open("a")
     proc = subprocess.Popen(edgetrain_command("fleet", "supervise", str(spec_file.resolve()), "--state-dir",
                                        str(state_dir.resolve()), "--runs-dir", str(runs_dir.resolve()),
-                                       "--data-dir", str(data_dir.resolve()), *(["--insecure"] if insecure else [])),
+                                       "--data-dir", str(data_dir.resolve()), *(["--insecure"] if insecure else []),
+                                       "--dashboard", dashboard or "none"),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -53,6 +53,18 @@ function renderJobs(jobs) {
     cell(tr, clock(j.planned_start));
     cell(tr, clock(j.predicted_finish));
     cell(tr, `${fmt(j.predicted_samples_per_s)} / ${fmt(j.measured_samples_per_s)}`);
+    const td = document.createElement("td");
+    if (j.dashboard) {  // the job's own coordinator serves its run: curves, plan, steps
+      const a = document.createElement("a");
+      a.href = j.dashboard;
+      a.target = "_blank";
+      a.rel = "noopener";
+      a.textContent = "run";
+      td.appendChild(a);
+    } else {
+      td.textContent = "–";
+    }
+    tr.appendChild(td);
     body.appendChild(tr);
   }
 }
