@@ -1,16 +1,20 @@
 """Benchmark: what an open dashboard costs the training it shows.
 
 The demo job (MobileNetV2 on SYNTHETIC CIFAR-shaped data, four emulated boards at 0.5, 0.3, 0.2
-and 0.1 of a core) runs with its dashboard served in every run, alternately with the page open
-in headless Chromium (live updates every second) and with no page open: A B A B ... Throughput
-is the median samples/s of the steps after `--warmup` in each run; the arms' medians over their
-runs are compared.
+and 0.1 of a core) runs with its dashboard served, and within the same run the page is open in
+headless Chromium (live updates every second) and closed (the browser on about:blank) in
+alternating windows of `--window` steps: A B A B ... Comparing windows of one run removes what
+differs between runs (the boards' join-time profiles and so their shares vary by up to 18% from
+run to run on this machine). A window's figure is the median samples/s of its steps after the
+first (which straddles the switch); the arms are compared by the median over windows and by the
+median ratio of each open window to the closed window after it, with the spread of those ratios.
 
-    python scripts/bench_dashboard.py [--pairs 2] [--steps 40] [--warmup 8]
+    python scripts/bench_dashboard.py [--runs 1] [--steps 248] [--window 12] [--warmup 8]
 
 Needs Chromium and chromedriver from the distribution (Debian: apt-get install chromium
 chromium-driver) and selenium (pip install '.[test]'). Last line: one JSON object with
-`open_samples_per_s`, `closed_samples_per_s`, their `ratio`, and every run's figure.
+`open_samples_per_s`, `closed_samples_per_s`, their `ratio`, the pairs' `pair_ratio_median` and
+`pair_ratio_quartiles`, and every window's figure.
 """
 
 from __future__ import annotations
@@ -45,56 +49,104 @@ def open_page(url: str, profile: Path):
     return driver
 
 
-def run_once(workdir: Path, name: str, steps: int, warmup: int, with_page: bool) -> float:
-    """One demo run; its steady-state samples/s."""
+def run_once(workdir: Path, name: str, steps: int, warmup: int, window: int) -> list[dict]:
+    """One demo run, its page opened and closed every `window` steps after `warmup`; its windows
+    as {arm, steps, samples_per_s}."""
     runs = workdir / name
     proc = subprocess.Popen([sys.executable, "-m", "edgetrain", "local", str(DEMO_JOB), "--runs-dir", str(runs),
                              "--set", f"training.steps={steps}", "--set", "training.eval_every=0",
                              "--set", "training.checkpoint_every_s=0", "--dashboard", "127.0.0.1:0"],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     driver = None
+    metrics = runs / "demo" / "metrics.jsonl"
+    switches: list[tuple[int, str]] = []  # (first step under it, arm)
     try:
         url_file = runs / "demo" / "dashboard.url"
-        while with_page and not (url_file.exists() and url_file.read_text().strip()):
+        while not (url_file.exists() and url_file.read_text().strip()):
             if proc.poll() is not None:
                 raise RuntimeError(f"{name}: the run ended before its dashboard served")
             time.sleep(0.2)
-        if with_page:
-            driver = open_page(url_file.read_text().strip(), workdir / f"{name}-chromium")
-        if proc.wait() != 0:
+        url = url_file.read_text().strip()
+        driver = open_page("about:blank", workdir / f"{name}-chromium")
+        arm = "closed"
+        counter = StepCounter(metrics)
+        while proc.poll() is None:
+            done = counter.done()
+            if done >= warmup and (done - warmup) % window == 0 and (not switches or switches[-1][0] != done):
+                arm = "open" if arm == "closed" else "closed"
+                driver.get(url if arm == "open" else "about:blank")
+                switches.append((done, arm))
+            time.sleep(0.1)
+        if proc.returncode != 0:
             raise RuntimeError(f"{name}: the run failed (exit {proc.returncode}); see {runs / 'demo' / 'logs'}")
     finally:
         if driver is not None:
             driver.quit()
         if proc.poll() is None:
             proc.kill()
-    records = [json.loads(line) for line in (runs / "demo" / "metrics.jsonl").read_text().splitlines()]
-    rates = [r["samples_per_s"] for r in records if r.get("kind") == "train" and r["step"] >= warmup]
-    return statistics.median(rates)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rate = {r["step"]: r["samples_per_s"] for r in records if r.get("kind") == "train"}
+    windows = []
+    for (first, arm), (end, _) in zip(switches, switches[1:] + [(steps, "")]):
+        inside = [rate[s] for s in range(first + 1, end) if s in rate]  # the first straddles the switch
+        if len(inside) >= 2:
+            windows.append({"arm": arm, "steps": [first, end], "samples_per_s": statistics.median(inside)})
+    return windows
+
+
+class StepCounter:
+    """Train records in a growing metrics.jsonl (reads only what was appended)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.count, self.tail = path, 0, 0, b""
+
+    def done(self) -> int:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return 0
+        self.offset += len(data)
+        lines = (self.tail + data).split(b"\n")
+        self.tail = lines.pop()
+        self.count += sum(b'"kind": "train"' in line for line in lines)
+        return self.count
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--pairs", type=int, default=2, help="A B pairs (open, closed)")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--runs", type=int, default=1, help="demo runs (each holds many A B pairs)")
+    parser.add_argument("--steps", type=int, default=248)
+    parser.add_argument("--window", type=int, default=12, help="steps per window (page open, then closed, ...)")
     parser.add_argument("--warmup", type=int, default=8)
     args = parser.parse_args()
     if not (shutil.which("chromium") or shutil.which("chromium-browser")) or not shutil.which("chromedriver"):
         sys.exit("bench_dashboard needs Chromium and chromedriver (Debian: apt-get install chromium chromium-driver)")
     print("# demo job on 4 emulated boards; data: SYNTHETIC", flush=True)
-    runs: dict[str, list[float]] = {"open": [], "closed": []}
+    windows: list[dict] = []
+    pairs: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-dashboard-") as tmp:
-        for i in range(args.pairs):
-            for arm in ("open", "closed"):
-                rate = run_once(Path(tmp), f"{arm}-{i}", args.steps, args.warmup, with_page=arm == "open")
-                runs[arm].append(rate)
-                print(f"{arm} page, run {i}: {rate:.2f} samples/s", flush=True)
-    open_, closed = statistics.median(runs["open"]), statistics.median(runs["closed"])
-    print(f"page open: {open_:.2f} samples/s (runs {runs['open']}); closed: {closed:.2f} (runs {runs['closed']}); "
-          f"open/closed {open_ / closed:.3f}", flush=True)
+        for i in range(args.runs):
+            these = run_once(Path(tmp), f"run-{i}", args.steps, args.warmup, args.window)
+            for w in these:
+                print(f"run {i}, steps {w['steps'][0]}-{w['steps'][1] - 1}: page {w['arm']}, "
+                      f"{w['samples_per_s']:.2f} samples/s", flush=True)
+            pairs += [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(these, these[1:])
+                      if a["arm"] == "open" and b["arm"] == "closed"]
+            windows += these
+    by_arm = {arm: [w["samples_per_s"] for w in windows if w["arm"] == arm] for arm in ("open", "closed")}
+    open_, closed = statistics.median(by_arm["open"]), statistics.median(by_arm["closed"])
+    quartiles = statistics.quantiles(pairs, n=4) if len(pairs) >= 2 else [pairs[0]] * 3
+    print(f"page open: {open_:.2f} samples/s over {len(by_arm['open'])} windows; closed: {closed:.2f} over "
+          f"{len(by_arm['closed'])}; open/closed {open_ / closed:.3f}; each open window over the closed one after "
+          f"it: median {statistics.median(pairs):.3f}, quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f} "
+          f"({len(pairs)} pairs)", flush=True)
     print(json.dumps({"synthetic_data": True, "open_samples_per_s": round(open_, 2),
                       "closed_samples_per_s": round(closed, 2), "ratio": round(open_ / closed, 4),
-                      "runs": {k: [round(v, 2) for v in vs] for k, vs in runs.items()}}))
+                      "pair_ratio_median": round(statistics.median(pairs), 4),
+                      "pair_ratio_quartiles": [round(quartiles[0], 4), round(quartiles[2], 4)], "pairs": len(pairs),
+                      "windows": [{**w, "samples_per_s": round(w["samples_per_s"], 2)} for w in windows]}))
 
 
 if __name__ == "__main__":

@@ -299,6 +299,23 @@ def test_a_step_over_other_boards_than_the_last_is_listed_as_a_re_plan(tmp_path:
         (2, ["b-2"], [], ["without b-2"]), (3, [], ["c-3"], ["with c-3"]), (4, [], ["b-2"], ["with b-2 again"])]
 
 
+def test_failed_attempts_and_re_plans_name_boards_by_their_names(tmp_path: Path) -> None:
+    # Prepare: two boards; a step where b's attempt was lost, then a step without b
+    registry = DeviceRegistry()
+    a, b = registry.register("a", {}, {}).device_id, registry.register("b", {}, {}).device_id
+    steps = [{"kind": "train", "step": 0, "shares": {a: 8, b: 8}},
+             {"kind": "train", "step": 1, "shares": {a: 16}, "failures": [{"attempt": 0, "failed": {b: "gone"}}],
+              "attempt_log": [{"attempt": 0, "lost": [b], "outcome": "failed"}]}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+
+    # Execute
+    state = RunView("j", tmp_path, registry, synthetic=False).state()
+
+    # Assert: names, not device ids, as the fleet table shows them
+    assert [f["failed"] for f in state["failures"]] == [{"b": "gone"}]
+    assert [(p["step"], p["reasons"]) for p in state["plans"]] == [(1, ["without b"])]
+
+
 def test_the_plan_picture_is_the_planners_plan_as_the_last_step_ran_it(tmp_path: Path) -> None:
     # Prepare: the planner's record (2 stages, the second a group of two, one DP shard, one board
     # left out) and a step that ran it

@@ -70,12 +70,12 @@ class RunView:
         self._boards_in_steps: set[str] | None = None
         self._ever: set[str] = set()
 
-    def _read(self) -> None:
+    def _read(self, names: dict[str, str]) -> None:
         for record in self._tail.new_records():
             kind = record.get("kind")
             if kind == "train":
                 self._steps.append(record)
-                self._note_membership(record)
+                self._note_membership(record, names)
                 for failure in record.get("failures", []):
                     self._failures.append({"step": record.get("step"), **failure})
                 for attempt in record.get("attempt_log", []):
@@ -87,12 +87,14 @@ class RunView:
             elif kind == "plan":
                 self._plans.append(record)
 
-    def _note_membership(self, record: dict) -> None:
+    def _note_membership(self, record: dict, names: dict[str, str]) -> None:
         """A step whose boards differ from the last one's was planned anew (a board left, joined,
-        or the split gave it nothing this time): listed with the plans."""
-        boards = set(record.get("shares", {})) | set(record.get("stages", {}))
+        or the split gave it nothing this time): listed with the plans, unless the planner's own
+        record for that step already is."""
+        boards = {names.get(d, d) for d in set(record.get("shares", {})) | set(record.get("stages", {}))}
         before, self._boards_in_steps = self._boards_in_steps, boards
-        if before is None or boards == before:
+        planned = any(p.get("kind") == "plan" and p.get("step") == record.get("step") for p in self._plans[-3:])
+        if before is None or boards == before or planned:
             self._ever |= boards
             return
         self._plans.append({"kind": "membership", "step": record.get("step"), "switched": True,
@@ -105,11 +107,11 @@ class RunView:
     def state(self) -> dict:
         """The run now (JSON-ready)."""
         with self._lock:
-            self._read()
-            steps = list(self._steps)
-            last = steps[-1] if steps else {}
             records = self._registry.snapshot()
             names = {r.device_id: r.name for r in records}
+            self._read(names)
+            steps = list(self._steps)
+            last = steps[-1] if steps else {}
             return {
                 "job": self.job_name,
                 "synthetic_data": self.synthetic,
@@ -124,11 +126,22 @@ class RunView:
                 "timeline": [{"step": s.get("step"), "step_s": s.get("step_s"), "boards": _step_parts(s, names)}
                              for s in steps[-TIMELINE_STEPS:]],
                 "plans": list(self._plans),
-                "failures": list(self._failures),
+                "failures": [_named(f, names) for f in self._failures],
                 "last_step": {"step": last.get("step"), "step_s": last.get("step_s"),
                               "predicted_step_s": last.get("predicted_step_s"), "shares": last.get("shares", {}),
                               "loss": last.get("loss"), "samples_per_s": last.get("samples_per_s")} if last else None,
             }
+
+
+def _named(failure: dict, names: dict[str, str]) -> dict:
+    """A failure record with board names for device ids (what the page shows)."""
+    out = dict(failure)
+    for key in ("failed", "no_usable_update"):
+        if isinstance(out.get(key), dict):
+            out[key] = {names.get(d, d): why for d, why in out[key].items()}
+    if isinstance(out.get("lost"), list):
+        out["lost"] = [names.get(d, d) for d in out["lost"]]
+    return out
 
 
 def _step_parts(step: dict, names: dict[str, str]) -> dict[str, dict]:
