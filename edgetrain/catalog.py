@@ -34,13 +34,17 @@ SYNTHETIC_HARD_TARGET = 0.70
 """Test accuracy that experiments and the time-to-accuracy benchmark stop at on ``synthetic-hard``
 at the sizes above: MobileNetV2 needs several epochs to pass it (docs/calibration.md)."""
 
-CODEC_NAMES: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "topk")
+CODEC_NAMES: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
 """Names accepted by ``CodecSpec.name``."""
 
 DEFAULT_TOPK_RATIO = 0.01
+DEFAULT_POWERSGD_RANK = 4
+"""Rank of PowerSGD's factors when ``powersgd`` names none (Vogels et al. 2019 train CIFAR
+ResNet-18 at rank 2-4 close to full precision)."""
 """Fraction of elements top-k keeps when the spec gives no ratio (``topk``)."""
 
-_CODEC_FORMS = "none, fp16, bf16, int8, topk, or topk:<ratio> with 0 < ratio <= 1 (e.g. topk:0.01)"
+_CODEC_FORMS = ("none, fp16, bf16, int8, topk, topk:<ratio> with 0 < ratio <= 1 (e.g. topk:0.01), powersgd, or "
+                "powersgd:<rank> with an integer rank >= 1 (e.g. powersgd:4)")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -93,6 +97,8 @@ class CodecSpec:
     """One of `CODEC_NAMES`."""
     ratio: float = DEFAULT_TOPK_RATIO
     """Top-k only: fraction of each tensor's elements kept, in (0, 1]."""
+    rank: int = DEFAULT_POWERSGD_RANK
+    """PowerSGD only: rank of the low-rank factors, >= 1."""
 
     def __post_init__(self) -> None:
         if self.name not in CODEC_NAMES:
@@ -103,9 +109,15 @@ class CodecSpec:
             raise ValueError(f"codec ratio must be in (0, 1], got {self.ratio!r}")
         if self.name != "topk" and self.ratio != DEFAULT_TOPK_RATIO:
             raise ValueError(f"codec {self.name!r} takes no ratio (only topk does), got {self.ratio!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"codec rank must be an integer >= 1, got {self.rank!r}")
+        if self.name != "powersgd" and self.rank != DEFAULT_POWERSGD_RANK:
+            raise ValueError(f"codec {self.name!r} takes no rank (only powersgd does), got {self.rank!r}")
 
     def __str__(self) -> str:
-        return f"topk:{float(self.ratio)!r}" if self.name == "topk" else self.name
+        if self.name == "topk":
+            return f"topk:{float(self.ratio)!r}"
+        return f"powersgd:{self.rank}" if self.name == "powersgd" else self.name
 
     @property
     def lossy(self) -> bool:
@@ -114,22 +126,27 @@ class CodecSpec:
 
 
 def parse_codec(text: str) -> CodecSpec:
-    """The spec written as ``none``, ``fp16``, ``bf16``, ``int8``, ``topk`` or ``topk:<ratio>``."""
+    """The spec written as ``none``, ``fp16``, ``bf16``, ``int8``, ``topk``, ``topk:<ratio>``,
+    ``powersgd`` or ``powersgd:<rank>``."""
     if not isinstance(text, str):
         raise ValueError(f"bad codec {text!r}: not a string; expected {_CODEC_FORMS}")
-    name, sep, ratio_text = text.partition(":")
-    if name not in CODEC_NAMES or (sep and name != "topk"):
+    name, sep, arg = text.partition(":")
+    if name not in CODEC_NAMES or (sep and name not in ("topk", "powersgd")):
         raise ValueError(f"bad codec {text!r}; expected {_CODEC_FORMS}")
-    if ":" in ratio_text:
+    if ":" in arg:
         raise ValueError(f"bad codec {text!r}: more than one ':'; expected {_CODEC_FORMS}")
     if not sep:
         return CodecSpec(name)
+    if name == "powersgd":
+        if not arg.isdigit() or int(arg) < 1:
+            raise ValueError(f"bad codec {text!r}: rank {arg!r} is not an integer >= 1; expected {_CODEC_FORMS}")
+        return CodecSpec(name, rank=int(arg))
     try:
-        ratio = float(ratio_text)
+        ratio = float(arg)
     except ValueError:
         raise ValueError(
-            f"bad codec {text!r}: ratio {ratio_text!r} is not a number; expected {_CODEC_FORMS}"
+            f"bad codec {text!r}: ratio {arg!r} is not a number; expected {_CODEC_FORMS}"
         ) from None
     if not 0.0 < ratio <= 1.0:
-        raise ValueError(f"bad codec {text!r}: ratio {ratio_text} is not in (0, 1]; expected {_CODEC_FORMS}")
+        raise ValueError(f"bad codec {text!r}: ratio {arg} is not in (0, 1]; expected {_CODEC_FORMS}")
     return CodecSpec(name, ratio)

@@ -20,6 +20,14 @@ Codecs and wire names, for a tensor ``<name>`` with at least `MIN_COMPRESSED_NUM
 - ``topk:<ratio>``: ``<name>:idx`` int32 and ``<name>:val`` float32, both of shape (k,) with
   ``k = max(1, ceil(ratio * numel))``: the k entries of largest magnitude of the flattened tensor
   and their flat indices; every other entry decodes to zero. ``2 * ratio`` of the bytes.
+- ``powersgd:<rank>`` (Vogels et al. 2019, "PowerSGD: Practical Low-Rank Gradient Compression"):
+  a tensor of shape (n, ...) is read as an n × m matrix M (m: the product of the other
+  dimensions) and sent as ``<name>:p`` float32 (n, r) and ``<name>:q`` float32 (m, r), decoded as
+  ``p @ q.T``: one power-iteration step, ``P = orth(M Q)``, ``Q = Mᵀ P``, from the Q of the
+  encoder's previous message for that tensor (warm start; the first from a fixed random draw).
+  ``r (n + m) / (n m)`` of the bytes. A tensor with one dimension, or whose factors would not be
+  smaller than it (r (n + m) >= n m, e.g. a depthwise convolution with few channels), travels
+  dense float32. The encoder's warm start is its only state; decoding needs none.
 
 Decoding is a pure function of the wire tensors, so the sender (which needs what the receiver
 will see, for error feedback) and the receiver get bit-identical results.
@@ -35,6 +43,7 @@ back the commit of ``e`` separately, to run only once the transfer succeeded.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -65,7 +74,7 @@ class _Slot:
     """``dense`` (float32 as is) or the codec name that compresses it."""
     wire: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
     k: int = 0
-    """Top-k only: elements kept."""
+    """Top-k: elements kept; PowerSGD: the rank."""
 
 
 def _topk_count(ratio: float, numel: int) -> int:
@@ -84,6 +93,13 @@ def _plan_slot(spec: CodecSpec, name: str, shape: tuple[int, ...]) -> _Slot:
     if spec.name == "int8":
         return _Slot(name, shape, "int8", ((f"{name}:q", torch.int8, shape),
                                            (f"{name}:scale", torch.float32, (1,))))
+    if spec.name == "powersgd":
+        n, m = (shape[0], numel // shape[0]) if len(shape) >= 2 else (numel, 1)
+        r = min(spec.rank, n, m)
+        if len(shape) < 2 or r * (n + m) >= numel:
+            return _Slot(name, shape, "dense", ((name, torch.float32, shape),))
+        return _Slot(name, shape, "powersgd", ((f"{name}:p", torch.float32, (n, r)),
+                                               (f"{name}:q", torch.float32, (m, r))), r)
     k = _topk_count(spec.ratio, numel)
     return _Slot(name, shape, "topk", ((f"{name}:idx", torch.int32, (k,)),
                                        (f"{name}:val", torch.float32, (k,))), k)
@@ -147,6 +163,8 @@ class Codec:
         if len(example) != sum(len(slot.wire) for slot in self._slots):
             raise ValueError(f"template names collide with the {spec} wire names (a name ending in ':q'?)")
         self._metas = bundle_metas(example)
+        self._warm: dict[str, torch.Tensor] = {}
+        """PowerSGD: each tensor's last Q (the encoder's warm start)."""
 
     def wire_metas(self) -> list[TensorMeta]:
         """The header of every encoded bundle: names, dtypes, shapes and byte ranges, in order."""
@@ -177,6 +195,8 @@ class Codec:
                 wire[slot.name] = x.to(torch.bfloat16)
             elif slot.kind == "int8":
                 wire[f"{slot.name}:q"], wire[f"{slot.name}:scale"] = _encode_int8(x)
+            elif slot.kind == "powersgd":
+                wire[f"{slot.name}:p"], wire[f"{slot.name}:q"] = self._encode_powersgd(slot, x)
             else:
                 wire[f"{slot.name}:idx"], wire[f"{slot.name}:val"] = _encode_topk(x, slot.k)
         return wire
@@ -198,9 +218,23 @@ class Codec:
             elif slot.kind == "int8":
                 q, scale = wire[f"{slot.name}:q"], wire[f"{slot.name}:scale"]
                 out[slot.name] = q.to(torch.float32).mul_(scale)
+            elif slot.kind == "powersgd":
+                out[slot.name] = (wire[f"{slot.name}:p"] @ wire[f"{slot.name}:q"].T).reshape(slot.shape)
             else:
                 out[slot.name] = self._decode_topk(slot, wire[f"{slot.name}:idx"], wire[f"{slot.name}:val"])
         return out
+
+    def _encode_powersgd(self, slot: _Slot, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One warm-started power-iteration step: (P, Q) with orthonormal P and P Qᵀ ≈ x."""
+        matrix = x.reshape(slot.shape[0], -1)
+        q = self._warm.get(slot.name)
+        if q is None or not bool(torch.isfinite(q).all()) or not bool(q.any()):
+            generator = torch.Generator().manual_seed(zlib.crc32(slot.name.encode()))
+            q = torch.randn(matrix.shape[1], slot.k, generator=generator)
+        p = torch.linalg.qr(matrix @ q).Q  # reduced: n × r with orthonormal columns
+        q = matrix.T @ p
+        self._warm[slot.name] = q
+        return p.contiguous(), q.contiguous()
 
     def _decode_topk(self, slot: _Slot, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
         numel = math.prod(slot.shape)
