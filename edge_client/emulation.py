@@ -24,6 +24,7 @@ from edgetrain.emulator.battery import (
 )
 from edgetrain.emulator.fleet_config import BoardSpec, load_board
 from edgetrain.emulator.shaping import LinkShaper, LinkSpec
+from edgetrain.emulator.throttle import MemoryLimiter
 from edgetrain.power import PowerModel, board_power, default_power
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,13 @@ class BoardEmulation:
                                **({"radio_nj_per_byte": power.radio_nj_per_byte} if power else {}))
         self.energy = EnergyMeter(battery=self.battery, power=power, radio_bytes=self.shaper.bytes_moved,
                                   sensor=sensor)
+        self.memory = MemoryLimiter(cap_bytes=None, mode="none")
+        """The memory cap in force (main sets it from `memory_cap_bytes`); reads what the board reports."""
+
+    @property
+    def memory_cap_bytes(self) -> int | None:
+        """The board file's memory cap in bytes (None: the host's memory)."""
+        return int(self.board.memory_mb * 2**20) if self.board and self.board.memory_mb else None
 
     @classmethod
     def from_file(cls, path: str | None, power_w: tuple[float, float] | None = None, *,

@@ -22,7 +22,7 @@ from edgetrain.discovery import (
     find_coordinator,
     serves_jobs,
 )
-from edgetrain.emulator.throttle import limit_cpu
+from edgetrain.emulator.throttle import limit_cpu, limit_memory
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,9 @@ def run_client(address: str | None, options: ClientOptions, *, threads: int | No
     link = LinkMeter()
     browse = address is None or bool(interfaces)
     where = " or ".join(filter(None, (address, "over mDNS" if browse else "")))
-    with limit_cpu(options.emulated_speed, name=options.name) as limiter:
+    with limit_cpu(options.emulated_speed, name=options.name) as limiter, \
+            limit_memory(emulation.memory_cap_bytes, name=options.name) as memory:
+        emulation.memory = memory
         if options.emulated_speed:
             logger.info("[Client] %s emulates %.2f of a core (%s)", options.name, options.emulated_speed,
                         limiter.mode)

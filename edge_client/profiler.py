@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import psutil
 import torch
@@ -35,14 +35,18 @@ def time_training_step(model: nn.Module, dataset, batch_size: int, limiter: CpuL
 
 
 def profile_device(model: nn.Module, dataset, batch_sizes: Sequence[int], limiter: CpuLimiter, *,
-                   max_forward_batch: int = 0) -> BoardProfile:
+                   max_forward_batch: int = 0, memory: Callable[[], tuple[int, int]] | None = None) -> BoardProfile:
     """Time training at each batch size, the way shards are computed (in chunks of at most
     `max_forward_batch`); the model's weights are overwritten before real work."""
     timings = tuple((b, time_training_step(model, dataset, b, limiter, max_forward_batch=max_forward_batch))
                     for b in batch_sizes)
-    memory = psutil.virtual_memory()
+    if memory is None:
+        host = psutil.virtual_memory()
+        total, available = host.total, host.available
+    else:  # an emulated board's cap
+        total, available = memory()
     rss = psutil.Process(os.getpid()).memory_info().rss
-    return BoardProfile(timings, memory.total, memory.available, rss)
+    return BoardProfile(timings, total, available, rss)
 
 
 def torch_threads_for(speed: float | None) -> int | None:

@@ -115,6 +115,11 @@ def read_cpu_freq() -> float | None:
     return float(freq.current) if freq and freq.current else None
 
 
+def _host_memory() -> tuple[int, int]:
+    memory = psutil.virtual_memory()
+    return memory.total, memory.available
+
+
 class TelemetryCollector:
     """Builds telemetry samples for one board (real or emulated)."""
 
@@ -122,8 +127,10 @@ class TelemetryCollector:
                  battery: Callable[[], BatteryReading | None] = real_battery,
                  energy_j: Callable[[], float | None] = lambda: None,
                  energy_measured: Callable[[], bool] = lambda: False,
-                 plugged: bool | None = None, power_w: tuple[float, float] | None = None) -> None:
+                 plugged: bool | None = None, power_w: tuple[float, float] | None = None,
+                 memory: Callable[[], tuple[int, int]] | None = None) -> None:
         self.link = link
+        self._memory = memory or _host_memory
         self._energy_measured = energy_measured
         self._power_w = power_w
         self._speed = emulated_speed
@@ -143,7 +150,7 @@ class TelemetryCollector:
 
     def sample(self) -> TelemetrySample:
         """A sample of the board's state now."""
-        memory = psutil.virtual_memory()
+        memory_total, memory_available = self._memory()
         battery = self._battery()
         compute_s, comm_s = self.last_step or (None, None)
         plugged = self._plugged
@@ -151,8 +158,8 @@ class TelemetryCollector:
             plugged = battery.charging
         energy = self._energy_j()  # read before asking whether it was measured: the answer is about this reading
         return TelemetrySample(
-            timestamp=time.time(), cpu_percent=self._cpu_percent(), memory_used_bytes=memory.total - memory.available,
-            memory_total_bytes=memory.total, battery_percent=battery.percent if battery else None,
+            timestamp=time.time(), cpu_percent=self._cpu_percent(), memory_used_bytes=memory_total - memory_available,
+            memory_total_bytes=memory_total, battery_percent=battery.percent if battery else None,
             battery_charging=battery.charging if battery and battery.charging is not None else None, temperature_c=read_temperature(),
             cpu_freq_mhz=read_cpu_freq(), link_mbit_per_s=self.link.mbit_per_s(), rtt_ms=self.link.rtt_ms(),
             energy_j=energy, energy_measured=self._energy_measured() if energy is not None else None,

@@ -122,7 +122,8 @@ class EdgeWorker:
         self.telemetry = TelemetryCollector(link=conn.link, emulated_speed=options.emulated_speed,
                                             battery=emulation.read_battery, energy_j=emulation.energy.energy_j,
                                             energy_measured=lambda: emulation.energy.measured,
-                                            power_w=emulation.energy.power_w)
+                                            power_w=emulation.energy.power_w,
+                                            memory=lambda: emulation.memory.reading())
         self.device_id = ""
         self.endpoint: StageEndpoint | None = None
         """This board's pipeline peer endpoint (started on the first run)."""
@@ -211,7 +212,8 @@ class EdgeWorker:
         if device.type != "cpu":
             logger.info("[Client] %s trains on %s (job device %s)", self.options.name, device, job.device)
         self._profile = profile_device(model, dataset, list(job.profile_batch_sizes), self.limiter,
-                                       max_forward_batch=job.max_forward_batch)
+                                       max_forward_batch=job.max_forward_batch,
+                                       memory=self.emulation.memory.reading)
         self._shards = ShardRunner(model, dataset, job, self.limiter)
         self._stages = StageRunner(model, dataset, job, self.endpoint, self.limiter)
         self.endpoint.state.attach(model, job.job_id)

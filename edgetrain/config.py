@@ -12,7 +12,7 @@ training: {global_batch: 64, steps: 300, split: proportional, min_clients: 4, ev
 optimizer: {lr: 0.05, momentum: 0.9, weight_decay: 5.0e-4, schedule: cosine, warmup_steps: 10}
 aggregation: {rule: mean, deadline: none, clip_norm: 0, outlier_factor: 0}
 compression: {uplink: none, downlink: none}
-federated: {local_steps: 5, local_batch: 16, partitions: 0}   # only for rule fedavg / fedprox
+federated: {local_steps: 5, local_batch: 16, partitions: 0, partitioning: iid, clients_per_round: 0}   # fedavg / fedprox
 ```
 
 Errors name the file, the key and the bad value.
@@ -276,6 +276,17 @@ class FederatedConfig:
     partitions: int = 0
     """The training set is split into this many disjoint partitions, one per board in order of
     arrival (0: training.min_clients)."""
+    partitioning: str = "iid"
+    """How (edgetrain.partition): iid (a seeded permutation dealt round-robin), dirichlet (each
+    class spread over the partitions by Dirichlet(dirichlet_alpha) fractions: non-IID) or classes
+    (each partition holds classes_per_partition classes only)."""
+    dirichlet_alpha: float = 0.5
+    """dirichlet: concentration; small (0.1) is very skewed, large (100) is close to iid."""
+    classes_per_partition: int = 2
+    """classes: how many classes each partition holds."""
+    clients_per_round: int = 0
+    """Partial participation: each round trains on this many of the boards holding a partition,
+    drawn at random (seeded by the job's seed and the round); 0: all of them."""
     prox_mu: float = 0.01
     """fedprox: weight mu of the proximal term (mu / 2) * ||w - w_round||^2."""
     server_lr: float = 1.0
@@ -285,6 +296,11 @@ class FederatedConfig:
         _require(self.local_steps >= 1, "local_steps", self.local_steps, "must be >= 1")
         _require(self.local_batch >= 1, "local_batch", self.local_batch, "must be >= 1")
         _require(self.partitions >= 0, "partitions", self.partitions, "must be >= 0")
+        _require(self.partitioning in ("iid", "dirichlet", "classes"), "partitioning", self.partitioning,
+                 "must be iid, dirichlet or classes")
+        _require(self.dirichlet_alpha > 0, "dirichlet_alpha", self.dirichlet_alpha, "must be > 0")
+        _require(self.classes_per_partition >= 1, "classes_per_partition", self.classes_per_partition, "must be >= 1")
+        _require(self.clients_per_round >= 0, "clients_per_round", self.clients_per_round, "must be >= 0")
         _require(self.prox_mu >= 0, "prox_mu", self.prox_mu, "must be >= 0")
         _require(self.server_lr > 0, "server_lr", self.server_lr, "must be > 0")
 

@@ -343,6 +343,15 @@ def load_dataset(spec: DatasetSpec, *, train: bool) -> Dataset:
     return _load_cifar10(spec, train=train, size=size)
 
 
+def dataset_labels(dataset: Dataset) -> list[int]:
+    """Every item's label, without building its image (generated sets compute labels alone)."""
+    if isinstance(dataset, InMemoryImages):
+        return dataset.labels.tolist()
+    if isinstance(dataset, _GeneratedImages):
+        return [dataset.label(i) for i in range(len(dataset))]
+    return [int(dataset[i][1]) for i in range(len(dataset))]
+
+
 def _load_cifar10(spec: DatasetSpec, *, train: bool, size: int) -> InMemoryImages:
     """Real CIFAR-10 from ``spec.data_dir`` (downloaded first if ``spec.download``)."""
     try:

@@ -8,8 +8,10 @@ differs between runs (the boards' join-time profiles and so their shares vary by
 run to run on this machine). A window's figure is the median samples/s of its steps after the
 first (which straddles the switch); the arms are compared by the median over windows and by the
 median ratio of each open window to the closed window after it, with the spread of those ratios.
+Each window also records the CPU the browser (all its processes) and the coordinator (which
+serves the page) used, in cores: what the open page costs the gateway, measured directly.
 
-    python scripts/bench_dashboard.py [--runs 1] [--steps 248] [--window 12] [--warmup 8]
+    python scripts/bench_dashboard.py [--runs 1] [--steps 252] [--window 12] [--warmup 8]
 
 Needs Chromium and chromedriver from the distribution (Debian: apt-get install chromium
 chromium-driver) and selenium (pip install '.[test]'). Last line: one JSON object with
@@ -20,6 +22,7 @@ chromium-driver) and selenium (pip install '.[test]'). Last line: one JSON objec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
@@ -28,6 +31,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_JOB = REPO / "edgetrain" / "presets" / "demo.yaml"
@@ -60,6 +65,7 @@ def run_once(workdir: Path, name: str, steps: int, warmup: int, window: int) -> 
     driver = None
     metrics = runs / "demo" / "metrics.jsonl"
     switches: list[tuple[int, str]] = []  # (first step under it, arm)
+    cpu: list[tuple[float, float, float]] = []  # at each switch: (time, browser CPU s, coordinator CPU s)
     try:
         url_file = runs / "demo" / "dashboard.url"
         while not (url_file.exists() and url_file.read_text().strip()):
@@ -68,6 +74,8 @@ def run_once(workdir: Path, name: str, steps: int, warmup: int, window: int) -> 
             time.sleep(0.2)
         url = url_file.read_text().strip()
         driver = open_page("about:blank", workdir / f"{name}-chromium")
+        browser = psutil.Process(driver.service.process.pid)
+        coordinator = _coordinator_of(proc)
         arm = "closed"
         counter = StepCounter(metrics)
         while proc.poll() is None:
@@ -76,6 +84,7 @@ def run_once(workdir: Path, name: str, steps: int, warmup: int, window: int) -> 
                 arm = "open" if arm == "closed" else "closed"
                 driver.get(url if arm == "open" else "about:blank")
                 switches.append((done, arm))
+                cpu.append((time.monotonic(), _cpu_s(browser), _cpu_s(coordinator)))
             time.sleep(0.1)
         if proc.returncode != 0:
             raise RuntimeError(f"{name}: the run failed (exit {proc.returncode}); see {runs / 'demo' / 'logs'}")
@@ -87,11 +96,37 @@ def run_once(workdir: Path, name: str, steps: int, warmup: int, window: int) -> 
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     rate = {r["step"]: r["samples_per_s"] for r in records if r.get("kind") == "train"}
     windows = []
-    for (first, arm), (end, _) in zip(switches, switches[1:] + [(steps, "")]):
+    for i, ((first, arm), (end, _)) in enumerate(zip(switches, switches[1:])):
         inside = [rate[s] for s in range(first + 1, end) if s in rate]  # the first straddles the switch
+        (t0, b0, c0), (t1, b1, c1) = cpu[i], cpu[i + 1]
         if len(inside) >= 2:
-            windows.append({"arm": arm, "steps": [first, end], "samples_per_s": statistics.median(inside)})
+            windows.append({"arm": arm, "steps": [first, end], "samples_per_s": statistics.median(inside),
+                            "browser_cores": (b1 - b0) / (t1 - t0), "coordinator_cores": (c1 - c0) / (t1 - t0)})
     return windows
+
+
+def _coordinator_of(local: subprocess.Popen) -> psutil.Process | None:
+    """The coordinator process `edgetrain local` started (it serves the dashboard)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for child in psutil.Process(local.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if "coordinator" in child.cmdline():
+                    return child
+        time.sleep(0.2)
+    return None
+
+
+def _cpu_s(process: psutil.Process | None) -> float:
+    """CPU seconds of `process` and its children so far (0 when it is gone)."""
+    if process is None:
+        return 0.0
+    total = 0.0
+    for p in [process, *process.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            times = p.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 class StepCounter:
@@ -117,7 +152,7 @@ class StepCounter:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=1, help="demo runs (each holds many A B pairs)")
-    parser.add_argument("--steps", type=int, default=248)
+    parser.add_argument("--steps", type=int, default=252)
     parser.add_argument("--window", type=int, default=12, help="steps per window (page open, then closed, ...)")
     parser.add_argument("--warmup", type=int, default=8)
     args = parser.parse_args()
@@ -131,13 +166,19 @@ def main() -> None:
             these = run_once(Path(tmp), f"run-{i}", args.steps, args.warmup, args.window)
             for w in these:
                 print(f"run {i}, steps {w['steps'][0]}-{w['steps'][1] - 1}: page {w['arm']}, "
-                      f"{w['samples_per_s']:.2f} samples/s", flush=True)
+                      f"{w['samples_per_s']:.2f} samples/s; browser {w['browser_cores']:.3f} cores, "
+                      f"coordinator {w['coordinator_cores']:.3f}", flush=True)
             pairs += [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(these, these[1:])
                       if a["arm"] == "open" and b["arm"] == "closed"]
             windows += these
     by_arm = {arm: [w["samples_per_s"] for w in windows if w["arm"] == arm] for arm in ("open", "closed")}
+    cores = {f"{who}_cores_{arm}": round(statistics.median(w[f"{who}_cores"] for w in windows if w["arm"] == arm), 4)
+             for who in ("browser", "coordinator") for arm in ("open", "closed")}
     open_, closed = statistics.median(by_arm["open"]), statistics.median(by_arm["closed"])
     quartiles = statistics.quantiles(pairs, n=4) if len(pairs) >= 2 else [pairs[0]] * 3
+    print(f"CPU (cores, median window): browser {cores['browser_cores_open']} open / "
+          f"{cores['browser_cores_closed']} on about:blank; coordinator {cores['coordinator_cores_open']} open / "
+          f"{cores['coordinator_cores_closed']} closed", flush=True)
     print(f"page open: {open_:.2f} samples/s over {len(by_arm['open'])} windows; closed: {closed:.2f} over "
           f"{len(by_arm['closed'])}; open/closed {open_ / closed:.3f}; each open window over the closed one after "
           f"it: median {statistics.median(pairs):.3f}, quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f} "
@@ -146,7 +187,10 @@ def main() -> None:
                       "closed_samples_per_s": round(closed, 2), "ratio": round(open_ / closed, 4),
                       "pair_ratio_median": round(statistics.median(pairs), 4),
                       "pair_ratio_quartiles": [round(quartiles[0], 4), round(quartiles[2], 4)], "pairs": len(pairs),
-                      "windows": [{**w, "samples_per_s": round(w["samples_per_s"], 2)} for w in windows]}))
+                      **cores,
+                      "windows": [{**w, "samples_per_s": round(w["samples_per_s"], 2),
+                                   "browser_cores": round(w["browser_cores"], 4),
+                                   "coordinator_cores": round(w["coordinator_cores"], 4)} for w in windows]}))
 
 
 if __name__ == "__main__":

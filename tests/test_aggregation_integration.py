@@ -8,6 +8,7 @@ and bad updates (NaN, outlier, wrong shape) refused with their reason and then q
 from __future__ import annotations
 
 import json
+import random
 import time
 from pathlib import Path
 
@@ -26,9 +27,9 @@ from rawboard import (
 )
 from reference import checkpoint_state, max_abs_difference
 
-from coordinator.training.data_parallel import partition_indices
-from edgetrain.data import load_dataset, make_batch
+from edgetrain.data import dataset_labels, load_dataset, make_batch
 from edgetrain.models import build_model
+from edgetrain.partition import class_counts, partition_members, round_indices
 from edgetrain.streaming import iter_chunks
 from edgetrain.training import shard_tensor_names
 from edgetrain.updates import UpdateFormats
@@ -84,9 +85,9 @@ def test_compressed_links_shrink_bytes_and_training_still_learns(coordinator_fac
 
 @pytest.mark.timeout(240)
 def test_adaptive_codec_switches_when_a_link_rate_drops(coordinator_factory, client_factory, tmp_path):
-    # Prepare: one board on a fast emulated link that will drop to 2 Mbit/s
+    # Prepare: one board on a fast emulated link that will drop to 2 Mbit/s (with 3 GiB of memory)
     board_file = tmp_path / "board.yaml"
-    board_file.write_text("name: shaped\nspeed: 0.5\nlink: {mbit_per_s: 400}\n")
+    board_file.write_text("name: shaped\nspeed: 0.5\nmemory_mb: 3072\nlink: {mbit_per_s: 400}\n")
     job = small_job(training={"steps": 400, "min_clients": 1, "global_batch": 16, "eval_every": 0,
                               "log_every": 50},
                     compression={"uplink": "adaptive", "downlink": "int8", "adaptive_budget": 2.0,
@@ -110,7 +111,8 @@ def test_adaptive_codec_switches_when_a_link_rate_drops(coordinator_factory, cli
 
     # Execute
     fast = wait_for(lambda c: c == "none", 60)
-    board_file.write_text("name: shaped\nspeed: 0.5\nlink: {mbit_per_s: 2}\n")
+    telemetry = next(d.telemetry for d in stub.ListDevices(pb.ListDevicesRequest(), timeout=10).devices)
+    board_file.write_text("name: shaped\nspeed: 0.5\nmemory_mb: 3072\nlink: {mbit_per_s: 2}\n")
     slow = wait_for(lambda c: c not in ("", "none"), 90)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not any(
@@ -121,15 +123,24 @@ def test_adaptive_codec_switches_when_a_link_rate_drops(coordinator_factory, cli
     # Assert
     assert fast == "none"
     assert slow.startswith("topk") or slow == "int8", slow
+    # the board reports its emulated memory, not the host's (a cgroup enforces it as root)
+    assert telemetry.memory_total_bytes == 3072 * 2**20
+    assert 0 < telemetry.memory_used_bytes < telemetry.memory_total_bytes
     steps = records(coordinator.run_dir)
     assert {"none"} < {c for s in steps for c in s["codecs"].values()}
 
 
 @pytest.mark.timeout(240)
-def test_fedavg_over_three_boards_matches_the_reference_computation(coordinator_factory, client_factory):
-    # Prepare: 3 rounds of 3 local steps of 8 samples, each board on its own partition
+@pytest.mark.parametrize(("federated", "per_round"), [
+    ({}, 3),
+    ({"partitioning": "dirichlet", "dirichlet_alpha": 0.3, "clients_per_round": 2}, 2),
+], ids=["iid-all", "dirichlet-two-of-three"])
+def test_fedavg_over_three_boards_matches_the_reference_computation(coordinator_factory, client_factory,
+                                                                    federated: dict, per_round: int):
+    # Prepare: 3 rounds of 3 local steps of 8 samples, each board on its own partition (iid, or
+    # non-IID by Dirichlet(0.3) with 2 of the 3 boards drawn each round)
     job = small_job(aggregation={"rule": "fedavg"},
-                    federated={"local_steps": 3, "local_batch": 8, "partitions": 3},
+                    federated={"local_steps": 3, "local_batch": 8, "partitions": 3, **federated},
                     training={"steps": 3, "min_clients": 3, "global_batch": 24, "eval_every": 0},
                     optimizer={"lr": 0.05, "momentum": 0.0, "weight_decay": 0.0, "schedule": "constant",
                                "warmup_steps": 0})
@@ -140,15 +151,25 @@ def test_fedavg_over_three_boards_matches_the_reference_computation(coordinator_
     # Execute
     coordinator.wait(timeout=200)
 
-    # Assert: the average of three independent local SGD runs per round, computed here by hand
+    # Assert: each round, the drawn boards' independent local SGD runs on their own partitions,
+    # averaged, computed here by hand
     dataset = load_dataset(job.dataset, train=True)
+    fed = job.federated
+    members = partition_members(dataset_labels(dataset), 3, scheme=fed.partitioning, alpha=fed.dirichlet_alpha,
+                                seed=job.seed)
+    state = json.loads(max((coordinator.run_dir / "checkpoints").glob("step-*/state.json")).read_text())
+    holder = state["partitions"]  # board name -> partition, as the boards arrived
+    steps = records(coordinator.run_dir)
     model = build_model(job.model, seed=job.seed)
-    for round_ in range(3):
+    for round_, record in enumerate(steps):
+        names = sorted(d.rsplit("-", 1)[0] for d in record["devices"])
+        if per_round < 3:
+            assert names == sorted(random.Random(f"{job.seed}:{round_}").sample(["a", "b", "c"], per_round))
         locals_ = []
-        for partition in range(3):
+        for name in names:
             local = build_model(job.model, seed=job.seed)
             local.load_state_dict(model.state_dict())
-            idx = partition_indices(partition, 3, len(dataset), job.seed, round_, 24)
+            idx = round_indices(members[holder[name]], round_, 24)
             x, y = make_batch(dataset, idx, augment=False, seed=job.seed, step=round_)
             for i in range(3):
                 local.zero_grad()
@@ -157,12 +178,14 @@ def test_fedavg_over_three_boards_matches_the_reference_computation(coordinator_
                     for p in local.parameters():
                         p.sub_(0.05 * p.grad)
             locals_.append(local.state_dict())
-        model.load_state_dict({k: sum(s[k] for s in locals_) / 3 for k in locals_[0]})
-    steps = records(coordinator.run_dir)
-    assert [len(s["devices"]) for s in steps] == [3, 3, 3]
-    assert all(s["samples"] == 72 for s in steps)
+        model.load_state_dict({k: sum(s[k] for s in locals_) / len(locals_) for k in locals_[0]})
+    assert [len(s["devices"]) for s in steps] == [per_round] * 3
+    assert all(s["samples"] == 24 * per_round for s in steps)
     diff = max_abs_difference(checkpoint_state(coordinator.run_dir), model.state_dict())
     assert diff < 2e-5, f"FedAvg and the reference differ by {diff}"
+    if fed.partitioning == "dirichlet":  # non-IID: some partition is dominated by a class (iid: ~0.1 each)
+        counts = [class_counts(dataset_labels(dataset), m) for m in members]
+        assert max(max(c.values()) / sum(c.values()) for c in counts) > 0.3, counts
 
 
 @pytest.mark.timeout(240)

@@ -190,3 +190,48 @@ def test_killed_child_leaves_group_that_remove_stale_cgroups_removes(
     assert left_behind
     assert str(group) in removed
     assert not group.exists()
+
+
+MEMORY_ROOT = Path(throttle.DEFAULT_MEMORY_CGROUP_ROOT)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0 or not (MEMORY_ROOT / "memory.limit_in_bytes").exists(),
+                    reason="needs root and cgroup v1 memory mounted at /sys/fs/cgroup/memory")
+def test_a_memory_cap_is_reported_and_a_process_that_outgrows_it_is_killed(
+    spawn: list[subprocess.Popen[str]],
+) -> None:
+    # Prepare: a child capped at 256 MiB reports its memory, then allocates 512 MiB
+    code = textwrap.dedent("""
+        import json
+        from edgetrain.emulator.throttle import limit_memory
+        with limit_memory(256 * 2**20, name="test-mem/child") as memory:
+            total, available = memory.reading()
+            print(json.dumps({"mode": memory.mode, "path": memory.cgroup_path, "total": total,
+                              "available": available}), flush=True)
+            blob = b"\\x01" * (512 * 2**20)  # written, so every page counts against the cap
+            print("survived", flush=True)
+        """)
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    spawn.append(proc)
+
+    # Execute
+    out, _ = proc.communicate(timeout=60)
+
+    # Assert: enforced by the kernel (the child is killed, as a board out of memory is); the cap,
+    # not the host's 24 GiB, is what it reports, with what its own use leaves
+    state = json.loads(out.splitlines()[0])
+    assert state["mode"] == "cgroup" and state["total"] == 256 * 2**20
+    assert 0 < state["available"] < 256 * 2**20
+    assert "survived" not in out and proc.returncode == -signal.SIGKILL
+    assert str(Path(state["path"])) in remove_stale_cgroups(str(MEMORY_ROOT))
+
+
+def test_without_a_cgroup_the_memory_cap_is_reported_but_not_enforced(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    # no memory controller under this root: the cap is what the board says it has
+    memory = throttle.limit_memory(512 * 2**20, name="reported", cgroup_root=str(tmp_path))
+    total, available = memory.reading()
+    assert memory.mode == "reported" and total == 512 * 2**20 and 0 <= available < total
+    unlimited = throttle.limit_memory(None, name="none")
+    assert unlimited.mode == "none" and unlimited.reading()[0] > 512 * 2**20

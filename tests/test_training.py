@@ -66,3 +66,39 @@ def test_chunked_shard_normalises_each_chunk_with_its_own_statistics() -> None:
             torch.testing.assert_close(chunked.tensors[name], (halves[0].tensors[name] + halves[1].tensors[name]) / 2,
                                        rtol=1e-4, atol=1e-6)
     assert chunked.loss == pytest.approx((halves[0].loss + halves[1].loss) / 2, rel=1e-5)
+
+
+def test_a_fedprox_round_is_the_hand_computed_proximal_sgd() -> None:
+    # Prepare: a 2 x 2 linear model (no bias), two samples, two local steps of one sample each
+    from edgetrain.training import local_train
+
+    w0 = [[0.5, -0.2], [0.1, 0.3]]
+    xs, ys = [[1.0, 2.0], [-1.0, 0.5]], [1, 0]
+    lr, mu = 0.1, 0.5
+    model = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor(w0))
+
+    # Execute
+    result = local_train(model, torch.tensor(xs), torch.tensor(ys), steps=2, batch_size=1, lr=lr, prox_mu=mu)
+
+    # Assert: by hand, with floats: the cross-entropy gradient (softmax - one-hot) x^T plus the
+    # proximal term mu (w - w0), one SGD step per sample
+    import math
+
+    w = [row[:] for row in w0]
+    for x, y in zip(xs, ys):
+        logits = [sum(w[i][j] * x[j] for j in range(2)) for i in range(2)]
+        top = max(logits)
+        exps = [math.exp(v - top) for v in logits]
+        probs = [e / sum(exps) for e in exps]
+        grad = [[(probs[i] - (i == y)) * x[j] + mu * (w[i][j] - w0[i][j]) for j in range(2)] for i in range(2)]
+        w = [[w[i][j] - lr * grad[i][j] for j in range(2)] for i in range(2)]
+    expected_change = torch.tensor([[w0[i][j] - w[i][j] for j in range(2)] for i in range(2)])
+    torch.testing.assert_close(result.tensors[GRAD_PREFIX + "weight"], expected_change, rtol=1e-6, atol=1e-7)
+    # and the proximal term mattered: without it the second step differs
+    plain = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        plain.weight.copy_(torch.tensor(w0))
+    fedavg = local_train(plain, torch.tensor(xs), torch.tensor(ys), steps=2, batch_size=1, lr=lr)
+    assert not torch.allclose(fedavg.tensors[GRAD_PREFIX + "weight"], expected_change, atol=1e-4)

@@ -192,7 +192,9 @@ def boards_from_fleet(boards: list, model: ModelCost, one_core: SpeedEstimate,
                       cpu_s_per_byte: float = 0.0) -> list[BoardCost]:
     """BoardCosts of a fleet file's boards (edgetrain.emulator.fleet_config.BoardSpec); a board with
     `speed` s of a core computes s x as fast as one core here, its per-call overhead 1/s as long,
-    and its link rate is what remains after its CPU's cost per byte (`cpu_s_per_byte` at one core)."""
+    and its link rate is what remains after its CPU's cost per byte (`cpu_s_per_byte` at one core).
+    Its memory: `memory_bytes` for it, else its `memory_mb` cap (all of it: a live board reports
+    what its process leaves), else unknown."""
     flops = train_flops_per_sample(model) * one_core.samples_per_s
     out = []
     for b in boards:
@@ -201,7 +203,8 @@ def boards_from_fleet(boards: list, model: ModelCost, one_core: SpeedEstimate,
         busy = b.busy_w if b.busy_w is not None else (battery.busy_w if battery else idle)
         out.append(BoardCost(
             name=b.name, flops_per_s=b.speed * flops,
-            memory_bytes=float((memory_bytes or {}).get(b.name, UNKNOWN_MEMORY_BYTES)),
+            memory_bytes=float((memory_bytes or {}).get(b.name) or (b.memory_mb * 2**20 if b.memory_mb else
+                                                                  UNKNOWN_MEMORY_BYTES)),
             mbit_per_s=8e-6 / (8e-6 / (b.link.mbit_per_s if b.link else 1000.0) + cpu_s_per_byte / b.speed),
             rtt_s=2 * b.link.delay_ms / 1000 if b.link else 0.0,
             idle_w=idle, busy_w=max(busy, idle),

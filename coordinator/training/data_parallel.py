@@ -12,13 +12,16 @@ attempt closes at `deadline_factor` x the typical board's predicted time and cou
 `min_fraction` of its samples arrived; under `staleness` the late boards' tickets stay open.
 
 `FederatedRound` gives each board a round of local training on its own data partition
-(FedAvg / FedProx): the partitions are fixed per board name, in order of arrival, and a newcomer
-takes over the partition of a board that left.
+(FedAvg / FedProx): the partitions (iid, Dirichlet non-IID or a few classes each:
+edgetrain.partition) are fixed per board name, in order of arrival, and a newcomer takes over the
+partition of a board that left; with `clients_per_round` each round draws that many of the
+partition holders (partial participation).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import statistics
 import time
 
@@ -27,7 +30,9 @@ import torch
 from coordinator.training.codec_policy import CodecPolicy, LinkChoice
 from coordinator.training.rounds import Fleet, Round, RoundContext, RoundPolicy
 from coordinator.training.steps import AttemptOutcome
-from edgetrain.config import AggregationConfig
+from edgetrain.config import AggregationConfig, ConfigError
+from edgetrain.data import dataset_labels, load_dataset
+from edgetrain.partition import class_counts, partition_members, round_indices
 from edgetrain.split import SpeedEstimate, predicted_step_seconds, split_equal, split_sticky
 from edgetrain.training import shard_tensor_names, state_tensors
 from edgetrain.updates import DeltaFormat, UpdateFormats
@@ -79,6 +84,7 @@ class DataParallelRound(RoundPolicy):
         speeds, fleet = self._available(step)
         if names:
             speeds = {d: s for d, s in speeds.items() if fleet.name(d) in names} or speeds
+        speeds = self._participants(step, speeds, fleet)
         shares = self._split(len(indices), speeds)
         choices = self._choose_codecs(shares, speeds, fleet)
         assignments = self._assign(step, attempt, indices, shares, choices, fleet)
@@ -137,6 +143,10 @@ class DataParallelRound(RoundPolicy):
 
     def _waiting(self, busy: set[str]) -> None:
         """Nobody can work now (a subclass may say why)."""
+
+    def _participants(self, step: int, speeds: dict[str, SpeedEstimate], fleet: Fleet) -> dict[str, SpeedEstimate]:
+        """The available boards that take part in this step (every one; federated rounds may draw)."""
+        return speeds
 
     def _split(self, total: int, speeds: dict[str, SpeedEstimate]) -> dict[str, int]:
         if self.ctx.job.training.split == "equal":
@@ -199,10 +209,23 @@ class FederatedRound(DataParallelRound):
 
     def __init__(self, ctx: RoundContext, deadline: Deadline | None = None) -> None:
         super().__init__(ctx, deadline)
-        fed = ctx.job.federated
-        self.partition_count = fed.partitions or ctx.job.training.min_clients
+        fed, job = ctx.job.federated, ctx.job
+        self.partition_count = fed.partitions or job.training.min_clients
         self._partitions: dict[str, int] = {}
         """Board name -> its data partition."""
+        labels = (range(ctx.train_size) if fed.partitioning == "iid"
+                  else dataset_labels(load_dataset(job.dataset, train=True)))
+        try:
+            self.members = partition_members(labels, self.partition_count, scheme=fed.partitioning,
+                                             alpha=fed.dirichlet_alpha,
+                                             classes_per_partition=fed.classes_per_partition, seed=job.seed)
+        except ValueError as e:
+            raise ConfigError(f"federated: {e}") from None
+        """Each partition's sample indices."""
+        if fed.partitioning != "iid":
+            for p, members in enumerate(self.members):
+                logger.info("[Coordinator.Trainer] partition %d (%s): %d samples, by class %s", p, fed.partitioning,
+                            len(members), class_counts(labels, members))
 
     def _eligible(self, device_id: str, fleet: Fleet) -> bool:
         live = {r.name for r in fleet.records.values() if r.alive}
@@ -230,6 +253,15 @@ class FederatedRound(DataParallelRound):
                         self._partitions[name], self.partition_count)
         return self._partitions[name]
 
+    def _participants(self, step: int, speeds: dict[str, SpeedEstimate], fleet: Fleet) -> dict[str, SpeedEstimate]:
+        """With clients_per_round k: k of the available partition holders, drawn by (seed, round)."""
+        k = self.ctx.job.federated.clients_per_round
+        if not k or len(speeds) <= k:
+            return speeds
+        names = sorted(fleet.name(d) for d in speeds)
+        chosen = set(random.Random(f"{self.ctx.job.seed}:{step}").sample(names, k))
+        return {d: s for d, s in speeds.items() if fleet.name(d) in chosen}
+
     def _split(self, total: int, speeds: dict[str, SpeedEstimate]) -> dict[str, int]:
         fed = self.ctx.job.federated
         return dict.fromkeys(speeds, fed.local_steps * fed.local_batch)
@@ -242,8 +274,7 @@ class FederatedRound(DataParallelRound):
                           prox_mu=fed.prox_mu if job.aggregation.rule == "fedprox" else 0.0)
         out = {}
         for device_id, count in shares.items():
-            partition = self._partitions[fleet.name(device_id)]
-            mine = tuple(partition_indices(partition, self.partition_count, self.ctx.train_size, job.seed, step, count))
+            mine = tuple(round_indices(self.members[self._partitions[fleet.name(device_id)]], step, count))
             out[device_id] = Assignment(step, attempt, step, mine, job.dataset.augment, job.seed,
                                         codec=choices[device_id].codec, delta_codec=choices[device_id].delta_codec,
                                         local=local)
@@ -257,16 +288,6 @@ class FederatedRound(DataParallelRound):
 
     def load_state_dict(self, state: dict) -> None:
         self._partitions = dict(state.get("partitions", {}))
-
-
-def partition_indices(partition: int, partitions: int, train_size: int, seed: int, round_: int,
-                      count: int) -> list[int]:
-    """A federated board's `count` samples for a round: its partition (every `partitions`-th sample
-    of a seeded permutation) read cyclically, so the board's data never leaves its partition."""
-    order = torch.randperm(train_size, generator=torch.Generator().manual_seed(seed + 7919))
-    mine = order[partition::partitions].tolist()
-    start = (round_ * count) % len(mine)
-    return [mine[(start + i) % len(mine)] for i in range(count)]
 
 
 def _delta_bytes(state: dict[str, torch.Tensor], downlink: str) -> int:

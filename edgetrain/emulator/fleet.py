@@ -34,7 +34,7 @@ from edgetrain.emulator.fleet_config import (
 )
 from edgetrain.emulator.launch import EmulatedTrust, edgetrain_command
 from edgetrain.emulator.netns import HostNetwork, VirtualLan, destroy_resources, netns_available
-from edgetrain.emulator.throttle import remove_stale_cgroups
+from edgetrain.emulator.throttle import DEFAULT_MEMORY_CGROUP_ROOT, remove_stale_cgroups
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +211,7 @@ class Supervisor:
         if self.lan is not None:
             self.lan.destroy()
         remove_stale_cgroups()
+        remove_stale_cgroups(DEFAULT_MEMORY_CGROUP_ROOT)
         shutil.rmtree(self.work_dir, ignore_errors=True)
         self.state_file.unlink(missing_ok=True)
 
@@ -310,7 +311,7 @@ def fleet_down(name: str, *, state_dir: Path, timeout_s: float = 30) -> list[str
     if state.get("network"):
         destroy_resources(state["network"])
         removed.append("network namespaces and bridge")
-    removed += [f"cgroup {p}" for p in remove_stale_cgroups()]
+    removed += [f"cgroup {p}" for p in remove_stale_cgroups() + remove_stale_cgroups(DEFAULT_MEMORY_CGROUP_ROOT)]
     if state.get("work_dir") and Path(state["work_dir"]).exists():
         shutil.rmtree(state["work_dir"], ignore_errors=True)
         removed.append(f"files in {state['work_dir']}")

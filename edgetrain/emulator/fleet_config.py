@@ -59,10 +59,16 @@ class BoardSpec:
     """Power draw when training, W."""
     radio_nj_per_byte: float | None = None
     """Radio energy per byte sent or received, nJ; None: Wi-Fi's (edgetrain.power)."""
+    memory_mb: float | None = None
+    """Its memory, MiB (a Pi 3: 1024); None: the host's. Enforced with a cgroup v1 memory group
+    when the client runs as root, reported in its telemetry and profile either way."""
 
     def __post_init__(self) -> None:
         for name in ("idle_w", "busy_w", "radio_nj_per_byte"):
             _check_nonnegative(name, getattr(self, name), optional=True)
+        if self.memory_mb is not None and (isinstance(self.memory_mb, bool) or not isinstance(
+                self.memory_mb, (int, float)) or not (math.isfinite(self.memory_mb) and self.memory_mb >= 64)):
+            raise ValueError(f"memory_mb must be a number >= 64 (MiB), got {self.memory_mb!r}")
         if self.idle_w is not None and self.busy_w is not None and self.busy_w < self.idle_w:
             raise ValueError(f"busy_w ({self.busy_w}) must be >= idle_w ({self.idle_w})")
 

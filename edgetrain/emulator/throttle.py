@@ -1,7 +1,11 @@
-"""Emulated CPU speed of a board: a client started with ``--speed F`` runs at F of one core.
+"""Emulated CPU speed and memory of a board: a client started with ``--speed F`` runs at F of
+one core; a board file's ``memory_mb`` caps its memory.
 
 As root with cgroup v1 ``cpu`` mounted, the kernel enforces F with a CFS quota on a cgroup
 made for this process; otherwise :meth:`CpuLimiter.working` sleeps after each compute burst.
+As root with cgroup v1 ``memory`` mounted, the kernel enforces the memory cap (a process that
+outgrows it is killed, as on a board that runs out of memory); otherwise the cap is only
+reported (:class:`MemoryLimiter`), so the planner still plans by it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import psutil
 logger = logging.getLogger(__name__)
 
 DEFAULT_CGROUP_ROOT = "/sys/fs/cgroup/cpu"
+DEFAULT_MEMORY_CGROUP_ROOT = "/sys/fs/cgroup/memory"
 
 DEFAULT_PERIOD_US = 20_000
 """CFS period. Each period the group runs its quota at full speed and then waits out the rest,
@@ -127,6 +132,81 @@ def limit_cpu(fraction: float | None, *, name: str, prefer_cgroup: bool = True,
                               cgroup_root=cgroup_root)
     logger.info("[Throttle.limit_cpu] %s: %.3g cores via duty-cycle", name, fraction)
     return CpuLimiter(fraction=fraction, mode="duty-cycle")
+
+
+@final
+class MemoryLimiter:
+    """Holds one process (and its children) to `cap_bytes` of memory; made by :func:`limit_memory`.
+
+    ``mode`` is "cgroup" (the kernel enforces it), "reported" (not enforced: no root or no
+    cgroup v1 memory controller; the board still reports the cap) or "none" (no cap: the host's
+    memory is reported).
+    """
+
+    def __init__(self, *, cap_bytes: int | None, mode: str, cgroup_path: str | None = None,
+                 cgroup_root: str = DEFAULT_MEMORY_CGROUP_ROOT) -> None:
+        self.cap_bytes = cap_bytes
+        self.mode = mode
+        self.cgroup_path = cgroup_path
+        self._cgroup_root = cgroup_root
+
+    def reading(self) -> tuple[int, int]:
+        """(total, available) bytes as the board sees them: the cap and what of it is unused
+        (cgroup: the group's usage; reported: this process's resident memory), else the host's."""
+        host = psutil.virtual_memory()
+        if self.cap_bytes is None:
+            return host.total, host.available
+        used = None
+        if self.cgroup_path is not None:
+            with suppress(OSError, ValueError):
+                used = int(Path(self.cgroup_path, "memory.usage_in_bytes").read_text())
+        if used is None:
+            used = psutil.Process(os.getpid()).memory_info().rss
+        return self.cap_bytes, max(0, min(self.cap_bytes - used, host.available))
+
+    def close(self) -> None:
+        """Leave the group and remove it."""
+        if self.cgroup_path is not None:
+            try:
+                _write(Path(self._cgroup_root) / "cgroup.procs", os.getpid())
+                os.rmdir(self.cgroup_path)
+            except OSError as e:
+                logger.warning("[Throttle.close] cannot remove %s: %s", self.cgroup_path, e)
+            self.cgroup_path = None
+
+    def __enter__(self) -> MemoryLimiter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def limit_memory(cap_bytes: int | None, *, name: str,
+                 cgroup_root: str = DEFAULT_MEMORY_CGROUP_ROOT) -> MemoryLimiter:
+    """Cap this process's memory at `cap_bytes` (None: no cap) until ``close()``: enforced by a
+    cgroup v1 memory group when this process may make one, else only reported."""
+    if cap_bytes is None:
+        return MemoryLimiter(cap_bytes=None, mode="none")
+    if cap_bytes <= 0:
+        raise ValueError(f"memory cap must be > 0 bytes, got {cap_bytes}")
+    if os.geteuid() == 0 and Path(cgroup_root, "memory.limit_in_bytes").exists():
+        group = Path(cgroup_root, "edgetrain", f"{re.sub(r'[^A-Za-z0-9_-]', '_', name)}-{os.getpid()}")
+        try:
+            group.mkdir(parents=True, exist_ok=True)
+            _write(group / "memory.limit_in_bytes", cap_bytes)
+            _write(group / "cgroup.procs", os.getpid())
+        except OSError as e:
+            logger.warning("[Throttle.limit_memory] cgroup %s failed (%s); the cap is reported, not enforced",
+                           group, e)
+            with suppress(OSError):
+                group.rmdir()
+        else:
+            logger.info("[Throttle.limit_memory] %s: %d MiB via %s", name, cap_bytes >> 20, group)
+            return MemoryLimiter(cap_bytes=cap_bytes, mode="cgroup", cgroup_path=str(group), cgroup_root=cgroup_root)
+    logger.warning("[Throttle.limit_memory] %s: %d MiB reported, not enforced (needs root and cgroup v1 memory)",
+                   name, cap_bytes >> 20)
+    return MemoryLimiter(cap_bytes=cap_bytes, mode="reported")
 
 
 def remove_stale_cgroups(cgroup_root: str = DEFAULT_CGROUP_ROOT) -> list[str]:

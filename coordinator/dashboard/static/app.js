@@ -234,21 +234,32 @@ function renderEvents(plans, failures) {
   }
 }
 
+const drawn = {};  // section -> the JSON it was last drawn from: an unchanged section is not redrawn
+
+function changed(section, ...parts) {
+  const key = JSON.stringify(parts);
+  if (drawn[section] === key) return false;
+  drawn[section] = key;
+  return true;
+}
+
 function render(state) {
   $("job").textContent = state.job;
   $("synthetic").hidden = !state.synthetic_data;
-  renderJobs(state.jobs);
-  renderBoards(state.boards);
-  const steps = state.curves.map((c) => c.step);
-  chart($("loss"), steps, state.curves.map((c) => c.loss));
-  chart($("throughput"), steps, state.curves.map((c) => c.samples_per_s), state.ideal_samples_per_s);
-  $("ideal").textContent = state.ideal_samples_per_s ? `(dashed: ideal ${fmt(state.ideal_samples_per_s)})` : "";
-  chart($("accuracy"), state.evals.map((e) => e.step), state.evals.map((e) => e.accuracy));
-  let energy = 0;  // the boards' energy, summed over the steps the view holds
-  chart($("energy"), steps, state.curves.map((c) => (c.energy_j === null ? null : (energy += c.energy_j))));
-  renderPlan(state.plan);
-  renderTimeline(state.timeline);
-  renderEvents(state.plans, state.failures);
+  if (changed("jobs", state.jobs)) renderJobs(state.jobs);
+  if (changed("boards", state.boards)) renderBoards(state.boards);
+  if (changed("curves", state.curves, state.evals, state.ideal_samples_per_s)) {
+    const steps = state.curves.map((c) => c.step);
+    chart($("loss"), steps, state.curves.map((c) => c.loss));
+    chart($("throughput"), steps, state.curves.map((c) => c.samples_per_s), state.ideal_samples_per_s);
+    $("ideal").textContent = state.ideal_samples_per_s ? `(dashed: ideal ${fmt(state.ideal_samples_per_s)})` : "";
+    chart($("accuracy"), state.evals.map((e) => e.step), state.evals.map((e) => e.accuracy));
+    let energy = 0;  // the boards' energy, summed over the steps the view holds
+    chart($("energy"), steps, state.curves.map((c) => (c.energy_j === null ? null : (energy += c.energy_j))));
+  }
+  if (changed("plan", state.plan)) renderPlan(state.plan);
+  if (changed("timeline", state.timeline)) renderTimeline(state.timeline);
+  if (changed("events", state.plans, state.failures)) renderEvents(state.plans, state.failures);
 }
 
 function connect() {
