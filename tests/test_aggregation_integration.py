@@ -111,7 +111,12 @@ def test_adaptive_codec_switches_when_a_link_rate_drops(coordinator_factory, cli
 
     # Execute
     fast = wait_for(lambda c: c == "none", 60)
-    telemetry = next(d.telemetry for d in stub.ListDevices(pb.ListDevicesRequest(), timeout=10).devices)
+    deadline = time.monotonic() + 60  # its telemetry arrives with its heartbeats
+    while time.monotonic() < deadline:
+        telemetry = next(d.telemetry for d in stub.ListDevices(pb.ListDevicesRequest(), timeout=10).devices)
+        if telemetry.memory_total_bytes:
+            break
+        time.sleep(0.3)
     board_file.write_text("name: shaped\nspeed: 0.5\nmemory_mb: 3072\nlink: {mbit_per_s: 2}\n")
     slow = wait_for(lambda c: c not in ("", "none"), 90)
     deadline = time.monotonic() + 60
