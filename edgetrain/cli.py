@@ -16,9 +16,10 @@
   edgetrain operator add NAME --out FILE       an operator credential for another machine
   edgetrain experiment run EXP.yaml            an experiment's arms on a fleet, then its report
   edgetrain report RUN_DIR...                  results.csv, report.md and plots from finished runs
+  edgetrain dashboard                          the URLs (with their access tokens) of the dashboards served here
 
 Role modules and torch are imported by the handler that needs them, never at the top: `--help`,
-`devices`, `submit`, `jobs`, `cancel` and `fleet down` start without torch.
+`devices`, `submit`, `jobs`, `cancel`, `dashboard` and `fleet down` start without torch.
 """
 
 from __future__ import annotations
@@ -192,6 +193,13 @@ def _parser() -> argparse.ArgumentParser:
                 *boards_sub.choices.values()):
         if not any(a.dest == "authority" for a in cmd._actions):
             _authority_arg(cmd)
+
+    page = sub.add_parser("dashboard", help="the URLs, access tokens included, of the dashboards served on this "
+                                            "machine (from their owner-only dashboard.url files)")
+    page.add_argument("--runs-dir", type=Path, default=Path("runs"),
+                      help="where runs (and fleets' job servers) keep their files (default: runs)")
+    page.add_argument("--state-dir", type=Path, action="append", default=[], metavar="DIR",
+                      help="a job server's --state-dir to look in too (repeatable)")
 
     fleet = sub.add_parser("fleet", help="emulated fleets on this machine")
     fleet_sub = fleet.add_subparsers(dest="fleet_command", required=True)
@@ -479,6 +487,23 @@ def _fleet(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dashboard_urls(args: argparse.Namespace) -> int:
+    """Print each live dashboard's URL: a coordinator or job server writes it (owner-only) while
+    its page is served and removes it when the page closes."""
+    files = sorted({*args.runs_dir.glob("*/dashboard.url"), *args.runs_dir.glob("*/job-server/dashboard.url"),
+                    *(d / "dashboard.url" for d in args.state_dir if (d / "dashboard.url").exists())})
+    found = [(f.parent.name if f.parent.name != "job-server" else f"{f.parent.parent.name} (job server)",
+              f.read_text().strip()) for f in files]
+    if not found:
+        where = ", ".join(str(p) for p in [args.runs_dir, *args.state_dir])
+        print(f"edgetrain dashboard: no dashboard is being served from {where} (start one with --dashboard, "
+              f"or pass --runs-dir / --state-dir)", file=sys.stderr)
+        return 1
+    for name, url in found:
+        print(f"{name}  {url}")
+    return 0
+
+
 def _trust(args: argparse.Namespace) -> int:
     """init, token, boards, operator: the fleet authority's records (no torch, no network)."""
     import datetime as dt
@@ -539,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
                 "data": run_data_command,
                 "devices": _devices, "fleet": _fleet, "plan": _plan, "submit": _jobs, "jobs": _jobs, "cancel": _jobs,
                 "init": _trust, "token": _trust, "boards": _trust, "operator": _trust}
-    handlers.update(experiment=_experiment, report=_report)
+    handlers.update(experiment=_experiment, report=_report, dashboard=_dashboard_urls)
     try:
         return handlers[args.command](args)
     except (ConfigError, FileNotFoundError) as e:

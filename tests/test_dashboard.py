@@ -207,6 +207,17 @@ def test_a_training_coordinator_shows_its_boards_steps_and_a_killed_board_as_los
 
     wait_for(lambda: victim_state() == "lost", 60, "the killed board to show as lost", interval_s=0.2)
 
+    # `edgetrain dashboard` on the gateway prints the live page's URL (from the owner-only file)
+    import contextlib
+    import io
+
+    from edgetrain.cli import main as edgetrain
+
+    listing = io.StringIO()
+    with contextlib.redirect_stdout(listing):
+        assert edgetrain(["dashboard", "--runs-dir", str(coordinator.run_dir.parent)]) == 0
+    assert listing.getvalue() == f"{job.name}  {url}\n"
+
     # Assert: every board, the steps metrics.jsonl had, the same numbers in /metrics
     assert (coordinator.run_dir / "dashboard.url").stat().st_mode & 0o077 == 0  # the token is the owner's
     assert sorted(b["name"] for b in state["boards"]) == ["a", "c", "victim"]
@@ -224,6 +235,12 @@ def test_a_training_coordinator_shows_its_boards_steps_and_a_killed_board_as_los
 
     coordinator.stop.set()
     coordinator.thread.join(60)
+    # the page closed with its run: its URL file is gone, and `edgetrain dashboard` says there is none
+    assert not (coordinator.run_dir / "dashboard.url").exists()
+    errors = io.StringIO()
+    with contextlib.redirect_stderr(errors):
+        assert edgetrain(["dashboard", "--runs-dir", str(coordinator.run_dir.parent)]) == 1
+    assert errors.getvalue().startswith("edgetrain dashboard: no dashboard is being served") and errors.getvalue().count("\n") == 1
     events = EventAccumulator(str(coordinator.run_dir / "tensorboard"))
     events.Reload()
     losses = {e.step: e.value for e in events.Scalars("train/loss")}

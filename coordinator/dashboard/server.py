@@ -69,6 +69,8 @@ class DashboardServer:
             self.scheme = "https"
         self.host = host
         self.port = self._http.server_address[1]
+        self.url_file: Path | None = None
+        """Where `serve_dashboard` wrote the URL (removed on close: `edgetrain dashboard` lists live pages)."""
         self._thread = threading.Thread(target=self._http.serve_forever, name="dashboard", daemon=True)
         self._thread.start()
 
@@ -82,6 +84,8 @@ class DashboardServer:
         return self._closed
 
     def close(self) -> None:
+        if self.url_file is not None:
+            self.url_file.unlink(missing_ok=True)
         self._closed.set()
         self._http.shutdown()
         self._http.server_close()
@@ -120,6 +124,7 @@ def serve_dashboard(bind: str, snapshot: Callable[[], dict], url_file: Path,
     url_file.unlink(missing_ok=True)
     url_file.touch(mode=0o600)
     url_file.write_text(page.url + "\n")
+    page.url_file = url_file
     if tls is None and not loopback:
         logger.warning("[Dashboard] serving on %s WITHOUT TLS (--insecure): its token crosses the network in the "
                        "clear", bind)
