@@ -333,6 +333,17 @@ def test_failed_attempts_and_re_plans_name_boards_by_their_names(tmp_path: Path)
     assert [(p["step"], p["reasons"]) for p in state["plans"]] == [(1, ["without b"])]
 
 
+def test_without_the_planner_a_ready_board_the_split_gave_nothing_is_left_out(tmp_path: Path) -> None:
+    registry = _registry_with_two_boards()  # a: profiled (ready); b: not yet
+    ids = {r.name: r.device_id for r in registry.snapshot()}
+    registry.set_profile(ids["b"], BoardProfile(((8, 4.0),), 2**30, 2**29, 2**27))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 0, "step_s": 1.0,
+                                                        "shares": {ids["a"]: 16}}) + "\n")
+    picture = RunView("j", tmp_path, registry, synthetic=False).state()["plan"]
+    assert picture["shards"] == [{"name": "a", "samples": 16}]
+    assert picture["left_out"] == {"b": "no samples this step"}
+
+
 def test_the_plan_picture_is_the_planners_plan_as_the_last_step_ran_it(tmp_path: Path) -> None:
     # Prepare: the planner's record (2 stages, the second a group of two, one DP shard, one board
     # left out) and a step that ran it

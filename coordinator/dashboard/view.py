@@ -117,7 +117,7 @@ class RunView:
                 "synthetic_data": self.synthetic,
                 "ideal_samples_per_s": self.ideal_samples_per_s or _profiled_sum(records),
                 "boards": [_board(r, last) for r in records],
-                "plan": _plan_picture(last, self._plans, steps, names) if last else None,
+                "plan": _plan_picture(last, self._plans, steps, names, records) if last else None,
                 "curves": [{"step": s.get("step"), "time": s.get("time"), "loss": s.get("loss"),
                             "train_accuracy": s.get("train_accuracy"), "samples_per_s": s.get("samples_per_s"),
                             "energy_j": _step_energy(s)} for s in steps],
@@ -167,11 +167,12 @@ def _profiled_sum(records) -> float | None:
     return round(sum(speeds), 2) if speeds else None
 
 
-def _plan_picture(last: dict, plans: list[dict], steps: list[dict], names: dict[str, str]) -> dict:
+def _plan_picture(last: dict, plans: list[dict], steps: list[dict], names: dict[str, str], records=()) -> dict:
     """The plan the last step ran, as the page draws it: pipeline stages (blocks, hosts: more
     than one host is a sample-split group), DP shards with their samples, the micro-batches and
     schedule and the boards left out (from the planner's last record, when the planner is on),
-    and the predicted against the measured step time (median of the last steps)."""
+    and the predicted against the measured step time (median of the last steps). Without the
+    planner, a ready board the split gave nothing is listed as left out."""
     name = lambda d: names.get(d, d)  # noqa: E731
     by_stage: dict[int, dict] = {}
     for d, s in sorted(last.get("stages", {}).items(), key=lambda kv: (kv[1].get("stage", 0), name(kv[0]))):
@@ -189,7 +190,9 @@ def _plan_picture(last: dict, plans: list[dict], steps: list[dict], names: dict[
         "stages": [by_stage[k] for k in sorted(by_stage)], "shards": shards,
         "microbatches": section.get("microbatches") if by_stage else None,
         "schedule": section.get("schedule") if by_stage else None,
-        "left_out": (planned or {}).get("left_out", {}),
+        "left_out": (planned or {}).get("left_out") or {
+            r.name: "no samples this step" for r in records
+            if r.state == "ready" and r.device_id not in last.get("shares", {}) and r.device_id not in last.get("stages", {})},
         "predicted_step_s": last.get("predicted_step_s") or (planned or {}).get("predicted_step_s"),
         "measured_step_s": recent[len(recent) // 2] if recent else None,
         "step": last.get("step"),
