@@ -1,17 +1,23 @@
 """Benchmark: the research mechanisms of issue 20, measured side by side.
 
-Codecs (this part runs today): the same job — MobileNetV2 on the harder SYNTHETIC CIFAR-shaped
-data (`synthetic-hard`, 5000 training and 1000 test samples), global batch 64, the same seed and
-steps — on four emulated boards (0.5, 0.3, 0.2, 0.1 of a core; links 100, 50, 20, 10 Mbit/s),
-once per uplink codec: none, int8, top-k 1% and PowerSGD rank 4 (all lossy ones with error
-feedback on the boards; parameters come down dense, so only the uplink differs). For each it
-reports samples/s over the steps after warm-up, the test accuracy after the last step and the
-uplink bytes per training sample.
+Codecs (this part runs today), once per uplink codec — none, int8, top-k 1% and PowerSGD rank 4,
+every lossy one with error feedback on the boards, parameters down dense:
+
+- accuracy and uplink bytes: MobileNetV2 on the harder SYNTHETIC CIFAR-shaped data
+  (`synthetic-hard`, 5000 training and 1000 test samples), global batch 64 split over four
+  workers in the emulated boards' proportions (0.5 : 0.3 : 0.2 : 0.1), the same seed, batches and
+  steps (`--steps`), computed in this process with the system's own pieces: each worker's
+  gradients through its own codec and error feedback (`edgetrain.updates.UpdateFormat`), the
+  sample-weighted mean, the job's SGD. The same arithmetic as a fleet run, at one core's speed,
+  so all four arms fit in one sitting; test accuracy after the last step.
+- samples/s: the same job on four emulated boards (those fractions of a core, unshaped links)
+  for `--fleet-steps` steps per codec, median over the steps after warm-up: what encoding costs
+  the boards.
 
 Channel-parallel stages (the `fleets` part of the issue) are not built yet: this script will
 gain the capped and plain lab fleets with and without channel groups when they are.
 
-    python scripts/bench_channel.py [--steps 300] [--warmup 10] [--codecs none,int8,topk,powersgd]
+    python scripts/bench_channel.py [--steps 400] [--fleet-steps 40] [--warmup 10] [--codecs none,int8,topk,powersgd]
 
 Last line: one JSON object, `codecs` -> name -> {samples_per_s, accuracy, uplink_bytes_per_sample},
 plus `powersgd_accuracy_minus_none` and `powersgd_uplink_reduction` (none's uplink bytes over
@@ -22,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -30,35 +38,98 @@ import yaml
 from edgetrain.catalog import SYNTHETIC_HARD_TEST_SIZE, SYNTHETIC_HARD_TRAIN_SIZE
 from edgetrain.emulator.launch import DEMO_JOB, run_on_emulated_boards
 
-BOARDS = ((0.5, 100), (0.3, 50), (0.2, 20), (0.1, 10))
-"""(fraction of a core, link Mbit/s) of each emulated board."""
+SPEEDS = (0.5, 0.3, 0.2, 0.1)
+"""Fractions of a core of the emulated boards (and the workers' shares of each batch)."""
 CODECS = {"none": "none", "int8": "int8", "topk": "topk:0.01", "powersgd": "powersgd:4"}
+BATCH = 64
 
 
-def run_codec(name: str, args: argparse.Namespace, workdir: Path) -> dict:
-    """Train with one uplink codec; throughput, accuracy and uplink bytes per sample from the run."""
+def _job(name: str, codec: str, steps: int, seed: int) -> dict:
     job = yaml.safe_load(DEMO_JOB.read_text())
-    job.update(name=f"bench-codec-{name}", model="mobilenet_v2", seed=args.seed)
+    job.update(name=f"bench-codec-{name}", model="mobilenet_v2", seed=seed)
     job["dataset"] = {"name": "synthetic-hard", "train_size": SYNTHETIC_HARD_TRAIN_SIZE,
                       "test_size": SYNTHETIC_HARD_TEST_SIZE, "augment": True}
-    job["training"].update(steps=args.steps, min_clients=len(BOARDS), eval_every=0, global_batch=64,
-                           log_every=25, split="proportional", heartbeat_timeout_s=30.0, checkpoint_every_s=0)
-    job["compression"] = {"uplink": CODECS[name], "downlink": "none"}
-    run_dir = run_on_emulated_boards(job, BOARDS, workdir)
+    job["training"].update(steps=steps, min_clients=len(SPEEDS), eval_every=0, global_batch=BATCH, log_every=25,
+                           split="proportional", heartbeat_timeout_s=30.0, checkpoint_every_s=0)
+    job["compression"] = {"uplink": codec, "downlink": "none"}
+    return job
+
+
+def train_in_process(codec: str, steps: int, seed: int) -> dict:
+    """Data-parallel SGD over four workers whose updates go through `codec` with error feedback;
+    test accuracy after `steps` and uplink bytes per sample."""
+    import torch
+
+    from edgetrain.compression import ErrorFeedback
+    from edgetrain.config import job_from_dict
+    from edgetrain.data import load_dataset, make_batch
+    from edgetrain.models import build_model
+    from edgetrain.sampling import batch_indices
+    from edgetrain.training import (
+        BUFFER_PREFIX,
+        GRAD_PREFIX,
+        compute_shard,
+        evaluate_dataset,
+        make_optimizer,
+        set_learning_rate,
+        shard_tensor_names,
+    )
+    from edgetrain.updates import UpdateFormat
+
+    torch.set_num_threads(1)
+    job = job_from_dict(_job("in-process", codec, steps, seed))
+    model = build_model(job.model, seed=job.seed)
+    worker = build_model(job.model, seed=job.seed)
+    optimizer = make_optimizer(model, job.optimizer)
+    train, test = load_dataset(job.dataset, train=True), load_dataset(job.dataset, train=False)
+    formats = [UpdateFormat(shard_tensor_names(worker), codec) for _ in SPEEDS]
+    feedbacks = [ErrorFeedback() for _ in SPEEDS]
+    shares = [round(BATCH * s / sum(SPEEDS)) for s in SPEEDS]
+    shares[0] += BATCH - sum(shares)
+    uplink = 0
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    for step in range(steps):
+        indices = batch_indices(step, BATCH, len(train), job.seed)
+        x, y = make_batch(train, indices, augment=job.dataset.augment, seed=job.seed, step=step)
+        total: dict[str, torch.Tensor] = {}
+        start = 0
+        for w, n in enumerate(shares):
+            worker.load_state_dict(model.state_dict())
+            result = compute_shard(worker, x[start:start + n], y[start:start + n])
+            start += n
+            wire, commit = formats[w].encode(result.tensors, feedbacks[w])
+            commit()
+            uplink += sum(t.numel() * t.element_size() for t in wire.values())
+            for name, tensor in formats[w].decode(wire).items():
+                total[name] = total.get(name, 0) + tensor * (n / BATCH)
+        set_learning_rate(optimizer, step, steps, job.optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for name, tensor in total.items():
+                if name.startswith(GRAD_PREFIX):
+                    params[name[len(GRAD_PREFIX):]].grad = tensor.clone()
+                elif name.startswith(BUFFER_PREFIX):
+                    buffers[name[len(BUFFER_PREFIX):]].copy_(tensor)
+        optimizer.step()
+    _, accuracy, _ = evaluate_dataset(model, test)
+    return {"accuracy": round(accuracy, 4), "uplink_bytes_per_sample": round(uplink / (steps * BATCH), 1)}
+
+
+def fleet_speed(name: str, args: argparse.Namespace, workdir: Path) -> float:
+    """Samples/s of the job on the emulated boards with this uplink codec (after warm-up)."""
+    job = _job(name, CODECS[name], args.fleet_steps, args.seed)
+    run_dir = run_on_emulated_boards(job, tuple((s, 1000.0) for s in SPEEDS), workdir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if r["kind"] == "train"]
-    steady = [r for r in train if r["step"] >= args.warmup]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    uplink = sum(d["upload_bytes"] for r in train for d in r["devices"].values())
-    return {"samples_per_s": round(sum(r["samples"] for r in steady) / sum(r["step_s"] for r in steady), 2),
-            "accuracy": summary["test_accuracy"],
-            "uplink_bytes_per_sample": round(uplink / sum(r["samples"] for r in train), 1)}
+    steady = [r for r in records if r["kind"] == "train" and r["step"] >= args.warmup]
+    return round(sum(r["samples"] for r in steady) / sum(r["step_s"] for r in steady), 2)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput")
+    parser.add_argument("--steps", type=int, default=400, help="steps of the accuracy comparison")
+    parser.add_argument("--fleet-steps", type=int, default=40, help="steps on the emulated boards per codec")
+    parser.add_argument("--warmup", type=int, default=10, help="fleet steps left out of the throughput")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--codecs", default=",".join(CODECS), help="comma-separated subset of " + ",".join(CODECS))
     args = parser.parse_args()
@@ -66,14 +137,20 @@ def main() -> None:
     unknown = [n for n in names if n not in CODECS]
     if unknown:
         parser.error(f"unknown codec(s) {unknown}; choose from {list(CODECS)}")
-    print(f"# mobilenet_v2 on synthetic-hard (SYNTHETIC data), batch 64, {args.steps} steps, seed {args.seed}; "
-          f"boards (core, Mbit/s) {BOARDS}", flush=True)
-    codecs = {}
+    print(f"# mobilenet_v2 on synthetic-hard (SYNTHETIC data), batch {BATCH} over workers {SPEEDS}, "
+          f"{args.steps} steps in process, {args.fleet_steps} on the emulated boards, seed {args.seed}", flush=True)
+    # the accuracy arms, two at a time (one core each)
+    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {n: pool.submit(train_in_process, CODECS[n], args.steps, args.seed) for n in names}
+        codecs = {n: f.result() for n, f in futures.items()}
+    for n in names:
+        print(f"{n} ({CODECS[n]}): {codecs[n]}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_channel_") as tmp:
-        for name in names:
-            codecs[name] = run_codec(name, args, Path(tmp))
-            print(f"{name} ({CODECS[name]}): {codecs[name]}", flush=True)
-    out: dict = {"synthetic_data": True, "steps": args.steps, "seed": args.seed, "codecs": codecs}
+        for n in names:
+            codecs[n]["samples_per_s"] = fleet_speed(n, args, Path(tmp))
+            print(f"{n}: {codecs[n]['samples_per_s']} samples/s on the emulated boards", flush=True)
+    out: dict = {"synthetic_data": True, "steps": args.steps, "fleet_steps": args.fleet_steps, "seed": args.seed,
+                 "codecs": codecs}
     if "none" in codecs and "powersgd" in codecs:
         out["powersgd_accuracy_minus_none"] = round(codecs["powersgd"]["accuracy"] - codecs["none"]["accuracy"], 4)
         out["powersgd_uplink_reduction"] = round(codecs["none"]["uplink_bytes_per_sample"]
