@@ -26,8 +26,7 @@ Codecs and wire names, for a tensor ``<name>`` with at least `MIN_COMPRESSED_NUM
   ``p @ q.T``: one power-iteration step, ``P = orth(M Q)``, ``Q = Mᵀ P``, from the Q of the
   encoder's previous message for that tensor (warm start; the first from a fixed random draw).
   ``r (n + m) / (n m)`` of the bytes. A tensor with one dimension, or whose factors would not be
-  smaller than it (r (n + m) >= n m, e.g. a depthwise convolution with few channels), travels
-  dense float32. The encoder's warm start is its only state; decoding needs none.
+  smaller than it (r (n + m) >= n m, e.g. a 2048 × 3 weight), travels dense float32. The encoder's warm start is its only state; decoding needs none.
 
 Decoding is a pure function of the wire tensors, so the sender (which needs what the receiver
 will see, for error feedback) and the receiver get bit-identical results.
