@@ -184,7 +184,8 @@ function renderPlan(plan) {
         arrow.textContent = "→";
         row.appendChild(arrow);
       }
-      const title = `stage ${s.stage}: blocks ${s.blocks[0]}–${s.blocks[1] - 1}` + (s.boards.length > 1 ? " (group)" : "");
+      const blocks = s.blocks ? `: blocks ${s.blocks[0]}–${s.blocks[1] - 1}` : "";
+      const title = `stage ${s.stage}${blocks}` + (s.boards.length > 1 ? " (group)" : "");
       const node = box("stage", title, s.boards.map((b) => b.name + (b.samples ? ` · ${b.samples} samples` : "")));
       node.dataset.stage = String(s.stage);
       row.appendChild(node);
