@@ -8,7 +8,8 @@ every lossy one with error feedback on the boards, parameters down dense:
   workers in the emulated boards' proportions (0.5 : 0.3 : 0.2 : 0.1), the same seed, batches and
   steps (`--steps`), computed in this process with the system's own pieces: each worker's
   gradients through its own codec and error feedback (`edgetrain.updates.UpdateFormat`), the
-  sample-weighted mean, the job's SGD. The same arithmetic as a fleet run, at one core's speed,
+  sample-weighted mean, the job's SGD (with top-k, the boards' momentum correction and the
+  coordinator's plain SGD, as the system does). The same arithmetic as a fleet run, at one core's speed,
   so all four arms fit in one sitting; test accuracy after the last step.
 - samples/s: the same job on four emulated boards (those fractions of a core, unshaped links)
   for `--fleet-steps` steps per codec, median over the steps after warm-up: what encoding costs
@@ -31,6 +32,7 @@ import json
 import multiprocessing
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -80,10 +82,14 @@ def train_in_process(codec: str, steps: int, seed: int) -> dict:
     job = job_from_dict(_job("in-process", codec, steps, seed))
     model = build_model(job.model, seed=job.seed)
     worker = build_model(job.model, seed=job.seed)
-    optimizer = make_optimizer(model, job.optimizer)
+    # momentum correction (top-k): the boards accumulate momentum, the coordinator's SGD has none
+    board_momentum = job.optimizer.momentum if job.compression.boards_keep_momentum else 0.0
+    optimizer = make_optimizer(model, replace(job.optimizer, momentum=0.0, nesterov=False)
+                               if board_momentum else job.optimizer)
     train, test = load_dataset(job.dataset, train=True), load_dataset(job.dataset, train=False)
     formats = [UpdateFormat(shard_tensor_names(worker), codec) for _ in SPEEDS]
     feedbacks = [ErrorFeedback() for _ in SPEEDS]
+    velocities: list[dict[str, torch.Tensor]] = [{} for _ in SPEEDS]
     shares = [round(BATCH * s / sum(SPEEDS)) for s in SPEEDS]
     shares[0] += BATCH - sum(shares)
     uplink = 0
@@ -96,10 +102,19 @@ def train_in_process(codec: str, steps: int, seed: int) -> dict:
         start = 0
         for w, n in enumerate(shares):
             worker.load_state_dict(model.state_dict())
-            result = compute_shard(worker, x[start:start + n], y[start:start + n])
+            tensors = compute_shard(worker, x[start:start + n], y[start:start + n]).tensors
             start += n
-            wire, commit = formats[w].encode(result.tensors, feedbacks[w])
+            if board_momentum:  # as edge_client/shard.py: u <- m u + g is sent; a sent coordinate restarts
+                for name in [k for k in tensors if k.startswith(GRAD_PREFIX)]:
+                    u = velocities[w].get(name)
+                    velocities[w][name] = u = tensors[name].clone() if u is None else u.mul_(board_momentum).add_(
+                        tensors[name])
+                    tensors[name] = u.clone()
+            wire, commit = formats[w].encode(tensors, feedbacks[w])
             commit()
+            for name, u in velocities[w].items():
+                if name + ":idx" in wire:
+                    u.view(-1)[wire[name + ":idx"].long()] = 0.0
             uplink += sum(t.numel() * t.element_size() for t in wire.values())
             for name, tensor in formats[w].decode(wire).items():
                 total[name] = total.get(name, 0) + tensor * (n / BATCH)
@@ -139,16 +154,17 @@ def main() -> None:
         parser.error(f"unknown codec(s) {unknown}; choose from {list(CODECS)}")
     print(f"# mobilenet_v2 on synthetic-hard (SYNTHETIC data), batch {BATCH} over workers {SPEEDS}, "
           f"{args.steps} steps in process, {args.fleet_steps} on the emulated boards, seed {args.seed}", flush=True)
-    # the accuracy arms, two at a time (one core each)
-    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {n: pool.submit(train_in_process, CODECS[n], args.steps, args.seed) for n in names}
-        codecs = {n: f.result() for n, f in futures.items()}
-    for n in names:
-        print(f"{n} ({CODECS[n]}): {codecs[n]}", flush=True)
+    codecs: dict[str, dict] = {n: {} for n in names}
+    # samples/s first, on a quiet machine; then the accuracy arms, two at a time (one core each)
     with tempfile.TemporaryDirectory(prefix="bench_channel_") as tmp:
         for n in names:
             codecs[n]["samples_per_s"] = fleet_speed(n, args, Path(tmp))
             print(f"{n}: {codecs[n]['samples_per_s']} samples/s on the emulated boards", flush=True)
+    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {n: pool.submit(train_in_process, CODECS[n], args.steps, args.seed) for n in names}
+        for n, f in futures.items():
+            codecs[n].update(f.result())
+            print(f"{n} ({CODECS[n]}): {codecs[n]}", flush=True)
     out: dict = {"synthetic_data": True, "steps": args.steps, "fleet_steps": args.fleet_steps, "seed": args.seed,
                  "codecs": codecs}
     if "none" in codecs and "powersgd" in codecs:
