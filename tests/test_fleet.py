@@ -96,7 +96,7 @@ def dashboard_state(url: str) -> dict:
         return json.loads(response.read())
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("network", [
     pytest.param("namespaces", marks=[pytest.mark.root, pytest.mark.skipif(
         not netns_available()[0], reason=f"network namespaces unavailable: {netns_available()[1]}")]),
@@ -132,7 +132,8 @@ def test_fleet_up_shows_live_telemetry_and_down_leaves_nothing(tmp_path: Path, n
                  "the emulated battery to drain")
         assert wait_for(lambda: within(link_rate(address, authority), RATE_MBIT), 60, f"a probe near {RATE_MBIT} Mbit/s")
         os.kill(supervisor, signal.SIGCONT)
-        assert wait_for(lambda: within(link_rate(address, authority), NEW_RATE_MBIT), 90,
+        # (150 s: with the suite and two more busy processes on 2 cores, 90 s once did not suffice)
+        assert wait_for(lambda: within(link_rate(address, authority), NEW_RATE_MBIT), 150,
                         f"the probe to follow the scripted change to {NEW_RATE_MBIT} Mbit/s")
         energy = devices(address, authority)["battery"].energy_per_sample_j
         assert energy > 0
