@@ -83,11 +83,7 @@ class CpuLimiter:
     def close(self) -> None:
         """Lift the limit; in cgroup mode leave the group and remove it so none pile up."""
         if self.cgroup_path is not None:
-            try:
-                _write(Path(self._cgroup_root) / "cgroup.procs", os.getpid())
-                os.rmdir(self.cgroup_path)
-            except OSError as e:
-                logger.warning("[Throttle.close] cannot remove %s: %s", self.cgroup_path, e)
+            _leave_group(self._cgroup_root, self.cgroup_path)
             self.cgroup_path = None
         self.mode = "none"
 
@@ -167,11 +163,7 @@ class MemoryLimiter:
     def close(self) -> None:
         """Leave the group and remove it."""
         if self.cgroup_path is not None:
-            try:
-                _write(Path(self._cgroup_root) / "cgroup.procs", os.getpid())
-                os.rmdir(self.cgroup_path)
-            except OSError as e:
-                logger.warning("[Throttle.close] cannot remove %s: %s", self.cgroup_path, e)
+            _leave_group(self._cgroup_root, self.cgroup_path)
             self.cgroup_path = None
 
     def __enter__(self) -> MemoryLimiter:
@@ -229,6 +221,15 @@ def remove_stale_cgroups(cgroup_root: str = DEFAULT_CGROUP_ROOT) -> list[str]:
             continue
         removed.append(str(group))
     return removed
+
+
+def _leave_group(cgroup_root: str, group: str) -> None:
+    """Move this process back to the hierarchy's root group and remove `group` (made for it)."""
+    try:
+        _write(Path(cgroup_root) / "cgroup.procs", os.getpid())
+        os.rmdir(group)
+    except OSError as e:
+        logger.warning("[Throttle.close] cannot remove %s: %s", group, e)
 
 
 def _write(path: Path, value: int) -> None:
