@@ -74,6 +74,8 @@ class MailKey:
     row_end: int
     from_device: str
     """The sender's registration: a message from an earlier run of the coordinator never matches."""
+    exchange: int = 0
+    """0 between neighbouring stages; k > 0 the k-th split-layer exchange of a channel group."""
 
 
 class Mailbox:
@@ -326,7 +328,7 @@ class StagePeerServicer(spb_grpc.StagePeerServicer):
         except ValueError as e:
             transport.abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self.mailbox.put(MailKey(h.step, h.attempt, h.pipeline, h.microbatch, h.backward, h.from_stage, h.row_begin,
-                                 h.row_end, h.from_device), unpack(metas, payload)["x"])
+                                 h.row_end, h.from_device, h.exchange), unpack(metas, payload)["x"])
         return spb.StageAck(received_bytes=total)
 
 
@@ -397,7 +399,7 @@ class StageEndpoint:
         header = spb.StageHeader(job_id=job_id, step=key.step, attempt=key.attempt, pipeline=key.pipeline,
                                  microbatch=key.microbatch, backward=key.backward, from_stage=key.from_stage,
                                  row_begin=key.row_begin, row_end=key.row_end, from_device=key.from_device,
-                                 bundle=serde.header_to_proto(metas))
+                                 exchange=key.exchange, bundle=serde.header_to_proto(metas))
         stub = spb_grpc.StagePeerStub(self._channels.get(address))
 
         def send() -> None:
@@ -421,5 +423,8 @@ class StageEndpoint:
 
 def header_target(header: spb.StageHeader) -> str:
     """What a stage message carries, for messages: "activations of micro-batch 3"."""
+    if header.exchange:
+        part = "input gradient" if header.backward else "output channels"
+        return f"{part} of split layer {header.exchange} of micro-batch {header.microbatch}"
     direction = "gradients" if header.backward else "activations"
     return f"{direction} of micro-batch {header.microbatch}"

@@ -14,6 +14,12 @@ pipeline's samples, so the gradients of all hosts and micro-batches add up to th
 the mean loss — the coordinator sums a pipeline's partial gradients and obtains exactly what
 single-device training computes.
 
+A stage hosted by a channel group (edgetrain.channels) runs every row on every member, each
+computing its share of the split layers' output channels and exchanging slices and partial
+input gradients with the other members through the same endpoints; its leader alone sends the
+stage's outputs and input gradients on, and reports the rows, loss and the gradients of the
+layers every member computed alike (the others report zero samples and only their slices).
+
 Every wait on a peer is bounded: a neighbour that died or stalled ends the step with
 `StageFailure` naming it, within the stage timeout; so does the coordinator opening a newer
 attempt (heard with the heartbeat), so the hosts of a failed attempt are free again at once.
@@ -36,7 +42,8 @@ from edge_client.stage_state import StageStateError
 from edgetrain.data import make_batch
 from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.errors import FailureKind
-from edgetrain.pipeline import overlaps, schedule, stage_parameter_prefixes
+from edgetrain.channels import ChannelSplit
+from edgetrain.pipeline import routes, schedule, stage_parameter_prefixes
 from edgetrain.tensors import pack, unpack
 from edgetrain.training import (
     BUFFER_PREFIX,
@@ -208,9 +215,13 @@ def _run_stage(model: nn.Module, work: Assignment, dataset, endpoint: StageEndpo
             if future.done() and future.exception() is not None:
                 raise future.exception()
 
+    def routes_between(senders, receivers, m: int):
+        return routes([_rows(h, m) for h in senders], _channel_group(senders),
+                      [_rows(h, m) for h in receivers], _channel_group(receivers))
+
     def receive(m: int, backward: bool, peers) -> torch.Tensor:
         pieces = []
-        for sender, receiver, begin, end in overlaps([_rows(h, m) for h in peers], [_rows(h, m) for h in group]):
+        for sender, receiver, begin, end in routes_between(peers, group, m):
             if receiver != me:
                 continue
             peer = peers[sender]
@@ -224,7 +235,7 @@ def _run_stage(model: nn.Module, work: Assignment, dataset, endpoint: StageEndpo
 
     def ship(m: int, backward: bool, tensor: torch.Tensor, peers) -> None:
         my_begin, _ = _rows(mine, m)
-        for sender, receiver, begin, end in overlaps([_rows(h, m) for h in group], [_rows(h, m) for h in peers]):
+        for sender, receiver, begin, end in routes_between(group, peers, m):
             if sender != me:
                 continue
             peer = peers[receiver]
@@ -232,67 +243,75 @@ def _run_stage(model: nn.Module, work: Assignment, dataset, endpoint: StageEndpo
             sends.append(endpoint.send(peer.address, job_id, key(m, backward, begin, end),
                                        tensor[begin - my_begin:end - my_begin], st.timeout_s))
 
+    split = None
+    if mine.channels is not None:
+        exchange = _GroupExchange(endpoint, work, job_id, device_id, me, sends, shipped, check_sends)
+        split = ChannelSplit(blocks, [h.channels for h in group], mine.channels, exchange)
+
     saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
     held = peak = 0
     wait_s = 0.0
     loss_sum, correct, rows_done = 0.0, 0, 0
     try:
-        for op in schedule(st.schedule, stages, m_count, s):
-            m = op.microbatch
-            b, e = _rows(mine, m)
-            if e == b:
-                continue  # this host has no rows of this micro-batch
-            if op.kind == "F" and first and last:  # the whole model here: forward and backward now, in chunks
-                bounds = chunk_bounds(*offsets[m], max_forward_batch)
-                with working():
-                    for c_lo, c_hi in zip(bounds, bounds[1:]):
-                        out = _forward(blocks, local_x[c_lo:c_hi])
-                        y = local_y[c_lo:c_hi]
-                        loss = nn.functional.cross_entropy(out, y, reduction="sum") / st.pipeline_samples
-                        loss.backward()
-                        loss_sum += float(loss.detach()) * st.pipeline_samples
-                        correct += int((out.detach().argmax(dim=1) == y).sum())
-                        peak = max(peak, out.numel() * out.element_size())
-                rows_done += e - b
-                saved[m] = None
-            elif op.kind == "F":
-                if first:
-                    lo, hi = offsets[m]
-                    inp = local_x[lo:hi]
-                else:
-                    started = time.perf_counter()
-                    inp = receive(m, False, st.prev_hosts).requires_grad_()
-                    wait_s += time.perf_counter() - started
-                with working():
-                    out = _forward(blocks, inp)
-                    if last:
+        with split if split is not None else contextlib.nullcontext():
+            for op in schedule(st.schedule, stages, m_count, s):
+                m = op.microbatch
+                b, e = _rows(mine, m)
+                if e == b:
+                    continue  # this host has no rows of this micro-batch
+                if split is not None:
+                    split.microbatch = m
+                if op.kind == "F" and first and last:  # the whole model here: forward and backward now, in chunks
+                    bounds = chunk_bounds(*offsets[m], max_forward_batch)
+                    with working():
+                        for c_lo, c_hi in zip(bounds, bounds[1:]):
+                            out = _forward(blocks, local_x[c_lo:c_hi], split, _seed(work, m, c_lo))
+                            y = local_y[c_lo:c_hi]
+                            loss = nn.functional.cross_entropy(out, y, reduction="sum") / st.pipeline_samples
+                            loss.backward()
+                            loss_sum += float(loss.detach()) * st.pipeline_samples
+                            correct += int((out.detach().argmax(dim=1) == y).sum())
+                            peak = max(peak, out.numel() * out.element_size())
+                    rows_done += e - b
+                    saved[m] = None
+                elif op.kind == "F":
+                    if first:
                         lo, hi = offsets[m]
-                        y = local_y[lo:hi]
-                        loss = nn.functional.cross_entropy(out, y, reduction="sum") / st.pipeline_samples
-                        loss_sum += float(loss.detach()) * st.pipeline_samples
-                        correct += int((out.detach().argmax(dim=1) == y).sum())
-                        rows_done += e - b
-                        saved[m] = (None if first else inp, loss)
+                        inp = local_x[lo:hi]
                     else:
-                        saved[m] = (None if first else inp, out)
-                if not last:
-                    ship(m, False, out.detach(), st.next_hosts)
-                held += sum(t.numel() * t.element_size() for t in saved[m] if t is not None and t.dim())
-                peak = max(peak, held)
-            elif saved[m] is None:  # done with its forward
-                del saved[m]
-            else:
-                inp, out = saved.pop(m)
-                grad = None
-                if not last:
-                    started = time.perf_counter()
-                    grad = receive(m, True, st.next_hosts)
-                    wait_s += time.perf_counter() - started
-                with working():
-                    out.backward(grad)
-                if not first:
-                    ship(m, True, inp.grad, st.prev_hosts)
-                held -= sum(t.numel() * t.element_size() for t in (inp, out) if t is not None and t.dim())
+                        started = time.perf_counter()
+                        inp = receive(m, False, st.prev_hosts).requires_grad_()
+                        wait_s += time.perf_counter() - started
+                    with working():
+                        out = _forward(blocks, inp, split, _seed(work, m, 0))
+                        if last:
+                            lo, hi = offsets[m]
+                            y = local_y[lo:hi]
+                            loss = nn.functional.cross_entropy(out, y, reduction="sum") / st.pipeline_samples
+                            loss_sum += float(loss.detach()) * st.pipeline_samples
+                            correct += int((out.detach().argmax(dim=1) == y).sum())
+                            rows_done += e - b
+                            saved[m] = (None if first else inp, loss)
+                        else:
+                            saved[m] = (None if first else inp, out)
+                    if not last:
+                        ship(m, False, out.detach(), st.next_hosts)
+                    held += sum(t.numel() * t.element_size() for t in saved[m] if t is not None and t.dim())
+                    peak = max(peak, held)
+                elif saved[m] is None:  # done with its forward
+                    del saved[m]
+                else:
+                    inp, out = saved.pop(m)
+                    grad = None
+                    if not last:
+                        started = time.perf_counter()
+                        grad = receive(m, True, st.next_hosts)
+                        wait_s += time.perf_counter() - started
+                    with working():
+                        out.backward(grad)
+                    if not first:
+                        ship(m, True, inp.grad, st.prev_hosts)
+                    held -= sum(t.numel() * t.element_size() for t in (inp, out) if t is not None and t.dim())
         started = time.perf_counter()
         deadline = started + st.timeout_s
         for future in sends:  # drain the sends, giving up at the timeout or when the attempt is closed
@@ -312,6 +331,12 @@ def _run_stage(model: nn.Module, work: Assignment, dataset, endpoint: StageEndpo
         for future in sends:
             future.cancel()
         raise
+    if split is not None:
+        wait_s += exchange.wait_s
+        if not split.leader:  # what every member computed alike counts once: the leader reports it
+            for p in split.replicated_parameters(blocks):
+                p.grad = None
+            loss_sum, correct, rows = 0.0, 0, []
     prefixes = stage_parameter_prefixes(model.block_names, st.first_block, st.end_block)
     tensors = {}
     for name, p in model.named_parameters():
@@ -326,7 +351,74 @@ def _run_stage(model: nn.Module, work: Assignment, dataset, endpoint: StageEndpo
     return StageResult(shard, wait_s, peak, shipped[0])
 
 
-def _forward(blocks, x: torch.Tensor) -> torch.Tensor:
-    for block in blocks:
-        x = block(x)
+def _channel_group(hosts) -> bool:
+    return bool(hosts) and hosts[0].channels is not None
+
+
+class _GroupExchange:
+    """A channel group's exchanges (edgetrain.channels.Exchange) through the members' StagePeer
+    endpoints: each message goes to every other member, keyed by the split-layer call it belongs to."""
+
+    def __init__(self, endpoint: StageEndpoint, work: Assignment, job_id: str, device_id: str, me: int,
+                 sends: list, shipped: list, check_sends) -> None:
+        self.endpoint, self.work, self.job_id, self.device_id, self.me = endpoint, work, job_id, device_id, me
+        self.group = work.stage.hosts
+        self.sends, self.shipped, self.check_sends = sends, shipped, check_sends
+        self.wait_s = 0.0
+        """Seconds spent waiting for the other members' tensors."""
+
+    def _key(self, m: int, tag: int, backward: bool, rows: int, device_id: str) -> MailKey:
+        st = self.work.stage
+        return MailKey(self.work.step, self.work.attempt, st.pipeline, m, backward, st.stage, 0, rows, device_id, tag)
+
+    def _send(self, m: int, tag: int, backward: bool, tensor: torch.Tensor, to: list[int]) -> None:
+        key = self._key(m, tag, backward, tensor.shape[0], self.device_id)
+        for j in to:
+            self.shipped[0] += tensor.numel() * tensor.element_size()
+            self.sends.append(self.endpoint.send(self.group[j].address, self.job_id, key, tensor,
+                                                 self.work.stage.timeout_s))
+
+    def _take(self, m: int, tag: int, backward: bool, rows: int, j: int) -> torch.Tensor:
+        started = time.perf_counter()
+        host = self.group[j]
+        what = (f"{'input gradient' if backward else 'output channels'} of split layer {tag} of micro-batch {m} "
+                f"from channel group member {host.name or host.device_id}")
+        try:
+            return self.endpoint.mailbox.take(self._key(m, tag, backward, rows, host.device_id),
+                                              self.work.stage.timeout_s, what, self.check_sends)
+        finally:
+            self.wait_s += time.perf_counter() - started
+
+    def gather(self, microbatch: int, tag: int, local: torch.Tensor, bounds, dim: int) -> torch.Tensor:
+        if bounds[self.me][1] > bounds[self.me][0]:
+            self._send(microbatch, tag, False, local, [j for j in range(len(self.group)) if j != self.me])
+        parts = [local if j == self.me else self._take(microbatch, tag, False, local.shape[0], j)
+                 for j, (lo, hi) in enumerate(bounds) if hi > lo]
+        return torch.cat(parts, dim=dim)
+
+    def all_reduce(self, microbatch: int, tag: int, partial: torch.Tensor) -> torch.Tensor:
+        self._send(microbatch, tag, True, partial, [j for j in range(len(self.group)) if j != self.me])
+        parts = [partial if j == self.me else self._take(microbatch, tag, True, partial.shape[0], j)
+                 for j in range(len(self.group))]
+        total = parts[0].clone()  # the same order on every member: the same sum, bit for bit
+        for part in parts[1:]:
+            total += part
+        return total
+
+
+def _forward(blocks, x: torch.Tensor, split: ChannelSplit | None = None, seed: int = 0) -> torch.Tensor:
+    """The blocks' forward; in a channel group with the same random numbers on every member (the
+    replicated layers' dropout must agree)."""
+    if split is None:
+        for block in blocks:
+            x = block(x)
+        return x
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for block in blocks:
+            x = block(x)
     return x
+
+
+def _seed(work: Assignment, microbatch: int, row: int) -> int:
+    return ((work.data_seed * 1_000_003 + work.step) * 4099 + microbatch * 257 + row) % (2**63)

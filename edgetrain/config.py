@@ -411,6 +411,10 @@ class PlannerConfig:
     """Boards below this battery percent and unplugged get no work."""
     link_wait_s: float = 15.0
     """Before the first plan, wait up to this long for every board's first link measurement."""
+    channel_groups: bool = True
+    """A group of boards may host a stage as a channel group (each member a share of every split
+    layer's output channels, edgetrain.channels) where the cost model finds that cheaper than
+    splitting samples; false: sample-split groups only."""
 
     def __post_init__(self) -> None:
         ok = self.objective in ("time", "energy") or (

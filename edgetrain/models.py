@@ -162,9 +162,18 @@ class BlockCost:
     """Shape of the block's output, batch dimension first."""
     output_bytes: int
     """Bytes of that output as float32: what a cut after this block sends per micro-batch."""
+    channel_layers: int = 0
+    """Layers a channel group splits (``edgetrain.channels.splittable``)."""
+    channel_flops: int = 0
+    """Forward FLOPs of those layers for the whole batch (a channel group divides them)."""
+    channel_output_bytes: int = 0
+    """Bytes of their outputs for the whole batch (what a channel group gathers, forward)."""
+    channel_input_bytes: int = 0
+    """Bytes of their inputs for the whole batch (what a channel group sums, backward)."""
 
     def __post_init__(self) -> None:
-        for field in ("params", "param_bytes", "forward_flops", "output_bytes"):
+        for field in ("params", "param_bytes", "forward_flops", "output_bytes", "channel_layers", "channel_flops",
+                      "channel_output_bytes", "channel_input_bytes"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")
         if not self.output_shape or min(self.output_shape) < 1:
@@ -204,10 +213,26 @@ def block_costs(
 
 def _measure_blocks(model: BlockModel, batch_size: int, x: torch.Tensor) -> list[BlockCost]:
     """Run ``x`` (one sample) through the blocks, recording each block's cost."""
+    from edgetrain.channels import splittable
+
     costs = []
     for name, block in zip(model.block_names, model.block_modules(), strict=True):
-        with FlopCounterMode(display=False) as counter:
-            x = block(x)
+        split = {"layers": 0, "flops": 0, "out": 0, "in": 0}
+
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            fan_in = module.weight[0].numel()  # FLOPs: a multiply and an add per weight per output
+            split["layers"] += 1
+            split["flops"] += 2 * fan_in * out.numel()
+            split["out"] += out.numel() * _FLOAT32_BYTES
+            split["in"] += args[0].numel() * _FLOAT32_BYTES
+
+        handles = [m.register_forward_hook(hook) for m in block.modules() if splittable(m)]
+        try:
+            with FlopCounterMode(display=False) as counter:
+                x = block(x)
+        finally:
+            for handle in handles:
+                handle.remove()
         costs.append(
             BlockCost(
                 name=name,
@@ -216,6 +241,10 @@ def _measure_blocks(model: BlockModel, batch_size: int, x: torch.Tensor) -> list
                 forward_flops=counter.get_total_flops() * batch_size,
                 output_shape=(batch_size, *x.shape[1:]),
                 output_bytes=x.numel() * batch_size * _FLOAT32_BYTES,
+                channel_layers=split["layers"],
+                channel_flops=split["flops"] * batch_size,
+                channel_output_bytes=split["out"] * batch_size,
+                channel_input_bytes=split["in"] * batch_size,
             )
         )
     return costs

@@ -282,6 +282,19 @@ def overlaps(
     return sorted(transfers, key=lambda t: t[2])
 
 
+def routes(senders: Sequence[tuple[int, int]], sender_channels: bool,
+           receivers: Sequence[tuple[int, int]], receiver_channels: bool) -> list[tuple[int, int, int, int]]:
+    """``overlaps`` between two stages' groups of which either may be a channel group (its members
+    each hold every row: ``*_channels``): a channel group sends from its leader (member 0) alone,
+    and every member of a receiving channel group gets every row."""
+    send = senders[:1] if sender_channels else senders
+    if not receiver_channels:
+        return overlaps(send, receivers)
+    whole = [(send[0][0], send[-1][1])]
+    return sorted(((i, j, b, e) for i, _, b, e in overlaps(send, whole) for j in range(len(receivers))),
+                  key=lambda t: (t[2], t[1]))
+
+
 def split_microbatches(total: int, microbatches: int) -> list[int]:
     """Sizes of ``microbatches`` micro-batches of ``total`` samples: as equal as possible,
     the first ones one larger. Every micro-batch gets at least one sample."""

@@ -48,14 +48,30 @@ class BlockCost:
     """Forward FLOPs per sample."""
     backward_flops: float | None = None
     """Backward FLOPs per sample; twice the forward when not given."""
+    channel_layers: int = 0
+    """Layers a channel group splits (``edgetrain.channels``); the rest of the block is replicated."""
+    channel_flops: float = 0.0
+    """Forward FLOPs per sample of those layers (part of ``forward_flops``)."""
+    channel_output_bytes: float = 0.0
+    """Bytes per sample of their outputs: what a channel group gathers in the forward pass."""
+    channel_input_bytes: float = 0.0
+    """Bytes per sample of their inputs: what a channel group sums in the backward pass."""
 
     def __post_init__(self) -> None:
-        for key in ("param_bytes", "activation_bytes", "forward_flops"):
+        for key in ("param_bytes", "activation_bytes", "forward_flops", "channel_layers", "channel_flops",
+                    "channel_output_bytes", "channel_input_bytes"):
             value = getattr(self, key)
             _check(math.isfinite(value) and value >= 0, f"{self.name}: {key} must be >= 0, got {value}")
         back = self.backward_flops
         _check(back is None or (math.isfinite(back) and back >= 0),
                f"{self.name}: backward_flops must be >= 0, got {back}")
+        _check(self.channel_flops <= self.forward_flops * (1 + 1e-9),
+               f"{self.name}: the split layers' FLOPs are part of the block's")
+
+    @property
+    def channel_train_flops(self) -> float:
+        """Forward plus backward FLOPs per sample of the layers a channel group splits."""
+        return self.channel_flops * self.train_flops / self.forward_flops if self.forward_flops else 0.0
 
     @property
     def train_flops(self) -> float:
@@ -89,7 +105,11 @@ class ModelCost:
         return cls(tuple(
             BlockCost(name=b.name, param_bytes=b.param_bytes,
                       forward_flops=b.forward_flops / b.output_shape[0],
-                      activation_bytes=b.output_bytes / b.output_shape[0])
+                      activation_bytes=b.output_bytes / b.output_shape[0],
+                      channel_layers=getattr(b, "channel_layers", 0),
+                      channel_flops=getattr(b, "channel_flops", 0) / b.output_shape[0],
+                      channel_output_bytes=getattr(b, "channel_output_bytes", 0) / b.output_shape[0],
+                      channel_input_bytes=getattr(b, "channel_input_bytes", 0) / b.output_shape[0])
             for b in measured))
 
 
@@ -158,16 +178,29 @@ class Prediction:
     """Whether every board's memory holds its part."""
 
 
+SPLITS: tuple[str, ...] = ("rows", "channels")
+"""How a stage's group divides its work: each host a share of every micro-batch's samples
+(``rows``), or each a share of every split layer's output channels, on all samples
+(``channels``, ``edgetrain.channels``)."""
+
+
 @dataclass(frozen=True)
 class StagePlan:
-    """One pipeline stage: blocks [begin, end) hosted by ``boards``."""
+    """One pipeline stage: blocks [begin, end) hosted by ``boards``, which divide it by ``split``."""
 
     begin: int
     end: int
     boards: tuple[str, ...]
+    split: str = "rows"
 
+    def __post_init__(self) -> None:
+        _check(self.split in SPLITS, f"a stage's split must be one of {SPLITS}, got {self.split!r}")
+        _check(self.split == "rows" or len(self.boards) >= 2, "a channel group needs at least two boards")
 
-
+    @property
+    def channels(self) -> bool:
+        """Whether the stage is a channel group."""
+        return self.split == "channels"
 
 @dataclass(frozen=True)
 class Plan:
@@ -217,7 +250,8 @@ class Plan:
         """One line: stages (blocks and boards), micro-batches, schedule, DP shards."""
         if not self.stages:
             return "data parallelism over " + ("+".join(self.dp_boards) or "every available board")
-        stages = "; ".join(f"blocks {s.begin}-{s.end - 1} on {'+'.join(s.boards)}" for s in self.stages)
+        stages = "; ".join(f"blocks {s.begin}-{s.end - 1} on {'+'.join(s.boards)}"
+                           + (" (channels)" if s.channels else "") for s in self.stages)
         shards = f"; DP shards {'+'.join(self.dp_boards)} ({self.dp_share:.0%})" if self.dp_boards else ""
         return f"{stages}; {self.microbatches} micro-batches, {self.schedule}{shards}"
 
@@ -234,7 +268,8 @@ class Plan:
             head += f", {self.microbatches} micro-batches ({self.schedule})"
         rows = [("board", "role", "blocks", "share", "time_s", "memory_MB")]
         for s, stage in enumerate(self.stages):
-            rows += [(b, f"stage {s}", f"{stage.begin}-{stage.end - 1}", f"{p.share[b]:.1%}",
+            role = f"stage {s}" + (" (channels)" if stage.channels else "")
+            rows += [(b, role, f"{stage.begin}-{stage.end - 1}", f"{p.share[b]:.1%}",
                       f"{p.time_s[b]:.3f}", f"{p.memory_bytes[b] / 1e6:.1f}") for b in stage.boards]
         rows += [(b, "dp", "all", f"{p.share[b]:.1%}", f"{p.time_s[b]:.3f}", f"{p.memory_bytes[b] / 1e6:.1f}")
                  for b in (tuple(p.share) if every else self.dp_boards)]
@@ -248,13 +283,15 @@ class Plan:
 
 def plan_to_dict(plan: Plan) -> dict:
     """The plan as plain data in the shape of a job's ``pipeline`` section: ``stages`` as
-    ``{blocks, boards}`` first stage first, ``microbatches``, ``schedule``, ``dp_boards``,
-    ``dp_share``. Boards left out and the prediction are not part of it."""
+    ``{blocks, boards}`` first stage first (with ``split: channels`` for a channel group),
+    ``microbatches``, ``schedule``, ``dp_boards``, ``dp_share``. Boards left out and the
+    prediction are not part of it."""
     ends = [0] + [s.end for s in plan.stages]
     _check(all(s.begin == e for s, e in zip(plan.stages, ends)),
            f"stages must be consecutive from block 0 to have a plain-data form, got "
            f"{[(s.begin, s.end) for s in plan.stages]}")
-    return {"stages": [{"blocks": s.end - s.begin, "boards": list(s.boards)} for s in plan.stages],
+    return {"stages": [{"blocks": s.end - s.begin, "boards": list(s.boards)} | ({"split": s.split} if s.channels else {})
+                       for s in plan.stages],
             "microbatches": plan.microbatches, "schedule": plan.schedule,
             "dp_boards": list(plan.dp_boards), "dp_share": plan.dp_share}
 
@@ -297,18 +334,21 @@ def plan_from_dict(data: Mapping[str, Any], *, where: str) -> Plan:
 
 
 def _stages_from_list(raw: Any, need: Callable[[bool, str, Any, str], None]) -> tuple[StagePlan, ...]:
-    """Stages of ``{blocks, boards}`` mappings, as consecutive block ranges from block 0."""
+    """Stages of ``{blocks, boards[, split]}`` mappings, as consecutive block ranges from block 0."""
     need(isinstance(raw, (list, tuple)), "stages", raw, "must be a list of {blocks, boards} mappings")
     stages, begin = [], 0
     for s, stage in enumerate(raw):
         at = f"stages[{s}]"
         need(isinstance(stage, Mapping), at, stage, "must be a mapping {blocks, boards}")
         for key, value in stage.items():
-            need(key in ("blocks", "boards"), f"{at}.{key}", value, "unknown key (known: blocks, boards)")
-        blocks, boards = stage.get("blocks"), stage.get("boards")
+            need(key in ("blocks", "boards", "split"), f"{at}.{key}", value,
+                 "unknown key (known: blocks, boards, split)")
+        blocks, boards, split = stage.get("blocks"), stage.get("boards"), stage.get("split", "rows")
         need(_is_int(blocks) and blocks >= 1, f"{at}.blocks", blocks, "must be an integer >= 1")
         need(_is_names(boards) and bool(boards), f"{at}.boards", boards, "must be a non-empty list of board names")
-        stages.append(StagePlan(begin, begin + blocks, tuple(boards)))
+        need(split in SPLITS, f"{at}.split", split, f"must be one of {', '.join(SPLITS)}")
+        need(split == "rows" or len(boards) >= 2, f"{at}.split", split, "a channel group needs at least two boards")
+        stages.append(StagePlan(begin, begin + blocks, tuple(boards), split))
         begin += blocks
     return tuple(stages)
 

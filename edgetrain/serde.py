@@ -127,15 +127,24 @@ def failure_kind_from_proto(value: int) -> FailureKind:
 # --- work -----------------------------------------------------------------------------------------
 
 def _host_to_proto(host: StageHost) -> pb.StageHost:
+    split = host.channels is not None
+    begin, end = host.channels if split else (0.0, 0.0)
     return pb.StageHost(device_id=host.device_id, address=host.address, row_begin=[b for b, _ in host.rows],
-                        row_end=[e for _, e in host.rows], name=host.name)
+                        row_end=[e for _, e in host.rows], name=host.name, channel_split=split,
+                        channel_begin=begin, channel_end=end)
 
 
 def _host_from_proto(msg: pb.StageHost, microbatches: int) -> StageHost:
     if len(msg.row_begin) != microbatches or len(msg.row_end) != microbatches:
         raise ValueError(f"stage host {msg.device_id!r}: rows for {len(msg.row_begin)} micro-batches, "
                          f"the stage has {microbatches}")
-    return StageHost(msg.device_id, msg.address, tuple(zip(msg.row_begin, msg.row_end)), msg.name)
+    channels = None
+    if msg.channel_split:
+        if not 0.0 <= msg.channel_begin < msg.channel_end <= 1.0:
+            raise ValueError(f"stage host {msg.device_id!r}: channel share [{msg.channel_begin}, {msg.channel_end}) "
+                             "is not a share of [0, 1)")
+        channels = (msg.channel_begin, msg.channel_end)
+    return StageHost(msg.device_id, msg.address, tuple(zip(msg.row_begin, msg.row_end)), msg.name, channels)
 
 
 def stage_work_to_proto(stage: StageWork) -> pb.StageWork:

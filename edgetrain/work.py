@@ -39,6 +39,15 @@ class StageHost:
     name: str = ""
     """The board's name as its fleet certificate names it: stage hosts accept tensors only from
     the boards their plan names ("" from an --insecure coordinator)."""
+    channels: tuple[float, float] | None = None
+    """A channel group member's share [begin, end) of each split layer's output channels
+    (edgetrain.channels; it computes every row); None for a host splitting by rows."""
+
+    @property
+    def sends(self) -> bool:
+        """Whether this host sends the stage's tensors to neighbouring stages: every host of a
+        sample-split group, only the leader of a channel group (its members hold the same)."""
+        return self.channels is None or self.channels[0] == 0.0
 
 
 @dataclass(frozen=True)

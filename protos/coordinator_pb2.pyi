@@ -240,18 +240,24 @@ class StepWork(_message.Message):
     def __init__(self, step: _Optional[int] = ..., attempt: _Optional[int] = ..., param_version: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., augment: _Optional[bool] = ..., data_seed: _Optional[int] = ..., codec: _Optional[str] = ..., delta_codec: _Optional[str] = ..., local: _Optional[_Union[LocalTraining, _Mapping]] = ..., stage: _Optional[_Union[StageWork, _Mapping]] = ...) -> None: ...
 
 class StageHost(_message.Message):
-    __slots__ = ("device_id", "address", "row_begin", "row_end", "name")
+    __slots__ = ("device_id", "address", "row_begin", "row_end", "name", "channel_split", "channel_begin", "channel_end")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROW_BEGIN_FIELD_NUMBER: _ClassVar[int]
     ROW_END_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_END_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     address: str
     row_begin: _containers.RepeatedScalarFieldContainer[int]
     row_end: _containers.RepeatedScalarFieldContainer[int]
     name: str
-    def __init__(self, device_id: _Optional[str] = ..., address: _Optional[str] = ..., row_begin: _Optional[_Iterable[int]] = ..., row_end: _Optional[_Iterable[int]] = ..., name: _Optional[str] = ...) -> None: ...
+    channel_split: bool
+    channel_begin: float
+    channel_end: float
+    def __init__(self, device_id: _Optional[str] = ..., address: _Optional[str] = ..., row_begin: _Optional[_Iterable[int]] = ..., row_end: _Optional[_Iterable[int]] = ..., name: _Optional[str] = ..., channel_split: _Optional[bool] = ..., channel_begin: _Optional[float] = ..., channel_end: _Optional[float] = ...) -> None: ...
 
 class StageWork(_message.Message):
     __slots__ = ("pipeline", "stage", "stages", "first_block", "end_block", "schedule", "indices", "microbatch_sizes", "hosts", "prev_hosts", "next_hosts", "pipeline_samples", "timeout_s", "owned", "lr", "commit_step", "commit_attempt")

@@ -63,7 +63,7 @@ class StateMessage(_message.Message):
     def __init__(self, request: _Optional[_Union[StateRequest, _Mapping]] = ..., header: _Optional[_Union[_tensor_pb2.BundleHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class StageHeader(_message.Message):
-    __slots__ = ("job_id", "step", "attempt", "pipeline", "microbatch", "backward", "from_stage", "row_begin", "row_end", "from_device", "bundle")
+    __slots__ = ("job_id", "step", "attempt", "pipeline", "microbatch", "backward", "from_stage", "row_begin", "row_end", "from_device", "bundle", "exchange")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class StageHeader(_message.Message):
     ROW_END_FIELD_NUMBER: _ClassVar[int]
     FROM_DEVICE_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     attempt: int
@@ -86,7 +87,8 @@ class StageHeader(_message.Message):
     row_end: int
     from_device: str
     bundle: _tensor_pb2.BundleHeader
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., pipeline: _Optional[int] = ..., microbatch: _Optional[int] = ..., backward: _Optional[bool] = ..., from_stage: _Optional[int] = ..., row_begin: _Optional[int] = ..., row_end: _Optional[int] = ..., from_device: _Optional[str] = ..., bundle: _Optional[_Union[_tensor_pb2.BundleHeader, _Mapping]] = ...) -> None: ...
+    exchange: int
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., pipeline: _Optional[int] = ..., microbatch: _Optional[int] = ..., backward: _Optional[bool] = ..., from_stage: _Optional[int] = ..., row_begin: _Optional[int] = ..., row_end: _Optional[int] = ..., from_device: _Optional[str] = ..., bundle: _Optional[_Union[_tensor_pb2.BundleHeader, _Mapping]] = ..., exchange: _Optional[int] = ...) -> None: ...
 
 class StageMessage(_message.Message):
     __slots__ = ("header", "chunk")

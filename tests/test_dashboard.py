@@ -378,6 +378,15 @@ def test_the_plan_picture_is_the_planners_plan_as_the_last_step_ran_it(tmp_path:
     assert parts["s0"] == {"compute_s": 1.0, "comm_s": None, "waiting_s": 0.5, "idle_s": 1.0}
     assert parts["d"] == {"compute_s": 2.0, "comm_s": 0.3, "waiting_s": 0.1, "idle_s": 0.1}
 
+    # the same stage as a channel group: each member's share of the channels, the leader's rows
+    step["shares"].update(g1=24, g2=0)
+    step["stages"]["g1"]["channels"], step["stages"]["g2"]["channels"] = [0.0, 0.6], [0.6, 1.0]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(plan) + "\n" + json.dumps(step) + "\n")
+    group = RunView("j", tmp_path, DeviceRegistry(), synthetic=False).state()["plan"]["stages"][1]
+    assert group == {"stage": 1, "blocks": [4, 10], "split": "channels",
+                     "boards": [{"name": "g1", "samples": 24, "channels": [0.0, 0.6]},
+                                {"name": "g2", "samples": 0, "channels": [0.6, 1.0]}]}
+
 
 def test_a_dashboard_address_that_cannot_serve_is_a_one_line_error(tmp_path: Path) -> None:
     import socket

@@ -1,8 +1,8 @@
 """Pipeline model parallelism end to end: stage hosts as client processes, activations board to board.
 
-A 3-stage pipeline of the BN-free small CNN, its middle stage hosted by two boards, ends K steps
-with the same parameters as single-process SGD, with both schedules (and with a DP shard next
-to it); a MobileNetV2 pipeline (a real model, with batch norm) trains; killing (SIGKILL) the
+A 3-stage pipeline of the BN-free small CNN, its middle stage hosted by two boards (splitting
+samples, or as a channel group splitting each layer's output channels), ends K steps with the
+same parameters as single-process SGD, with both schedules (and with a DP shard next to it); a MobileNetV2 pipeline (a real model, with batch norm) trains; killing (SIGKILL) the
 host that owns a stage ends the step with an error naming it within the stage timeout, a new
 plan without it lets training go on from the coordinator's replica of its stage, and the run
 still ends with the parameters of single-process SGD: the dead host took no committed step
@@ -38,16 +38,18 @@ def records(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("schedule", "with_dp", "state"), [
-    ("gpipe", False, {}),  # stages 0 and 2 own their state; the coordinator keeps their replicas
-    ("1f1b", False, {"replicate": False, "sync_every": 2}),  # ... or pulls it back every 2 steps and at the end
-    ("gpipe", False, {"stage_state": "coordinator"}),  # every host downloads and uploads its stage
-    ("1f1b", True, {}),  # a DP shard: the coordinator combines every gradient
+@pytest.mark.parametrize(("schedule", "with_dp", "state", "split"), [
+    ("gpipe", False, {}, "rows"),  # stages 0 and 2 own their state; the coordinator keeps their replicas
+    # ... or pulls it back every 2 steps and at the end; the middle stage a channel group
+    ("1f1b", False, {"replicate": False, "sync_every": 2}, "channels"),
+    ("gpipe", False, {"stage_state": "coordinator"}, "rows"),  # every host downloads and uploads its stage
+    ("1f1b", True, {}, "rows"),  # a DP shard: the coordinator combines every gradient
 ])
 def test_three_stage_pipeline_with_a_shared_stage_equals_single_process_sgd(
-        coordinator_factory, client_factory, schedule, with_dp, state):
+        coordinator_factory, client_factory, schedule, with_dp, state, split):
     # Prepare
-    pipeline = {"stages": THREE_STAGES, "microbatches": 4, "schedule": schedule, "stage_timeout_s": 60, **state}
+    stages = [dict(s, split=split) if len(s["boards"]) > 1 else s for s in THREE_STAGES]
+    pipeline = {"stages": stages, "microbatches": 4, "schedule": schedule, "stage_timeout_s": 60, **state}
     if with_dp:
         pipeline.update(dp_boards=["dp"], dp_share=0.25)
     job = small_job(training={"steps": 5, "min_clients": 5 if with_dp else 4, "global_batch": 32},
@@ -65,7 +67,12 @@ def test_three_stage_pipeline_with_a_shared_stage_equals_single_process_sgd(
     shares = steps[-1]["shares"]
     assert {d.rsplit("-", 1)[0] for d in shares} == {"s0", "s1a", "s1b", "s2"} | ({"dp"} if with_dp else set())
     middle = [n for d, n in shares.items() if d.startswith("s1")]
-    assert sum(middle) == (24 if with_dp else 32) and min(middle) > 0  # the two hosts split every micro-batch
+    if split == "rows":
+        assert sum(middle) == (24 if with_dp else 32) and min(middle) > 0  # the two hosts split every micro-batch
+    else:  # both compute every row (their shares of the channels); the leader reports them
+        assert sorted(middle) == [0, 32]
+        s1 = [v for d, v in steps[-1]["stages"].items() if d.startswith("s1")]
+        assert all(v["peer_bytes"] > 0 for v in s1)  # slices and input gradients went member to member
     stages = steps[-1]["stages"]
     assert sorted(v["stage"] for v in stages.values()) == [0, 1, 1, 2]
     assert all(v["peak_activation_bytes"] > 0 for d, v in stages.items() if not d.startswith("s2"))

@@ -169,7 +169,8 @@ def _profiled_sum(records) -> float | None:
 
 def _plan_picture(last: dict, plans: list[dict], steps: list[dict], names: dict[str, str], records=()) -> dict:
     """The plan the last step ran, as the page draws it: pipeline stages (blocks, hosts: more
-    than one host is a sample-split group), DP shards with their samples, the micro-batches and
+    than one host is a sample-split group, or a channel group with each member's share of the
+    channels), DP shards with their samples, the micro-batches and
     schedule and the boards left out (from the planner's last record, when the planner is on),
     and the predicted against the measured step time (median of the last steps). Without the
     planner, a ready board the split gave nothing is listed as left out."""
@@ -179,6 +180,9 @@ def _plan_picture(last: dict, plans: list[dict], steps: list[dict], names: dict[
         entry = by_stage.setdefault(s.get("stage", 0), {"stage": s.get("stage", 0), "blocks": s.get("blocks"),
                                                        "boards": []})
         entry["boards"].append({"name": name(d), "samples": last.get("shares", {}).get(d)})
+        if s.get("channels"):  # a channel group: each member's share of the channels
+            entry["boards"][-1]["channels"] = s["channels"]
+            entry["split"] = "channels"
     shards = [{"name": name(d), "samples": n} for d, n in last.get("shares", {}).items()
               if d not in last.get("stages", {})]
     planned = next((p for p in reversed(plans) if p.get("kind") == "plan"), None)

@@ -84,7 +84,8 @@ class PlannerSpeed:
                   replicate=config.pipeline.replicate)
         try:
             if config.planner.enabled:
-                return plan_optimal(fleet, model, batch, config.planner.weight, **kw).prediction.samples_per_s
+                return plan_optimal(fleet, model, batch, config.planner.weight, channel_groups=config.planner.channel_groups,
+                                    **kw).prediction.samples_per_s
             if config.pipeline.stages:
                 return predict(config.pipeline.plan(), fleet, model, batch, **kw).samples_per_s
             return predict(Plan(dp_boards=names, dp_share=1.0), fleet, model, batch, **kw).samples_per_s

@@ -29,11 +29,11 @@ def _ordered_partitions(items: tuple[BoardCost, ...]) -> Iterator[list[tuple[Boa
 def brute_force(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int,
                 objective: str | float = "time", *, microbatches: Sequence[int] = MICROBATCH_CANDIDATES,
                 battery_floor: float = BATTERY_FLOOR_PERCENT, stage_state: str = "hosts",
-                sync_every: int = 50, replicate: bool = True) -> Plan:
+                sync_every: int = 50, replicate: bool = True, channel_groups: bool = True) -> Plan:
     """The optimum by enumeration of every board subset, ordered grouping and contiguous cut
     (same cost function as ``plan_optimal``); for tests on up to 6 boards and 8 blocks."""
     prob = Problem(fleet, model, global_batch, objective_weight(objective), microbatches, battery_floor, stage_state,
-                   sync_every, replicate)
+                   sync_every, replicate, channel_groups)
     if len(prob.eligible) > 6 or prob.L > 8:
         raise ValueError("brute_force is for tiny instances only")
     pure = prob.best([])

@@ -21,6 +21,17 @@ Pipeline with B_p samples, b = B_p / M, hosts H:
     o_s = max_G overhead_k · F / F_model     a call's fixed cost, in proportion to the stage's work
     λ = max_s o_s + (min(S, 3) − 1) · max_H rtt_s    per micro-batch latency, worst case
     t_s = b γ_s + λ;   T_pipe = max_H c_k + (M + S − 1) · max_s t_s
+A channel group (``edgetrain.channels``; ``channel_groups``) runs every row on every member k,
+each computing the share w_k of the split layers' output channels (F_c of F; the rest, F_r,
+replicated), gathering their outputs (O bytes per sample) forward and summing the gradients of
+their inputs (I bytes) backward, in L_c exchanges each way per micro-batch. Every member holds
+and moves the whole stage's parameters (it uploads zeros outside its slices):
+    g_k = max(w_k O (n−1), (1 − w_k) O) + (n − 1) I      bytes per sample on k's link, n members
+    γ_s = max_k (F_r + w_k F_c) / f_k + (X + g_k) σ_k;  o_s = max_k overhead_k (F_r + w_k F_c) / F_model
+          + 2 L_c max_k rtt_k;   c_k = 2 P σ_k + rtt_k (never owned)
+    mem_k = 2 P + min(S − s, M) · (B / M) · A            every member keeps every row
+For a group of several boards the model prices both splits and keeps the one that fits, or, when
+both do, the one with less c + B γ (a stage's time per step, micro-batches aside).
 DP shard k with n_k samples: T_k = o_k + n_k F / f_k with o_k = 2 P σ_k + rtt_k + overhead_s
 (whole model); its memory is 2 P + n_k A. Shares are water-filled so every active shard finishes
 together (``split_proportional``'s rule); a shard that cannot start before that gets none.
@@ -74,6 +85,8 @@ class StageTerms:
     """Memory headroom: min over hosts of (memory − 2P) / (w_k B A); < 0 when params do not fit."""
     o: float = 0.0
     """Fixed cost of one micro-batch call on the stage: max over hosts of overhead x its work share."""
+    split: str = "rows"
+    """How the group divides the stage: "rows" or "channels" (the cheaper of the two)."""
 
 
 @dataclass(frozen=True)
@@ -171,7 +184,7 @@ class Problem:
     def __init__(self, fleet: Sequence[BoardCost], model: ModelCost, global_batch: int,
                  eta: float = 0.0, microbatches: Sequence[int] = MICROBATCH_CANDIDATES,
                  battery_floor: float = BATTERY_FLOOR_PERCENT, stage_state: str = "hosts",
-                 sync_every: int = 50, replicate: bool = True) -> None:
+                 sync_every: int = 50, replicate: bool = True, channel_groups: bool = True) -> None:
         names = [k.name for k in fleet]
         _check(bool(fleet), "the fleet is empty")
         _check(len(set(names)) == len(names), f"board names must be unique, got {names}")
@@ -182,6 +195,8 @@ class Problem:
         self.sync_every = max(1, sync_every)
         self.replicate = replicate
         """Owned stages are replicated (pipeline.replicate): their gradients go up every step."""
+        self.channel_groups = channel_groups
+        """Whether groups may split a stage by channels (else by rows only)."""
         self.by_name = {k.name: k for k in fleet}
         self.L = len(model.blocks)
         self.ms = tuple(sorted({m for m in microbatches if 1 <= m <= global_batch}))
@@ -189,10 +204,14 @@ class Problem:
         self.p_ref = sum(k.busy_w for k in fleet) or 1.0
         self._act = [b.activation_bytes for b in model.blocks]
         self._pc, self.fc, self._ac = [0.0], [0.0], [0.0]  # sums over the blocks before each index
+        self._cc = [(0.0, 0.0, 0.0, 0)]  # the same for F_c, O, I and L_c
         for b in model.blocks:
             self._pc.append(self._pc[-1] + b.param_bytes)
             self.fc.append(self.fc[-1] + b.train_flops)
             self._ac.append(self._ac[-1] + b.activation_bytes)
+            last = self._cc[-1]
+            self._cc.append((last[0] + b.channel_train_flops, last[1] + b.channel_output_bytes,
+                             last[2] + b.channel_input_bytes, last[3] + b.channel_layers))
         self.left = {k.name: f"battery {k.battery_percent:.0f}% unplugged" for k in fleet
                      if k.battery_percent is not None and k.battery_percent < battery_floor
                      and k.plugged is not True}
@@ -219,25 +238,70 @@ class Problem:
         return Shard(k, 2 * p * k.seconds_per_byte + k.rtt_s + k.overhead_s, k.flops_per_s / f,
                       slack / a if a > 0 else (math.inf if slack >= 0 else -1.0))
 
+    def _channel_span(self, i: int, j: int) -> tuple[float, float, float, int]:
+        """F_c, O, I, L_c of blocks [i, j) (see the module docstring)."""
+        hi, lo = self._cc[j], self._cc[i]
+        return hi[0] - lo[0], hi[1] - lo[1], hi[2] - lo[2], hi[3] - lo[3]
+
+    def channel_member(self, i: int, j: int, k: BoardCost, members: Sequence[BoardCost]) -> tuple[float, float, float]:
+        """A channel group member's (parameter bytes, compute seconds per sample, link seconds
+        per sample) on blocks [i, j)."""
+        p, f, x, _ = self._span(i, j)
+        fc, out, inp, _ = self._channel_span(i, j)
+        n, w = len(members), k.flops_per_s / sum(m.flops_per_s for m in members)
+        exchange = max(w * out * (n - 1), (1 - w) * out) + (n - 1) * inp
+        return p, (f - fc + w * fc) / k.flops_per_s, (x + exchange) * k.seconds_per_byte
+
+    def _channel_terms(self, i: int, j: int, members: Sequence[BoardCost]) -> StageTerms:
+        _, _, _, a = self._span(i, j)
+        layers = self._channel_span(i, j)[3]
+        q, c, gamma, e, o = math.inf, 0.0, 0.0, 0.0, 0.0
+        for k in members:
+            params, compute, link = self.channel_member(i, j, k, members)
+            slack, need = k.memory_bytes - 2 * params, self.B * a
+            q = min(q, -1.0 if slack < 0 else slack / need if need > 0 else math.inf)
+            c = max(c, 2 * params * k.seconds_per_byte + k.rtt_s)
+            gamma = max(gamma, compute + link)
+            e += (k.busy_w - k.idle_w) * compute
+            o = max(o, k.overhead_s * compute * k.flops_per_s / self.fc[-1])
+        o += 2 * layers * max(k.rtt_s for k in members)
+        return StageTerms(c=c, c_all=c, gamma=gamma, e=e, q=q, o=o, split="channels")
+
     def stage(self, i: int, j: int, members: Sequence[BoardCost]) -> StageTerms:
-        """Cost terms of blocks [i, j) on a group (cached by the members' names)."""
+        """Cost terms of blocks [i, j) on a group (cached by the members' names): split by rows,
+        or by channels when that is allowed, fits better or costs less (module docstring)."""
         key = (i, j, tuple(k.name for k in members))
         if key not in self._stage_cache:
-            p, f, x, a = self._span(i, j)
-            speed = sum(k.flops_per_s for k in members)
-            q = math.inf
-            for k in members:
-                slack, need = k.memory_bytes - 2 * p, k.flops_per_s / speed * self.B * a
-                q = min(q, -1.0 if slack < 0 else slack / need if need > 0 else math.inf)
-            c_all = max(2 * p * k.seconds_per_byte + k.rtt_s for k in members)
-            owned = self.stage_state == "hosts" and len(members) == 1
-            self._stage_cache[key] = StageTerms(
-                c=self._owned_transfer_s(p, members[0]) if owned else c_all,
-                c_all=c_all,
-                gamma=(f + 2 * x * max(k.flops_per_s * k.seconds_per_byte for k in members)) / speed,
-                e=sum(k.busy_w - k.idle_w for k in members) * f / speed, q=q,
-                o=max(k.overhead_s for k in members) * f / self.fc[-1])
+            rows = self._row_terms(i, j, members)
+            if self.channel_groups and len(members) > 1 and self._channel_span(i, j)[3]:
+                chan = self._channel_terms(i, j, members)
+                if (rows.q < 0 <= chan.q) or (chan.q >= 0 and chan.c_all + self.B * chan.gamma
+                                              < rows.c_all + self.B * rows.gamma):
+                    rows = chan
+            self._stage_cache[key] = rows
         return self._stage_cache[key]
+
+    def stage_as(self, i: int, j: int, members: Sequence[BoardCost], split: str) -> StageTerms:
+        """Cost terms of blocks [i, j) on a group that divides them by ``split`` (a plan's choice)."""
+        if split == "channels":
+            return self._channel_terms(i, j, members)
+        return self._row_terms(i, j, members)
+
+    def _row_terms(self, i: int, j: int, members: Sequence[BoardCost]) -> StageTerms:
+        p, f, x, a = self._span(i, j)
+        speed = sum(k.flops_per_s for k in members)
+        q = math.inf
+        for k in members:
+            slack, need = k.memory_bytes - 2 * p, k.flops_per_s / speed * self.B * a
+            q = min(q, -1.0 if slack < 0 else slack / need if need > 0 else math.inf)
+        c_all = max(2 * p * k.seconds_per_byte + k.rtt_s for k in members)
+        owned = self.stage_state == "hosts" and len(members) == 1
+        return StageTerms(
+            c=self._owned_transfer_s(p, members[0]) if owned else c_all,
+            c_all=c_all,
+            gamma=(f + 2 * x * max(k.flops_per_s * k.seconds_per_byte for k in members)) / speed,
+            e=sum(k.busy_w - k.idle_w for k in members) * f / speed, q=q,
+            o=max(k.overhead_s for k in members) * f / self.fc[-1])
 
     def fit_index(self, q: float, position: int) -> int | None:
         """Least micro-batch candidate whose min(position, M) in-flight rows fit, if any."""
@@ -316,7 +380,8 @@ class Problem:
         """The Plan of a structure and one of its candidates, with its prediction."""
         shards = self.outside(stages)[:point.active]
         used = {k.name for *_, g in stages for k in g} | {s.board.name for s in shards}
-        plan = Plan(stages=tuple(StagePlan(i, j, tuple(k.name for k in g)) for i, j, g in stages),
+        plan = Plan(stages=tuple(StagePlan(i, j, tuple(k.name for k in g), self.stage(i, j, g).split)
+                                 for i, j, g in stages),
                     microbatches=point.microbatches if stages else 1,
                     dp_boards=tuple(s.board.name for s in shards),
                     dp_share=point.dp_samples / self.B if stages else 1.0,
@@ -333,21 +398,30 @@ class Problem:
         if plan.stages:
             m, depth = plan.microbatches, len(plan.stages)
             hosts = [self.by_name[b] for s in plan.stages for b in s.boards]
-            o = max(self.stage(st.begin, st.end, [self.by_name[n] for n in st.boards]).o for st in plan.stages)
-            lam, b = self.latency(o, hosts, depth), rows / m
+            terms = [self.stage_as(st.begin, st.end, [self.by_name[n] for n in st.boards], st.split)
+                     for st in plan.stages]
+            lam, b = self.latency(max(t.o for t in terms), hosts, depth), rows / m
+            transfer = 0.0
             for s, st in enumerate(plan.stages):
                 members = [self.by_name[n] for n in st.boards]
                 p, f, x, a = self._span(st.begin, st.end)
                 speed = sum(k.flops_per_s for k in members)
-                stage_s.append(b * self.stage(st.begin, st.end, members).gamma + lam)
+                stage_s.append(b * terms[s].gamma + lam)
                 for k in members:
-                    w, c = k.flops_per_s / speed, self._transfer_s(p, k, len(members), plan)
-                    share[k.name], busy[k.name] = w * rows / self.B, rows * f / speed
-                    time_s[k.name] = c + m * (b * (f / speed + 2 * x * w * k.seconds_per_byte) + lam)
-                    memory[k.name] = 2 * p + min(depth - s, m) * w * self.B / m * a
-            t_pipe = max(self._transfer_s(self._span(s.begin, s.end)[0], k, len(s.boards), plan)
-                         for s in plan.stages for k in (self.by_name[n] for n in s.boards))
-            t_pipe += (m + depth - 1) * max(stage_s)
+                    w = k.flops_per_s / speed
+                    if st.channels:
+                        params, compute, link = self.channel_member(st.begin, st.end, k, members)
+                        c = 2 * params * k.seconds_per_byte + k.rtt_s
+                        share[k.name], busy[k.name] = w * rows / self.B, rows * compute
+                        time_s[k.name] = c + m * (b * (compute + link) + lam)
+                        memory[k.name] = 2 * params + min(depth - s, m) * self.B / m * a
+                    else:
+                        c = self._transfer_s(p, k, len(members), plan)
+                        share[k.name], busy[k.name] = w * rows / self.B, rows * f / speed
+                        time_s[k.name] = c + m * (b * (f / speed + 2 * x * w * k.seconds_per_byte) + lam)
+                        memory[k.name] = 2 * p + min(depth - s, m) * w * self.B / m * a
+                    transfer = max(transfer, c)
+            t_pipe = transfer + (m + depth - 1) * max(stage_s)
         dp_boards = plan.dp_boards if plan.stages or plan.dp_boards else tuple(self.by_name)
         shards = sorted((self.shard_of[n] for n in dp_boards), key=lambda s: (s.o, s.board.name))
         tau, active = _waterfill(shards, n_dp) if n_dp > 0 else (0.0, 0)
@@ -402,10 +476,12 @@ def objective_weight(objective: str | float) -> float:
 
 
 def predict(plan: Plan, fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, *,
-            stage_state: str = "hosts", sync_every: int = 50, replicate: bool = True) -> Prediction:
+            stage_state: str = "hosts", sync_every: int = 50, replicate: bool = True,
+            channel_groups: bool = True) -> Prediction:
     """Predicted step time, samples/s, energy per sample, per-stage time, per-board memory and
     busy seconds of ``plan`` (formulas in the module docstring; a plan with neither stages nor
-    ``dp_boards`` is DP over every board of ``fleet``)."""
+    ``dp_boards`` is DP over every board of ``fleet``; a plan's channel groups are priced as
+    channel groups whatever ``channel_groups`` says)."""
     return Problem(fleet, model, global_batch, stage_state=stage_state, sync_every=sync_every,
                    replicate=replicate).predict(plan)
 

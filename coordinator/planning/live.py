@@ -81,7 +81,8 @@ class LivePlanner:
         if not reasons:
             return None
         candidate = plan_optimal(list(boards), self.model, self.global_batch, self.cfg.weight,
-                                 battery_floor=self.cfg.battery_floor, **self.stage_options)
+                                 battery_floor=self.cfg.battery_floor, channel_groups=self.cfg.channel_groups,
+                                 **self.stage_options)
         cost = objective_cost(candidate.prediction, boards, self.cfg.weight)
         current_cost = None
         if self.current is not None and self._runnable(self.current, boards):

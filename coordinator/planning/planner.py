@@ -3,7 +3,8 @@
 A pure function of plain data (no torch, sockets or clocks): ``plan_optimal(fleet, model,
 global_batch, objective) -> Plan`` (``edgetrain.plan``). A plan is a pipeline of S stages of
 consecutive blocks, each hosted by a group of boards that split every micro-batch by rows in
-proportion to their speed, with M micro-batches under 1F1B; next to it, DP shards (whole model)
+proportion to their speed or, as a channel group, split each layer's output channels
+(``edgetrain.channels``), with M micro-batches under 1F1B; next to it, DP shards (whole model)
 may take a share of the global batch; a pure-DP plan has no pipeline; boards that would slow the
 whole are left out. ``pareto`` gives the (step time, energy) front instead. What a plan costs:
 ``coordinator.planning.cost``.
@@ -79,13 +80,15 @@ _ENERGY_LABEL_COST = 3
 def plan_optimal(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int,
                  objective: str | float = "time", *, microbatches: Sequence[int] = MICROBATCH_CANDIDATES,
                  battery_floor: float = BATTERY_FLOOR_PERCENT, exact_budget: int = EXACT_BUDGET,
-                 stage_state: str = "hosts", sync_every: int = 50, replicate: bool = True) -> Plan:
+                 stage_state: str = "hosts", sync_every: int = 50, replicate: bool = True,
+                 channel_groups: bool = True) -> Plan:
     """The plan minimising ``objective`` ("time", "energy" or a weight η of energy in [0, 1]):
     exact over pipelines, hybrids and pure DP when the DP fits ``exact_budget``, else the
-    heuristic (beam searches plus a hill climb, see the module docstring). Raises ValueError
-    when nothing fits in memory."""
+    heuristic (beam searches plus a hill climb, see the module docstring). A group of boards
+    hosting a stage splits it by rows or, with ``channel_groups``, by channels, whichever the
+    cost model finds cheaper. Raises ValueError when nothing fits in memory."""
     prob = Problem(fleet, model, global_batch, objective_weight(objective), microbatches, battery_floor, stage_state,
-                   sync_every, replicate)
+                   sync_every, replicate, channel_groups)
     prob.every_split = prob.eta > 0
     searches, exact = _candidates(prob, exact_budget, prob.eta > 0)
     ranked = []
@@ -107,10 +110,11 @@ def plan_optimal(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int
 def pareto(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, *,
            microbatches: Sequence[int] = MICROBATCH_CANDIDATES, battery_floor: float = BATTERY_FLOOR_PERCENT,
            exact_budget: int = EXACT_BUDGET, stage_state: str = "hosts", sync_every: int = 50,
-           replicate: bool = True) -> list[Plan]:
+           replicate: bool = True, channel_groups: bool = True) -> list[Plan]:
     """The (step time, energy) non-dominated plans among the candidates the search considers,
     fastest first (beyond the exact budget, plus the hill-climbed time and energy optima)."""
-    prob = Problem(fleet, model, global_batch, 0.0, microbatches, battery_floor, stage_state, sync_every, replicate)
+    prob = Problem(fleet, model, global_batch, 0.0, microbatches, battery_floor, stage_state, sync_every, replicate,
+                   channel_groups)
     searches, exact = _candidates(prob, exact_budget, True)
     pool = [(lambda lab=lab, units=units: concrete(units, lab), p) for found in searches for lab, units, p in found]
     if not pool:

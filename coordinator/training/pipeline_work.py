@@ -3,7 +3,9 @@
 The plan (edgetrain.plan.Plan: the job's pipeline section, a plan file, or the planner's) names,
 for each stage, its consecutive blocks and the boards hosting it. Every step the pipeline takes its samples (the global
 batch, less the DP shards' share), cuts them into micro-batches, and splits every micro-batch
-among a stage's hosts by rows in proportion to the hosts' measured speed. A stage with a single
+among a stage's hosts by rows in proportion to the hosts' measured speed (a channel group's
+members each take every row and a share of the channels, edgetrain.channels; its leader alone
+reports the rows, loss and accuracy, the others zero samples). A stage with a single
 host and no DP shards beside the pipeline is *owned* by its host (`owns_state`): it keeps the
 stage's parameters and optimizer state and uploads nothing (coordinator.training.stage_owners). Every
 other host uploads the gradients of its stage's parameters — partial sums whose total over hosts
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.training.steps import Contribution
+from edgetrain.channels import channel_shares
 from edgetrain.config import PipelineConfig
 from edgetrain.pipeline import (
     split_microbatches,
@@ -78,6 +81,11 @@ def assign(plan: Plan, settings: PipelineConfig, *, step: int, attempt: int, ind
     groups: list[tuple[StageHost, ...]] = []
     for stage in plan.stages:
         weights = [hosts[b].speed.samples_per_s for b in stage.boards]
+        if stage.channels:  # every member computes every row, a share of each split layer's channels
+            every = tuple((0, size) for size in sizes)
+            groups.append(tuple(StageHost(hosts[b].device_id, hosts[b].address, every, name=b, channels=share)
+                                for b, share in zip(stage.boards, channel_shares(weights))))
+            continue
         rows = [split_rows(size, weights) for size in sizes]
         groups.append(tuple(StageHost(hosts[b].device_id, hosts[b].address, tuple(r[j] for r in rows), name=b)
                             for j, b in enumerate(stage.boards)))
@@ -92,7 +100,9 @@ def assign(plan: Plan, settings: PipelineConfig, *, step: int, attempt: int, ind
                 pipeline_samples=len(pipe), timeout_s=settings.stage_timeout_s,
                 owned=owns_state(plan, plan.stages[i], settings.stage_state), lr=lr, commit_step=commit[0],
                 commit_attempt=commit[1])
-            mine = tuple(pipe[starts[m] + r] for m, (b, e) in enumerate(host.rows) for r in range(b, e))
+            # the samples it reports: a channel group's leader reports the group's rows, once
+            mine = tuple(pipe[starts[m] + r] for m, (b, e) in enumerate(host.rows) for r in range(b, e)
+                         ) if host.sends else ()
             out[host.device_id] = Assignment(step, attempt, step, mine, augment, data_seed, stage=stage)
     if dp_samples:
         shares = split_sticky(dp_samples, {hosts[b].device_id: hosts[b].speed for b in plan.dp_boards},

@@ -164,7 +164,7 @@ function box(cls, title, lines) {
 
 function renderPlan(plan) {
   // the plan the last step ran: stages left to right (a stage with several hosts is a group
-  // splitting its samples), DP shards below with their samples, boards left out
+  // splitting its samples, or a channel group splitting each layer's channels), DP shards below with their samples, boards left out
   const picture = $("plan");
   picture.replaceChildren();
   $("plan-times").textContent = "";
@@ -185,8 +185,10 @@ function renderPlan(plan) {
         row.appendChild(arrow);
       }
       const blocks = s.blocks ? `: blocks ${s.blocks[0]}–${s.blocks[1] - 1}` : "";
-      const title = `stage ${s.stage}${blocks}` + (s.boards.length > 1 ? " (group)" : "");
-      const node = box("stage", title, s.boards.map((b) => b.name + (b.samples ? ` · ${b.samples} samples` : "")));
+      const group = s.split === "channels" ? " (channel group)" : s.boards.length > 1 ? " (group)" : "";
+      const share = (b) => b.channels ? ` · channels ${Math.round(b.channels[0] * 100)}–${Math.round(b.channels[1] * 100)}%` : "";
+      const node = box("stage", `stage ${s.stage}${blocks}${group}`,
+        s.boards.map((b) => b.name + (b.samples ? ` · ${b.samples} samples` : "") + share(b)));
       node.dataset.stage = String(s.stage);
       row.appendChild(node);
     });
