@@ -25,6 +25,7 @@ from coordinator.training.rounds import JobAborted
 from coordinator.training.steps import StepBoard
 from coordinator.training.trainer import Trainer
 from edgetrain import transport, trust
+from edgetrain.channels import split_parameters
 from edgetrain.config import JobConfig, job_to_dict
 from edgetrain.data import dataset_is_synthetic, load_dataset
 from edgetrain.models import build_model
@@ -104,9 +105,10 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
     if dataset_is_synthetic(job.dataset):
         logger.info("[Coordinator] dataset: SYNTHETIC CIFAR-shaped data (seed %d), not CIFAR-10", job.dataset.seed)
     registry = DeviceRegistry()
-    board = StepBoard(UpdateFormats(shard_tensor_names(model)), model.block_names)
+    split = split_parameters(model)  # what channel group members move only a slice of
+    board = StepBoard(UpdateFormats(shard_tensor_names(model), split), model.block_names)
     aggregator = Aggregator(job, model, registry)
-    store = ParameterStore(job.compression.downlink, keep_full=aggregator.versions_kept)
+    store = ParameterStore(job.compression.downlink, keep_full=aggregator.versions_kept, split=split)
     servicer = CoordinatorServicer(job, board_job(job, aggregator), registry, board, store, cluster=cluster)
     trainer = Trainer(job, registry, board, model, train_size, test_set, run_dir, stop, store=store,
                       aggregator=aggregator, board_security=board_security(authority))

@@ -215,8 +215,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         prefixes = tuple(request.prefixes)
         if prefixes and base >= 0:
             raise ValueError("a download is either deltas (base_version) or a part (prefixes), not both")
+        share = None
+        if request.channel_split:  # a channel group member: its rows of the split layers
+            if not (prefixes and 0.0 <= request.channel_begin < request.channel_end <= 1.0):
+                raise ValueError(f"a channel share [{request.channel_begin}, {request.channel_end}) must be within "
+                                 "[0, 1) and come with the stage's prefixes")
+            share = (request.channel_begin, request.channel_end)
         if prefixes:  # a pipeline stage's parameters: small, served as they are
-            metas, payload = self._store.part(request.version, prefixes)
+            metas, payload = self._store.part(request.version, prefixes, share)
             if request.offset > len(payload):
                 raise TransferError("out_of_range", f"offset {request.offset} is past the {len(payload)} bytes")
             chunks = iter_chunks(payload, start=request.offset, chunk_bytes=self._job.training.chunk_bytes)

@@ -199,16 +199,20 @@ class CoordinatorConnection:
             "ReportFailure")
 
     def download_parameters(self, device_id: str, version: int, base_version: int | None = None,
-                            prefixes: Sequence[str] = ()) -> tuple[list[TensorMeta], bytearray]:
+                            prefixes: Sequence[str] = (),
+                            channels: tuple[float, float] | None = None) -> tuple[list[TensorMeta], bytearray]:
         """Parameters of `version` (or the deltas since `base_version`, or only the tensors named
-        with `prefixes`), resuming an interrupted stream from the last good byte."""
+        with `prefixes`, and of split layers only the rows of a channel group member's share
+        `channels`), resuming an interrupted stream from the last good byte."""
+        begin, end = channels if channels is not None else (0.0, 0.0)
 
         def open_stream(offset: int) -> Iterator[pb.ParameterMessage]:
             self._check()
             self._delay()
             return self._stub.DownloadParameters(pb.ParameterRequest(
                 device_id=device_id, version=version, offset=offset, base_version=base_version,
-                prefixes=list(prefixes)), timeout=600)
+                prefixes=list(prefixes), channel_split=channels is not None, channel_begin=begin,
+                channel_end=end), timeout=600)
 
         with self._transfer():
             started = time.perf_counter()

@@ -38,7 +38,7 @@ from edgetrain.work import Assignment, BoardJob, StepReport
 logger = logging.getLogger(__name__)
 
 Download = Callable[..., tuple[list[TensorMeta], bytearray]]
-"""The connection's parameter download: (version, base_version=None, prefixes=()) -> bundle."""
+"""The connection's parameter download: (version, base_version=None, prefixes=(), channels=None) -> bundle."""
 
 
 @dataclass

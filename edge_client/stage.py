@@ -39,10 +39,10 @@ from torch import nn
 from edge_client.endpoint import MailKey, StageEndpoint, StageFailure
 from edge_client.shard import Download, Update
 from edge_client.stage_state import StageStateError
+from edgetrain.channels import ChannelSplit, member_slices, split_parameters
 from edgetrain.data import make_batch
 from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.errors import FailureKind
-from edgetrain.channels import ChannelSplit
 from edgetrain.pipeline import routes, schedule, stage_parameter_prefixes
 from edgetrain.tensors import pack, unpack
 from edgetrain.training import (
@@ -89,9 +89,12 @@ class StageRunner:
         self.job = job
         self.endpoint = endpoint
         self.limiter = limiter
-        self.formats = UpdateFormats(shard_tensor_names(model))
-        self._loaded: tuple[int, int, int] | None = None
-        """(version, first block, end block) of stage parameters the model holds (un-owned stages)."""
+        self.split = split_parameters(model)
+        """The parameters a channel group splits (a member moves only its rows of them)."""
+        self.formats = UpdateFormats(shard_tensor_names(model), self.split)
+        self._loaded: tuple | None = None
+        """(version, first block, end block, channel share) of stage parameters the model holds
+        (un-owned stages)."""
 
     def invalidate(self) -> None:
         """The model's parameters were overwritten (a shard ran on it)."""
@@ -103,7 +106,10 @@ class StageRunner:
         result = self._run_owned(work, device_id) if st.owned else self._run_downloaded(work, device_id, download)
         started = time.perf_counter()
         prefixes = () if st.owned else stage_parameter_prefixes(self.model.block_names, st.first_block, st.end_block)
-        wire, commit = self.formats(work.codec, prefixes).encode({} if st.owned else result.shard.tensors, None)
+        mine = _host(work, device_id)
+        member = (mine.channels, mine.sends) if mine.channels is not None else None
+        wire, commit = self.formats(work.codec, prefixes, member).encode({} if st.owned else result.shard.tensors,
+                                                                         None)
         metas, payload = pack(wire)
         shard = result.shard
         report = StepReport(samples=shard.samples, loss=shard.loss, correct=shard.correct, compute_s=result.compute_s,
@@ -138,11 +144,18 @@ class StageRunner:
         st = work.stage
         started = time.perf_counter()
         self.endpoint.state.drop()
-        loaded = (work.param_version, st.first_block, st.end_block)
+        share = _host(work, device_id).channels
+        loaded = (work.param_version, st.first_block, st.end_block, share)
         if self._loaded != loaded:
             prefixes = stage_parameter_prefixes(self.model.block_names, st.first_block, st.end_block)
-            metas, payload = download(work.param_version, prefixes=list(prefixes))
-            load_state_tensors(self.model, unpack(metas, payload))
+            tensors = unpack(*download(work.param_version, prefixes=list(prefixes), channels=share))
+            if share is not None:  # a channel group member: its rows of the split layers
+                params = dict(self.model.named_parameters())
+                with torch.no_grad():
+                    for name, (begin, end) in member_slices(self.split, share).items():
+                        if name in tensors:
+                            params[name][begin:end].copy_(tensors.pop(name))
+            load_state_tensors(self.model, tensors)
             self._loaded = loaded
         download_s = time.perf_counter() - started
         started = time.perf_counter()
@@ -152,6 +165,10 @@ class StageRunner:
         if any(b.is_floating_point() for b in self.model.buffers()):  # the forward passes moved BN statistics
             self._loaded = None
         return result
+
+
+def _host(work: Assignment, device_id: str) -> StageHost:
+    return next(h for h in work.stage.hosts if h.device_id == device_id)
 
 
 def _rows(host: StageHost, m: int) -> tuple[int, int]:

@@ -40,6 +40,23 @@ def splittable(module: nn.Module) -> bool:
     return (isinstance(module, nn.Conv2d) and module.groups == 1) or isinstance(module, nn.Linear)
 
 
+def split_parameters(model: nn.Module) -> dict[str, int]:
+    """Names of the parameters a channel group splits (weights and biases of split layers), each
+    with its output channels (its first dimension): a member holds, downloads and uploads rows
+    ``channel_bounds(C, share)`` of them."""
+    out = {}
+    for prefix, module in model.named_modules():
+        if splittable(module):
+            for name, p in module.named_parameters(recurse=False):
+                out[f"{prefix}.{name}" if prefix else name] = p.shape[0]
+    return out
+
+
+def member_slices(split: dict[str, int], share: tuple[float, float]) -> dict[str, tuple[int, int]]:
+    """A member's rows [begin, end) of each split parameter (``split_parameters``)."""
+    return {name: channel_bounds(channels, share) for name, channels in split.items()}
+
+
 def channel_bounds(channels: int, share: tuple[float, float]) -> tuple[int, int]:
     """The [begin, end) output channels of a member with share ``(lo, hi)`` of a layer of
     ``channels``; the members' bounds tile [0, channels) when their shares tile [0, 1)."""

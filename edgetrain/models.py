@@ -166,6 +166,8 @@ class BlockCost:
     """Layers a channel group splits (``edgetrain.channels.splittable``)."""
     channel_flops: int = 0
     """Forward FLOPs of those layers for the whole batch (a channel group divides them)."""
+    channel_param_bytes: int = 0
+    """Bytes of their parameters (a channel group member moves only its share of them)."""
     channel_output_bytes: int = 0
     """Bytes of their outputs for the whole batch (what a channel group gathers, forward)."""
     channel_input_bytes: int = 0
@@ -173,7 +175,7 @@ class BlockCost:
 
     def __post_init__(self) -> None:
         for field in ("params", "param_bytes", "forward_flops", "output_bytes", "channel_layers", "channel_flops",
-                      "channel_output_bytes", "channel_input_bytes"):
+                      "channel_param_bytes", "channel_output_bytes", "channel_input_bytes"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")
         if not self.output_shape or min(self.output_shape) < 1:
@@ -217,12 +219,13 @@ def _measure_blocks(model: BlockModel, batch_size: int, x: torch.Tensor) -> list
 
     costs = []
     for name, block in zip(model.block_names, model.block_modules(), strict=True):
-        split = {"layers": 0, "flops": 0, "out": 0, "in": 0}
+        split = {"layers": 0, "flops": 0, "params": 0, "out": 0, "in": 0}
 
-        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor, split: dict = split) -> None:
             fan_in = module.weight[0].numel()  # FLOPs: a multiply and an add per weight per output
             split["layers"] += 1
             split["flops"] += 2 * fan_in * out.numel()
+            split["params"] += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
             split["out"] += out.numel() * _FLOAT32_BYTES
             split["in"] += args[0].numel() * _FLOAT32_BYTES
 
@@ -243,6 +246,7 @@ def _measure_blocks(model: BlockModel, batch_size: int, x: torch.Tensor) -> list
                 output_bytes=x.numel() * batch_size * _FLOAT32_BYTES,
                 channel_layers=split["layers"],
                 channel_flops=split["flops"] * batch_size,
+                channel_param_bytes=split["params"],
                 channel_output_bytes=split["out"] * batch_size,
                 channel_input_bytes=split["in"] * batch_size,
             )

@@ -52,6 +52,8 @@ class BlockCost:
     """Layers a channel group splits (``edgetrain.channels``); the rest of the block is replicated."""
     channel_flops: float = 0.0
     """Forward FLOPs per sample of those layers (part of ``forward_flops``)."""
+    channel_param_bytes: float = 0.0
+    """Bytes of their parameters (part of ``param_bytes``): a member moves its share of them."""
     channel_output_bytes: float = 0.0
     """Bytes per sample of their outputs: what a channel group gathers in the forward pass."""
     channel_input_bytes: float = 0.0
@@ -59,14 +61,15 @@ class BlockCost:
 
     def __post_init__(self) -> None:
         for key in ("param_bytes", "activation_bytes", "forward_flops", "channel_layers", "channel_flops",
-                    "channel_output_bytes", "channel_input_bytes"):
+                    "channel_param_bytes", "channel_output_bytes", "channel_input_bytes"):
             value = getattr(self, key)
             _check(math.isfinite(value) and value >= 0, f"{self.name}: {key} must be >= 0, got {value}")
         back = self.backward_flops
         _check(back is None or (math.isfinite(back) and back >= 0),
                f"{self.name}: backward_flops must be >= 0, got {back}")
-        _check(self.channel_flops <= self.forward_flops * (1 + 1e-9),
-               f"{self.name}: the split layers' FLOPs are part of the block's")
+        _check(self.channel_flops <= self.forward_flops * (1 + 1e-9)
+               and self.channel_param_bytes <= self.param_bytes * (1 + 1e-9),
+               f"{self.name}: the split layers' FLOPs and parameters are part of the block's")
 
     @property
     def channel_train_flops(self) -> float:
@@ -108,6 +111,7 @@ class ModelCost:
                       activation_bytes=b.output_bytes / b.output_shape[0],
                       channel_layers=getattr(b, "channel_layers", 0),
                       channel_flops=getattr(b, "channel_flops", 0) / b.output_shape[0],
+                      channel_param_bytes=getattr(b, "channel_param_bytes", 0),
                       channel_output_bytes=getattr(b, "channel_output_bytes", 0) / b.output_shape[0],
                       channel_input_bytes=getattr(b, "channel_input_bytes", 0) / b.output_shape[0])
             for b in measured))

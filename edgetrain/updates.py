@@ -35,9 +35,15 @@ def _layout(metas: Sequence[TensorMeta], prefix: str = "") -> dict[str, torch.Te
 class UpdateFormat:
     """One board's update on the wire: gradients through a codec, float buffers dense float32."""
 
-    def __init__(self, templates: Sequence[tuple[str, torch.Tensor]], spec: CodecSpec | str) -> None:
+    def __init__(self, templates: Sequence[tuple[str, torch.Tensor]], spec: CodecSpec | str,
+                 slices: Mapping[str, tuple[int, int]] | None = None) -> None:
         spec = parse_codec(spec) if isinstance(spec, str) else spec
+        self._slices = {n: b for n, b in (slices or {}).items() if any(n == m for m, _ in templates)}
+        """Gradients of which only rows [begin, end) travel (a channel group member's slices)."""
+        self._full = {n: tuple(t.shape) for n, t in templates if n in self._slices}
+        templates = [(n, t[slice(*self._slices[n])] if n in self._slices else t) for n, t in templates]
         grads = {n: t for n, t in templates if n.startswith(GRAD_PREFIX)}
+        self._grad_names = frozenset(grads)
         self._buffers = [(n, t) for n, t in templates if not n.startswith(GRAD_PREFIX)]
         self._buffer_names = frozenset(n for n, _ in self._buffers)
         self.codec = Codec(spec, grads)
@@ -62,6 +68,9 @@ class UpdateFormat:
                feedback: ErrorFeedback | None) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
         """Wire tensors for `tensors` (gradients and buffers) and the error-feedback commit."""
         grads = {n: t for n, t in tensors.items() if n.startswith(GRAD_PREFIX)}
+        if self._slices:  # a channel group member: its slices, and the rest only if the format has it
+            grads = {n: t[slice(*self._slices[n])] if n in self._slices else t for n, t in grads.items()
+                     if n in self._grad_names}
         encoded, commit = encode_with_feedback(self.codec, feedback, grads)
         wire = dict(encoded)  # the commit decodes `encoded`: buffers must not join it
         for name, _ in self._buffers:
@@ -71,6 +80,10 @@ class UpdateFormat:
     def decode(self, wire: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Dense gradients and buffers from wire tensors (ValueError on a malformed update)."""
         out = self.codec.decode({n: t for n, t in wire.items() if not self._is_buffer(n)})
+        for name, (begin, end) in self._slices.items():  # a member's slice in a layer-sized gradient
+            whole = torch.zeros(self._full[name], dtype=out[name].dtype)
+            whole[begin:end] = out[name]
+            out[name] = whole
         for name, _ in self._buffers:
             out[name] = wire[name]
         return out
@@ -80,19 +93,32 @@ class UpdateFormat:
 
 
 class UpdateFormats:
-    """`UpdateFormat`s of one model, built once per codec (and per pipeline stage)."""
+    """`UpdateFormat`s of one model, built once per codec (and per pipeline stage, and channel
+    group member)."""
 
-    def __init__(self, templates: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, templates: Sequence[tuple[str, torch.Tensor]], split: Mapping[str, int] | None = None) -> None:
         self._templates = list(templates)
-        self._formats: dict[tuple[str, tuple[str, ...] | None], UpdateFormat] = {}
+        self._split = dict(split or {})
+        """Parameters a channel group splits, with their output channels (edgetrain.channels)."""
+        self._formats: dict[tuple, UpdateFormat] = {}
 
-    def __call__(self, codec: str, prefixes: tuple[str, ...] | None = None) -> UpdateFormat:
-        """The format for `codec`; with `prefixes` (a stage's ``blocks.<key>.``), only those tensors."""
-        key = (str(parse_codec(codec or "none")), prefixes)
+    def __call__(self, codec: str, prefixes: tuple[str, ...] | None = None,
+                 member: tuple[tuple[float, float], bool] | None = None) -> UpdateFormat:
+        """The format for `codec`; with `prefixes` (a stage's ``blocks.<key>.``), only those tensors;
+        for a channel group `member` ((its share of the channels, whether it leads the group)),
+        only its rows of the split parameters' gradients, and, unless it leads, nothing else."""
+        key = (str(parse_codec(codec or "none")), prefixes, member)
         if key not in self._formats:
             templates = self._templates if prefixes is None else [
                 (n, t) for n, t in self._templates if n.split(".", 1)[1].startswith(prefixes)]
-            self._formats[key] = UpdateFormat(templates, key[0])
+            slices = None
+            if member is not None:
+                from edgetrain.channels import channel_bounds
+
+                share, leader = member
+                slices = {GRAD_PREFIX + n: channel_bounds(c, share) for n, c in self._split.items()}
+                templates = [(n, t) for n, t in templates if leader or n in slices]
+            self._formats[key] = UpdateFormat(templates, key[0], slices)
         return self._formats[key]
 
 

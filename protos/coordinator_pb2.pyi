@@ -334,18 +334,24 @@ class WorkAssignment(_message.Message):
     def __init__(self, idle: _Optional[_Union[Idle, _Mapping]] = ..., step: _Optional[_Union[StepWork, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
 
 class ParameterRequest(_message.Message):
-    __slots__ = ("device_id", "version", "offset", "base_version", "prefixes")
+    __slots__ = ("device_id", "version", "offset", "base_version", "prefixes", "channel_split", "channel_begin", "channel_end")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_END_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     version: int
     offset: int
     base_version: int
     prefixes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, device_id: _Optional[str] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., base_version: _Optional[int] = ..., prefixes: _Optional[_Iterable[str]] = ...) -> None: ...
+    channel_split: bool
+    channel_begin: float
+    channel_end: float
+    def __init__(self, device_id: _Optional[str] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., base_version: _Optional[int] = ..., prefixes: _Optional[_Iterable[str]] = ..., channel_split: _Optional[bool] = ..., channel_begin: _Optional[float] = ..., channel_end: _Optional[float] = ...) -> None: ...
 
 class ParameterMessage(_message.Message):
     __slots__ = ("header", "chunk")

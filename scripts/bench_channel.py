@@ -15,14 +15,29 @@ every lossy one with error feedback on the boards, parameters down dense:
   for `--fleet-steps` steps per codec, median over the steps after warm-up: what encoding costs
   the boards.
 
-Channel-parallel stages (the `fleets` part of the issue) are not built yet: this script will
-gain the capped and plain lab fleets with and without channel groups when they are.
+Channel groups (`fleets`), on two fleets fixed in edgetrain/presets/: `lab-capped` (the lab
+boards with their real models' memory as a cgroup cap: Jetson Nano 4 GB, Pi 4 2 GB, Pi 3 1 GB)
+and `lab-steady` (the same boards, no caps; neither has scripted link changes), each with the
+preset's job (MobileNetV2, global batch 64, SYNTHETIC data), `--fleet-steps` steps per arm:
+
+- `with_channel` / `without_channel`: the hybrid planner on the live fleet with
+  `planner.channel_groups` true / false, one after the other in one run;
+- `channel_forced`: the plan the planner makes from the fleet file with channel groups not
+  allowed (as `edgetrain plan` shows it), each of its groups of several boards turned into a
+  channel group: what a channel group costs here in practice, beside the cost model's prediction.
+
+Each is an `edgetrain experiment run` arm (network namespaces and tc links as root, else loopback
+with application-level shaping); samples/s is the median over the steps after `--warmup`.
 
     python scripts/bench_channel.py [--steps 400] [--fleet-steps 40] [--warmup 10] [--codecs none,int8,topk,powersgd]
+                                    [--parts fleets,codecs]
 
-Last line: one JSON object, `codecs` -> name -> {samples_per_s, accuracy, uplink_bytes_per_sample},
-plus `powersgd_accuracy_minus_none` and `powersgd_uplink_reduction` (none's uplink bytes over
-PowerSGD's).
+Last line: one JSON object, `fleets` -> capped / lab -> {with_channel_samples_per_s,
+without_channel_samples_per_s, plan_with_channel, plan_without_channel,
+channel_forced_samples_per_s, plan_channel_forced, predicted_*}, `channel_speedup_capped`
+(with over without on the capped fleet); `codecs` -> name -> {samples_per_s, accuracy,
+uplink_bytes_per_sample}, plus `powersgd_accuracy_minus_none` and `powersgd_uplink_reduction`
+(none's uplink bytes over PowerSGD's).
 """
 
 from __future__ import annotations
@@ -30,6 +45,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import subprocess
+import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -140,6 +157,94 @@ def fleet_speed(name: str, args: argparse.Namespace, workdir: Path) -> float:
     return round(sum(r["samples"] for r in steady) / sum(r["step_s"] for r in steady), 2)
 
 
+PRESETS = Path(__file__).resolve().parent.parent / "edgetrain" / "presets"
+FLEETS = {"capped": PRESETS / "lab-capped.yaml", "lab": PRESETS / "lab-steady.yaml"}
+
+
+def static_plans(preset: Path) -> dict:
+    """The planner's plans from the fleet file (this machine's measured model costs, as
+    `edgetrain plan`): channel groups allowed, not allowed, and the latter's groups as channel groups."""
+    from coordinator.planning.cost import predict
+    from coordinator.planning.inputs import boards_from_fleet, machine_costs
+    from coordinator.planning.planner import plan_optimal
+    from edgetrain.emulator.fleet_config import load_fleet
+    from edgetrain.plan import Plan, StagePlan
+
+    fleet = load_fleet(preset)
+    job = yaml.safe_load(preset.read_text())["job"]
+    costs = machine_costs(job["model"])
+    boards = boards_from_fleet(list(fleet.boards), costs.model, costs.one_core, cpu_s_per_byte=costs.cpu_s_per_byte)
+    batch = job["training"]["global_batch"]
+    with_ch = plan_optimal(boards, costs.model, batch, channel_groups=True)
+    without = plan_optimal(boards, costs.model, batch, channel_groups=False)
+    forced = Plan(stages=tuple(StagePlan(s.begin, s.end, s.boards, "channels" if len(s.boards) > 1 else "rows")
+                               for s in without.stages), microbatches=without.microbatches,
+                  schedule=without.schedule, dp_boards=without.dp_boards, dp_share=without.dp_share)
+    forced = forced if any(s.channels for s in forced.stages) else None
+    return {"with": with_ch, "without": without, "forced": forced,
+            "predicted_forced": predict(forced, boards, costs.model, batch) if forced else None}
+
+
+def steady_rate(run_dir: Path, warmup: int) -> float | None:
+    """Median samples/s of the steps from `warmup` on (None without such steps)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    rates = sorted(r["samples"] / r["step_s"] for r in records
+                   if r.get("kind") == "train" and r["step"] >= warmup and r.get("step_s"))
+    return round(rates[len(rates) // 2], 2) if rates else None
+
+
+def fleet_arms(key: str, args: argparse.Namespace, workdir: Path) -> dict:
+    """One fleet's arms as one experiment run: planner with and without channel groups, and the
+    fleet file's plan with its groups as channel groups."""
+    preset = FLEETS[key]
+    plans = static_plans(preset)
+    job = yaml.safe_load(preset.read_text())["job"]
+    job["training"].update(steps=args.fleet_steps, eval_every=0, checkpoint_every_s=0)
+    arms = [{"name": "with-channel", "set": {"planner.enabled": True, "planner.channel_groups": True}},
+            {"name": "without-channel", "set": {"planner.enabled": True, "planner.channel_groups": False}}]
+    if plans["forced"] is not None:
+        section = plans["forced"].to_pipeline_section()
+        arms.append({"name": "channel-forced", "set": {"planner.enabled": False, **{
+            f"pipeline.{k}": v for k, v in section.items()}}})
+    experiment = {"name": f"bench-channel-{key}", "job": job, "fleet": str(preset), "repeats": 1,
+                  "stop": {"steps": args.fleet_steps}, "arms": arms}
+    exp_file = workdir / f"bench-channel-{key}.yaml"
+    exp_file.write_text(yaml.safe_dump(experiment))
+    out = workdir / f"results-{key}"
+    code = subprocess.run([sys.executable, "-m", "edgetrain", "experiment", "run", str(exp_file), "--out", str(out)],
+                          check=False).returncode
+    if code != 0:
+        print(f"# {key}: the experiment ended with exit code {code}; arms without steps are reported as null",
+              flush=True)
+
+    def plan_of(arm: str) -> str | None:
+        path = out / f"{arm}-r0" / "metrics.jsonl"
+        if not path.exists():
+            return None
+        planned = [json.loads(line) for line in path.read_text().splitlines()]
+        planned = [r for r in planned if r.get("kind") == "plan" and r.get("switched", True)]
+        return json.dumps(planned[-1]["plan"]) if planned else None
+
+    result = {
+        "with_channel_samples_per_s": steady_rate(out / "with-channel-r0", args.warmup),
+        "without_channel_samples_per_s": steady_rate(out / "without-channel-r0", args.warmup),
+        "plan_with_channel": plan_of("with-channel"),
+        "plan_without_channel": plan_of("without-channel"),
+        "predicted_with_channel_samples_per_s": round(plans["with"].prediction.samples_per_s, 2),
+        "predicted_without_channel_samples_per_s": round(plans["without"].prediction.samples_per_s, 2),
+        "static_plan_with_channel": plans["with"].describe(),
+        "static_plan_without_channel": plans["without"].describe(),
+    }
+    if plans["forced"] is not None:
+        result.update(channel_forced_samples_per_s=steady_rate(out / "channel-forced-r0", args.warmup),
+                      plan_channel_forced=plans["forced"].describe(),
+                      predicted_channel_forced_samples_per_s=round(plans["predicted_forced"].samples_per_s, 2))
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=400, help="steps of the accuracy comparison")
@@ -147,7 +252,26 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="fleet steps left out of the throughput")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--codecs", default=",".join(CODECS), help="comma-separated subset of " + ",".join(CODECS))
+    parser.add_argument("--parts", default="fleets,codecs", help="fleets, codecs or both (comma-separated)")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= {"fleets", "codecs"}:
+        parser.error(f"--parts: choose from fleets, codecs, got {args.parts!r}")
+    out: dict = {"synthetic_data": True, "fleet_steps": args.fleet_steps, "warmup": args.warmup}
+    if "fleets" in parts:
+        fleets = {}
+        with tempfile.TemporaryDirectory(prefix="bench_channel_fleets_") as tmp:
+            for key in FLEETS:
+                fleets[key] = fleet_arms(key, args, Path(tmp))
+                print(f"{key}: {json.dumps(fleets[key])}", flush=True)
+        out["fleets"] = fleets
+        capped = fleets["capped"]
+        if capped["with_channel_samples_per_s"] and capped["without_channel_samples_per_s"]:
+            out["channel_speedup_capped"] = round(capped["with_channel_samples_per_s"]
+                                                  / capped["without_channel_samples_per_s"], 3)
+    if "codecs" not in parts:
+        print(json.dumps(out))
+        return
     names = args.codecs.split(",")
     unknown = [n for n in names if n not in CODECS]
     if unknown:
@@ -165,8 +289,7 @@ def main() -> None:
         for n, f in futures.items():
             codecs[n].update(f.result())
             print(f"{n} ({CODECS[n]}): {codecs[n]}", flush=True)
-    out: dict = {"synthetic_data": True, "steps": args.steps, "fleet_steps": args.fleet_steps, "seed": args.seed,
-                 "codecs": codecs}
+    out.update(steps=args.steps, seed=args.seed, codecs=codecs)
     if "none" in codecs and "powersgd" in codecs:
         out["powersgd_accuracy_minus_none"] = round(codecs["powersgd"]["accuracy"] - codecs["none"]["accuracy"], 4)
         out["powersgd_uplink_reduction"] = round(codecs["none"]["uplink_bytes_per_sample"]

@@ -18,10 +18,28 @@ from torch import nn
 
 from coordinator.planning.cost import Problem, predict
 from coordinator.planning.planner import plan_optimal
-from edgetrain.channels import ChannelSplit, channel_bounds, channel_shares, splittable
+from coordinator.training.parameters import ParameterStore
+from edgetrain.channels import (
+    ChannelSplit,
+    channel_bounds,
+    channel_shares,
+    split_parameters,
+    splittable,
+)
 from edgetrain.models import block_costs, build_model
 from edgetrain.pipeline import routes
-from edgetrain.plan import BlockCost, BoardCost, ModelCost, Plan, StagePlan, plan_from_dict, plan_to_dict
+from edgetrain.plan import (
+    BlockCost,
+    BoardCost,
+    ModelCost,
+    Plan,
+    StagePlan,
+    plan_from_dict,
+    plan_to_dict,
+)
+from edgetrain.tensors import unpack
+from edgetrain.training import shard_tensor_names
+from edgetrain.updates import UpdateFormats
 
 TOLERANCE = 2e-5
 
@@ -225,3 +243,34 @@ def test_the_cost_model_keeps_a_channel_group_when_sample_split_groups_do_not_fi
     assert chan.q < rows.q  # every row's activations on every member
     assert chan.gamma > rows.gamma  # the exchanges come on top of the same compute
     assert prob.stage(0, 2, fleet) == rows
+
+
+def test_a_channel_group_member_moves_only_its_rows_of_the_split_layers():
+    # Prepare: MobileNetV2's block 1 (a depthwise conv stays whole; two 1x1 convs are split)
+    model = build_model("mobilenet_v2", seed=0)
+    split = split_parameters(model)
+    prefixes = ("blocks.features_1.",)
+    formats = UpdateFormats(shard_tensor_names(model), split)
+    share = channel_shares([0.7, 0.3])[1]
+    grads = {n: torch.randn_like(t) for n, t in shard_tensor_names(model) if n.split(".", 1)[1].startswith(prefixes)}
+
+    # Execute: the upload of the group's second member and of its leader; the download of a part
+    member, leader = formats("none", prefixes, (share, False)), formats("none", prefixes, (channel_shares([0.7, 0.3])[0], True))
+    back = member.decode(member.encode(grads, None)[0])
+    store = ParameterStore(split=split)
+    store.publish(0, dict(model.state_dict()))
+    part = unpack(*store.part(0, prefixes, share))
+
+    # Assert: the member sends its rows of the split gradients alone (no buffers, no whole
+    # layers), decoded into layer-sized tensors with zeros elsewhere; the leader adds the rest
+    assert set(back) == {"grad." + n for n in split if n.startswith(prefixes)}
+    for name, tensor in back.items():
+        begin, end = channel_bounds(split[name[5:]], share)
+        assert torch.equal(tensor[begin:end], grads[name][begin:end]) and tensor[:begin].abs().sum() == 0
+    assert member.wire_bytes() < 0.4 * leader.wire_bytes()
+    assert "buf.blocks.features_1.conv.0.1.running_mean" in {m.name for m in leader.metas()}
+    for name, tensor in part.items():
+        expected = model.state_dict()[name]
+        if name in split:
+            expected = expected[slice(*channel_bounds(split[name], share))]
+        assert torch.equal(tensor, expected), name

@@ -19,6 +19,7 @@ import yaml
 from conftest import small_job, wait_for
 from reference import checkpoint_state, max_abs_difference, reference_state
 
+from edgetrain.models import build_model
 from protos import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.slow
@@ -73,6 +74,10 @@ def test_three_stage_pipeline_with_a_shared_stage_equals_single_process_sgd(
         assert sorted(middle) == [0, 32]
         s1 = [v for d, v in steps[-1]["stages"].items() if d.startswith("s1")]
         assert all(v["peer_bytes"] > 0 for v in s1)  # slices and input gradients went member to member
+        # each member uploads only its rows of the split layers: together one stage's gradients
+        model = build_model("small_cnn")
+        stage_bytes = sum(p.numel() * 4 for b in model.block_modules(1, 3) for p in b.parameters())
+        assert stage_bytes <= sum(v["upload_bytes"] for v in s1) < 1.1 * stage_bytes
     stages = steps[-1]["stages"]
     assert sorted(v["stage"] for v in stages.values()) == [0, 1, 1, 2]
     assert all(v["peak_activation_bytes"] > 0 for d, v in stages.items() if not d.startswith("s2"))

@@ -22,13 +22,14 @@ Pipeline with B_p samples, b = B_p / M, hosts H:
     λ = max_s o_s + (min(S, 3) − 1) · max_H rtt_s    per micro-batch latency, worst case
     t_s = b γ_s + λ;   T_pipe = max_H c_k + (M + S − 1) · max_s t_s
 A channel group (``edgetrain.channels``; ``channel_groups``) runs every row on every member k,
-each computing the share w_k of the split layers' output channels (F_c of F; the rest, F_r,
-replicated), gathering their outputs (O bytes per sample) forward and summing the gradients of
-their inputs (I bytes) backward, in L_c exchanges each way per micro-batch. Every member holds
-and moves the whole stage's parameters (it uploads zeros outside its slices):
+each computing the share w_k of the split layers' output channels (F_c of F, P_c of P; the
+rest, F_r and P_r, replicated), gathering their outputs (O bytes per sample) forward and
+summing the gradients of their inputs (I bytes) backward, in L_c exchanges each way per
+micro-batch. A member downloads and uploads its rows of the split layers' parameters and the
+rest whole; it holds layer-sized tensors (memory as for the whole stage):
     g_k = max(w_k O (n−1), (1 − w_k) O) + (n − 1) I      bytes per sample on k's link, n members
     γ_s = max_k (F_r + w_k F_c) / f_k + (X + g_k) σ_k;  o_s = max_k overhead_k (F_r + w_k F_c) / F_model
-          + 2 L_c max_k rtt_k;   c_k = 2 P σ_k + rtt_k (never owned)
+          + 2 L_c max_k rtt_k;   c_k = 2 (P_r + w_k P_c) σ_k + rtt_k (never owned)
     mem_k = 2 P + min(S − s, M) · (B / M) · A            every member keeps every row
 For a group of several boards the model prices both splits and keeps the one that fits, or, when
 both do, the one with less c + B γ (a stage's time per step, micro-batches aside).
@@ -204,14 +205,15 @@ class Problem:
         self.p_ref = sum(k.busy_w for k in fleet) or 1.0
         self._act = [b.activation_bytes for b in model.blocks]
         self._pc, self.fc, self._ac = [0.0], [0.0], [0.0]  # sums over the blocks before each index
-        self._cc = [(0.0, 0.0, 0.0, 0)]  # the same for F_c, O, I and L_c
+        self._cc = [(0.0, 0.0, 0.0, 0, 0.0)]  # the same for F_c, O, I, L_c and P_c
         for b in model.blocks:
             self._pc.append(self._pc[-1] + b.param_bytes)
             self.fc.append(self.fc[-1] + b.train_flops)
             self._ac.append(self._ac[-1] + b.activation_bytes)
             last = self._cc[-1]
             self._cc.append((last[0] + b.channel_train_flops, last[1] + b.channel_output_bytes,
-                             last[2] + b.channel_input_bytes, last[3] + b.channel_layers))
+                             last[2] + b.channel_input_bytes, last[3] + b.channel_layers,
+                             last[4] + b.channel_param_bytes))
         self.left = {k.name: f"battery {k.battery_percent:.0f}% unplugged" for k in fleet
                      if k.battery_percent is not None and k.battery_percent < battery_floor
                      and k.plugged is not True}
@@ -238,27 +240,27 @@ class Problem:
         return Shard(k, 2 * p * k.seconds_per_byte + k.rtt_s + k.overhead_s, k.flops_per_s / f,
                       slack / a if a > 0 else (math.inf if slack >= 0 else -1.0))
 
-    def _channel_span(self, i: int, j: int) -> tuple[float, float, float, int]:
-        """F_c, O, I, L_c of blocks [i, j) (see the module docstring)."""
+    def _channel_span(self, i: int, j: int) -> tuple[float, float, float, int, float]:
+        """F_c, O, I, L_c, P_c of blocks [i, j) (see the module docstring)."""
         hi, lo = self._cc[j], self._cc[i]
-        return hi[0] - lo[0], hi[1] - lo[1], hi[2] - lo[2], hi[3] - lo[3]
+        return hi[0] - lo[0], hi[1] - lo[1], hi[2] - lo[2], hi[3] - lo[3], hi[4] - lo[4]
 
     def channel_member(self, i: int, j: int, k: BoardCost, members: Sequence[BoardCost]) -> tuple[float, float, float]:
-        """A channel group member's (parameter bytes, compute seconds per sample, link seconds
-        per sample) on blocks [i, j)."""
+        """A channel group member's (parameter bytes it moves each way, compute seconds per
+        sample, link seconds per sample) on blocks [i, j)."""
         p, f, x, _ = self._span(i, j)
-        fc, out, inp, _ = self._channel_span(i, j)
+        fc, out, inp, _, pc = self._channel_span(i, j)
         n, w = len(members), k.flops_per_s / sum(m.flops_per_s for m in members)
         exchange = max(w * out * (n - 1), (1 - w) * out) + (n - 1) * inp
-        return p, (f - fc + w * fc) / k.flops_per_s, (x + exchange) * k.seconds_per_byte
+        return p - pc + w * pc, (f - fc + w * fc) / k.flops_per_s, (x + exchange) * k.seconds_per_byte
 
     def _channel_terms(self, i: int, j: int, members: Sequence[BoardCost]) -> StageTerms:
-        _, _, _, a = self._span(i, j)
+        p, _, _, a = self._span(i, j)
         layers = self._channel_span(i, j)[3]
         q, c, gamma, e, o = math.inf, 0.0, 0.0, 0.0, 0.0
         for k in members:
             params, compute, link = self.channel_member(i, j, k, members)
-            slack, need = k.memory_bytes - 2 * params, self.B * a
+            slack, need = k.memory_bytes - 2 * p, self.B * a
             q = min(q, -1.0 if slack < 0 else slack / need if need > 0 else math.inf)
             c = max(c, 2 * params * k.seconds_per_byte + k.rtt_s)
             gamma = max(gamma, compute + link)
@@ -414,7 +416,7 @@ class Problem:
                         c = 2 * params * k.seconds_per_byte + k.rtt_s
                         share[k.name], busy[k.name] = w * rows / self.B, rows * compute
                         time_s[k.name] = c + m * (b * (compute + link) + lam)
-                        memory[k.name] = 2 * params + min(depth - s, m) * self.B / m * a
+                        memory[k.name] = 2 * p + min(depth - s, m) * self.B / m * a
                     else:
                         c = self._transfer_s(p, k, len(members), plan)
                         share[k.name], busy[k.name] = w * rows / self.B, rows * f / speed

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from coordinator.training.steps import StepError
+from edgetrain.channels import channel_bounds
 from edgetrain.compression import CodecSpec, parse_codec
 from edgetrain.errors import Refusal
 from edgetrain.streaming import TensorMeta
@@ -26,7 +27,10 @@ from edgetrain.updates import DeltaFormat
 class ParameterStore:
     """Thread-safe: the trainer publishes, RPC handlers read."""
 
-    def __init__(self, downlink: str = "none", *, keep: int = 8, keep_full: int = 1) -> None:
+    def __init__(self, downlink: str = "none", *, keep: int = 8, keep_full: int = 1,
+                 split: Mapping[str, int] | None = None) -> None:
+        self._split = dict(split or {})
+        """Parameters a channel group splits, with their output channels (edgetrain.channels)."""
         self.delta_spec: CodecSpec | None = None if downlink in ("", "none") else parse_codec(downlink)
         self._keep = keep
         self._keep_full = keep_full
@@ -87,18 +91,23 @@ class ParameterStore:
                 self._full = pack(self._view)
             return self._full
 
-    def part(self, version: int, prefixes: tuple[str, ...]) -> tuple[list[TensorMeta], memoryview]:
-        """The served tensors of `version` whose names start with one of `prefixes` (a stage's)."""
+    def part(self, version: int, prefixes: tuple[str, ...],
+             share: tuple[float, float] | None = None) -> tuple[list[TensorMeta], memoryview]:
+        """The served tensors of `version` whose names start with one of `prefixes` (a stage's);
+        with a channel group member's `share`, only its rows of the split parameters."""
         with self._lock:
             if version not in self._old:
                 self._check(version)
-            key = ("part", version, prefixes)
+            key = ("part", version, prefixes, share)
             if key not in self._chains:
                 metas, payload = self._old.get(version) or self._full or pack(self._view)
                 tensors = unpack(metas, payload)
                 chosen = {n: t for n, t in tensors.items() if n.startswith(prefixes)}
                 if not chosen:
                     raise StepError("not_found", f"no parameters start with {list(prefixes)}")
+                if share is not None:
+                    chosen = {n: t[slice(*channel_bounds(self._split[n], share))] if n in self._split else t
+                              for n, t in chosen.items()}
                 self._chains[key] = pack(chosen)
                 while len(self._chains) > 16:
                     self._chains.popitem(last=False)
