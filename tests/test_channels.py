@@ -274,3 +274,15 @@ def test_a_channel_group_member_moves_only_its_rows_of_the_split_layers():
         if name in split:
             expected = expected[slice(*channel_bounds(split[name], share))]
         assert torch.equal(tensor, expected), name
+
+
+def test_the_planners_measured_model_cost_carries_what_a_channel_group_splits():
+    from coordinator.planning.measure import model_cost
+
+    cost = model_cost("small_cnn", batch=8, num_classes=10, threads=1)
+    counted = block_costs(build_model("small_cnn"), batch_size=1)
+    for block, measured in zip(cost.blocks, counted, strict=True):
+        assert block.channel_layers == measured.channel_layers == 1
+        assert block.channel_flops == pytest.approx(block.forward_flops)  # every FLOP is in a split layer
+        assert block.channel_output_bytes == measured.channel_output_bytes > 0
+        assert block.channel_param_bytes == measured.channel_param_bytes == block.param_bytes

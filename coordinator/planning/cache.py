@@ -31,9 +31,9 @@ logger = logging.getLogger(__name__)
 CACHE_ENV = "EDGETRAIN_CACHE_DIR"
 """Directory of the measurement cache (overrides the XDG default; tests point it elsewhere)."""
 FILE_NAME = "measurements.json"
-FORMAT = 2
+FORMAT = 3
 """Version of the file layout and of what is measured; a file of another version is replaced
-(2: blocks carry what a channel group splits)."""
+(3: blocks carry what a channel group splits)."""
 
 T = TypeVar("T")
 

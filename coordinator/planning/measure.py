@@ -49,17 +49,24 @@ def block_seconds(model: torch.nn.Module, batch: int, repeats: int = 2) -> list[
 
 
 def model_cost(model_name: str, batch: int, num_classes: int, threads: int) -> ModelCost:
-    """The model's blocks as the planner sees them: counted FLOPs split by measured block time."""
+    """The model's blocks as the planner sees them: counted FLOPs split by measured block time
+    (and what a channel group splits: each block's split layers' share of its counted FLOPs)."""
     with num_threads(threads):
         model = build_model(model_name, num_classes=num_classes, seed=0)
         counted = block_costs(model, 1)
         seconds = block_seconds(model, batch)
     flops = sum(3 * b.forward_flops for b in counted)
     total_s = sum(seconds)
-    return ModelCost(tuple(
-        BlockCost(name=b.name, param_bytes=b.param_bytes, activation_bytes=b.output_bytes,
-                  forward_flops=flops * s / total_s / 3)
-        for b, s in zip(counted, seconds, strict=True)))
+    blocks = []
+    for b, s in zip(counted, seconds, strict=True):
+        effective = flops * s / total_s / 3
+        blocks.append(BlockCost(  # a channel group splits the layers' share of the block's counted FLOPs
+            name=b.name, param_bytes=b.param_bytes, activation_bytes=b.output_bytes, forward_flops=effective,
+            channel_layers=b.channel_layers,
+            channel_flops=effective * b.channel_flops / b.forward_flops if b.forward_flops else 0.0,
+            channel_param_bytes=b.channel_param_bytes, channel_output_bytes=b.channel_output_bytes,
+            channel_input_bytes=b.channel_input_bytes))
+    return ModelCost(tuple(blocks))
 
 
 def one_core_speed(model_name: str, batches: tuple[int, int]) -> SpeedEstimate:
