@@ -215,8 +215,8 @@ class CompressionConfig:
     """What travels over each board's link: gradient codec up, parameter encoding down."""
 
     uplink: str = "none"
-    """Codec for updates: none, fp16, bf16, int8, topk[:ratio] (error feedback on the board), or
-    adaptive: per board, from its measured bandwidth (see adaptive_budget)."""
+    """Codec for updates: none, fp16, bf16, int8, powersgd[:rank], topk[:ratio] (error feedback on
+    the board), or adaptive: per board, from its measured bandwidth (see adaptive_budget)."""
     downlink: str = "none"
     """none: boards download full float32 parameters; fp16, bf16, int8 or topk[:ratio]: boards that
     hold a recent version download the compressed deltas since (error feedback at the coordinator)."""
@@ -230,12 +230,15 @@ class CompressionConfig:
     the coordinator."""
     topk_ratio: float = 0.01
     """Fraction kept by the top-k codec when adaptive chooses it."""
+    powersgd_rank: int = 4
+    """Rank of the PowerSGD codec when adaptive chooses it."""
     adaptive_budget: float = 0.25
     """adaptive: the least lossy codec whose predicted transfer time per step is within this
     fraction of the step's predicted compute time (else the most compressing one)."""
     adaptive_limit: float = 1.0
     """adaptive: when nothing fits the budget, a dense codec (fp16, int8) is still preferred to
-    top-k while its transfer time stays within this multiple of the compute time."""
+    PowerSGD, and PowerSGD to top-k, while its transfer time stays within this multiple of the
+    compute time."""
     hysteresis: float = 0.3
     """adaptive: a board's codec is chosen again only after its bandwidth moved by more than this
     fraction since the last choice (noise does not make it flip)."""
@@ -257,6 +260,8 @@ class CompressionConfig:
             except ValueError as e:
                 raise ConfigError(f"{key}={value!r}: {e}") from None
         _require(0 < self.topk_ratio <= 1, "topk_ratio", self.topk_ratio, "must be in (0, 1]")
+        _require(isinstance(self.powersgd_rank, int) and not isinstance(self.powersgd_rank, bool)
+                 and self.powersgd_rank >= 1, "powersgd_rank", self.powersgd_rank, "must be an integer >= 1")
         _require(self.momentum_correction in ("auto", "on", "off"), "momentum_correction",
                  self.momentum_correction, "must be auto, on or off")
         _require(self.adaptive_budget > 0, "adaptive_budget", self.adaptive_budget, "must be > 0")

@@ -177,16 +177,17 @@ def test_without_keep_late_an_unanswered_ticket_is_missing_and_closed():
 # --- codec choice -----------------------------------------------------------------------------------
 
 def _policy(**cfg) -> CodecPolicy:
-    sizes = {"none": 9_000_000, "fp16": 4_500_000, "int8": 2_250_000, "topk:0.01": 180_000}
+    sizes = {"none": 9_000_000, "fp16": 4_500_000, "int8": 2_250_000, "powersgd:4": 750_000, "topk:0.01": 180_000}
     return CodecPolicy(CompressionConfig(uplink="adaptive", downlink="int8", **cfg), lambda c: sizes[c],
                        full_bytes=9_000_000, delta_bytes=2_250_000)
 
 
 @pytest.mark.parametrize(("mbit", "want"), [(10_000, "none"), (400, "fp16"), (160, "int8"), (60, "int8"),
-                                            (20, "topk:0.01")])
+                                            (30, "powersgd:4"), (20, "topk:0.01")])
 def test_adaptive_picks_the_least_lossy_codec_that_fits_the_budget(mbit, want):
-    # budget: 0.25 x 1.0 s compute, limit for dense codecs 1.0 s; none moves 18 MB, fp16 6.75 MB,
-    # int8 4.5 MB, top-k 2.43 MB per step (60 Mbit/s: int8 takes 0.6 s, over budget, within limit)
+    # budget: 0.25 x 1.0 s compute, limit 1.0 s; none moves 18 MB, fp16 6.75 MB, int8 4.5 MB,
+    # PowerSGD 3 MB, top-k 2.43 MB per step (60 Mbit/s: int8 takes 0.6 s, over budget, within the
+    # limit; 30 Mbit/s: int8 1.2 s, PowerSGD 0.8 s; 20 Mbit/s: PowerSGD 1.2 s, top-k the fewest bytes)
     choice = _policy().choose("a", mbit, compute_s=1.0)
     assert choice.codec == want
     assert choice.delta_codec == ("" if want == "none" else "int8")

@@ -1,12 +1,13 @@
 """Which codec each board's link gets: fixed from the job, or chosen from measured bandwidth.
 
 Adaptive rule (per board): candidates in order of increasing loss — none, fp16, int8,
-top-k — each with its bytes per step (update up, plus full parameters down for `none` or the
-downlink deltas for the others). Predicted transfer time = bytes x 8 / measured bandwidth. The
-board gets the least lossy codec whose transfer time is within `adaptive_budget` x the step's
-predicted compute time; if none is, the dense codec (fp16, int8) with the fewest bytes as long
-as it stays within `adaptive_limit` x the compute time; only beyond that top-k (the fewest
-bytes). Top-k 1% delays most coordinates' updates by tens of steps: measured on MobileNetV2 it
+PowerSGD (rank `powersgd_rank`), top-k — each with its bytes per step (update up, plus full
+parameters down for `none` or the downlink deltas for the others). Predicted transfer time =
+bytes x 8 / measured bandwidth. The board gets the least lossy codec whose transfer time is
+within `adaptive_budget` x the step's predicted compute time; if none is, the dense codec (fp16,
+int8) with the fewest bytes as long as it stays within `adaptive_limit` x the compute time, then
+PowerSGD within that limit (low-rank, error feedback: it cost less accuracy than top-k in
+scripts/bench_channel.py); only beyond that the fewest bytes (top-k, usually). Top-k 1% delays most coordinates' updates by tens of steps: measured on MobileNetV2 it
 did not train within a 120-step budget, so it is kept for links that nothing else can use. The choice is revisited only
 when the board's bandwidth moved by more than `hysteresis` (relative) since it was made, so
 measurement noise does not make it flip. A board with no bandwidth measurement yet keeps `none`.
@@ -45,7 +46,7 @@ class CodecPolicy:
         self._delta_bytes = delta_bytes
         self._delta_codec = "" if cfg.downlink == "none" else cfg.downlink
         self._chosen: dict[str, tuple[LinkChoice, float]] = {}
-        self.candidates = ["none", "fp16", "int8", f"topk:{cfg.topk_ratio:g}"]
+        self.candidates = ["none", "fp16", "int8", f"powersgd:{cfg.powersgd_rank}", f"topk:{cfg.topk_ratio:g}"]
 
     def step_bytes(self, codec: str) -> int:
         """Bytes a board moves per step with `codec` up (and the matching download)."""
@@ -64,11 +65,15 @@ class CodecPolicy:
         budget_s = self.cfg.adaptive_budget * compute_s
         seconds = {c: self.step_bytes(c) * 8 / (mbit_per_s * 1e6) for c in self.candidates}
         fitting = [c for c in self.candidates if seconds[c] <= budget_s]
-        tolerable = [c for c in self.candidates[1:-1] if seconds[c] <= self.cfg.adaptive_limit * compute_s]
+        limit_s = self.cfg.adaptive_limit * compute_s
+        dense = [c for c in self.candidates[1:3] if seconds[c] <= limit_s]
+        low_rank = self.candidates[3]
         if fitting:
             codec = fitting[0]
-        elif tolerable:
-            codec = min(tolerable, key=lambda c: seconds[c])
+        elif dense:
+            codec = min(dense, key=lambda c: seconds[c])
+        elif seconds[low_rank] <= limit_s:
+            codec = low_rank
         else:
             codec = min(self.candidates, key=lambda c: seconds[c])
         choice = LinkChoice(codec, "" if codec == "none" else self._delta_codec,
