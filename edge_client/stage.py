@@ -40,6 +40,7 @@ from edge_client.endpoint import MailKey, StageEndpoint, StageFailure
 from edge_client.shard import Download, Update
 from edge_client.stage_state import StageStateError
 from edgetrain.channels import ChannelSplit, member_slices, split_parameters
+from edgetrain.compression import ErrorFeedback, parse_codec
 from edgetrain.data import make_batch
 from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.errors import FailureKind
@@ -92,6 +93,9 @@ class StageRunner:
         self.split = split_parameters(model)
         """The parameters a channel group splits (a member moves only its rows of them)."""
         self.formats = UpdateFormats(shard_tensor_names(model), self.split)
+        self._feedback: tuple[tuple, ErrorFeedback] | None = None
+        """What a lossy uplink codec did not send of this board's stage gradients, for the stage
+        (blocks, channel share, codec) it was kept for: another stage starts from nothing."""
         self._loaded: tuple | None = None
         """(version, first block, end block, channel share) of stage parameters the model holds
         (un-owned stages)."""
@@ -108,14 +112,24 @@ class StageRunner:
         prefixes = () if st.owned else stage_parameter_prefixes(self.model.block_names, st.first_block, st.end_block)
         mine = _host(work, device_id)
         member = (mine.channels, mine.sends) if mine.channels is not None else None
-        wire, commit = self.formats(work.codec, prefixes, member).encode({} if st.owned else result.shard.tensors,
-                                                                         None)
+        wire, commit = self.formats(work.codec, prefixes, member).encode(
+            {} if st.owned else result.shard.tensors, self._stage_feedback(work, member))
         metas, payload = pack(wire)
         shard = result.shard
         report = StepReport(samples=shard.samples, loss=shard.loss, correct=shard.correct, compute_s=result.compute_s,
                             download_s=result.download_s, encode_s=time.perf_counter() - started, wait_s=result.wait_s,
                             peak_activation_bytes=result.peak_activation_bytes, peer_bytes=result.peer_bytes)
         return Update(metas, payload, report, commit)
+
+    def _stage_feedback(self, work: Assignment, member) -> ErrorFeedback | None:
+        """The error feedback of this stage's uploads with a lossy codec (None: nothing to keep)."""
+        st = work.stage
+        if st.owned or not self.job.error_feedback or not parse_codec(work.codec or "none").lossy:
+            return None
+        key = (st.first_block, st.end_block, member, work.codec)
+        if self._feedback is None or self._feedback[0] != key:
+            self._feedback = (key, ErrorFeedback())
+        return self._feedback[1]
 
     def _run_owned(self, work: Assignment, device_id: str) -> StageResult:
         st, state = work.stage, self.endpoint.state

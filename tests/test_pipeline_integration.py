@@ -116,27 +116,38 @@ def test_whole_model_host_computing_in_chunks_equals_single_process_sgd(coordina
 
 
 @pytest.mark.timeout(300)
-def test_a_mobilenetv2_pipeline_trains(coordinator_factory, client_factory):
-    # Prepare: 2 stages, 2 micro-batches, 10 steps of 16 on the same 16 synthetic samples (the
-    # stage split of every real model equals its forward pass: tests/test_models.py)
-    job = small_job(model="mobilenet_v2", training={"steps": 10, "min_clients": 2, "global_batch": 16},
+def test_a_mobilenetv2_pipeline_with_a_channel_group_and_powersgd_uploads_trains(coordinator_factory, client_factory):
+    # Prepare: 2 stages, the second a channel group of two boards, 2 micro-batches, 10 steps of 16
+    # on the same 16 synthetic samples (the stage split of every real model equals its forward
+    # pass: tests/test_models.py); every host uploads its stage gradients with PowerSGD rank 4
+    # and error feedback (stage_state coordinator: no host keeps its stage)
+    job = small_job(model="mobilenet_v2", training={"steps": 10, "min_clients": 3, "global_batch": 16},
                     dataset={"train_size": 16, "test_size": 16},
                     optimizer={"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0, "schedule": "constant",
                                "warmup_steps": 0},
-                    pipeline={"stages": [{"blocks": 8, "boards": ["a"]}, {"blocks": 12, "boards": ["b"]}],
-                              "microbatches": 2, "schedule": "1f1b", "stage_timeout_s": 120})
+                    compression={"uplink": "powersgd:4"},
+                    pipeline={"stages": [{"blocks": 8, "boards": ["a"]},
+                                         {"blocks": 12, "boards": ["b", "c"], "split": "channels"}],
+                              "microbatches": 2, "schedule": "1f1b", "stage_timeout_s": 120,
+                              "stage_state": "coordinator"})
     coordinator = coordinator_factory(job)
-    client_factory(coordinator.address, "a")
-    client_factory(coordinator.address, "b")
+    for name in ("a", "b", "c"):
+        client_factory(coordinator.address, name)
 
     # Execute
     coordinator.wait(timeout=280)
 
     # Assert: the loss falls (single-process training with the same micro-batches goes from a
-    # mean of 2.30 over the first 3 steps to 0.88 over the last 3)
-    losses = [s["loss"] for s in records(coordinator.run_dir)]
+    # mean of 2.30 over the first 3 steps to 0.88 over the last 3) ...
+    steps = records(coordinator.run_dir)
+    losses = [s["loss"] for s in steps]
     assert len(losses) == 10
     assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+    # ... with a fraction of the bytes a dense upload of the stages' gradients takes
+    model = build_model("mobilenet_v2")
+    dense = sum(p.numel() * 4 for p in model.parameters())
+    uploaded = sum(v["upload_bytes"] for v in steps[-1]["stages"].values())
+    assert 0 < uploaded < 0.3 * dense, (uploaded, dense)
 
 
 @pytest.mark.timeout(300)

@@ -18,6 +18,7 @@ the failed board had time to miss its heartbeats. A plan without stages is data 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 import time
 from pathlib import Path
 from typing import Protocol
@@ -211,6 +212,10 @@ class PipelineRound(RoundPolicy):
         assignments = assign(plan, self.settings, step=step, attempt=attempt, indices=indices,
                              block_names=self.ctx.model.block_names, hosts=hosts, augment=job.dataset.augment,
                              data_seed=job.seed, lr=lr, commit=self._committed, previous_shares=self._dp_shares)
+        codec = job.compression.uplink
+        if codec not in ("none", "adaptive"):  # the job's codec for every upload (owned stages upload nothing)
+            assignments = {d: a if a.stage is not None and a.stage.owned else replace(a, codec=codec)
+                           for d, a in assignments.items()}
         self._dp_shares = {d: len(a.indices) for d, a in assignments.items() if a.stage is None}
         failed = self._place_owned(step, attempt, assignments)
         self._republish_if_pulled(step)
