@@ -18,8 +18,8 @@ the failed board had time to miss its heartbeats. A plan without stages is data 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
