@@ -64,7 +64,7 @@ class DeviceRecord:
     alive: bool = True
     left_reason: str = ""
     stats: dict = field(default_factory=lambda: {"samples": 0, "compute_s": 0.0, "comm_s": 0.0, "steps": 0,
-                                                 "energy_j": 0.0, "energy_samples": 0, "download_bytes": 0,
+                                                 "energy_j": 0.0, "energy_samples": 0, "energy_steps": 0, "download_bytes": 0,
                                                  "upload_bytes": 0})
     telemetry: deque = field(default_factory=lambda: deque(maxlen=TELEMETRY_WINDOW))
     """Rolling window of (coordinator receive time, TelemetrySample)."""
@@ -186,6 +186,7 @@ class DeviceRegistry:
             if energy_j is not None:
                 record.stats["energy_j"] += energy_j
                 record.stats["energy_samples"] += samples
+                record.stats["energy_steps"] += 1
             for key, value in (("samples", samples), ("compute_s", compute_s), ("comm_s", comm_s),
                                ("steps", 1)):
                 record.stats[key] += value
@@ -273,6 +274,7 @@ class DeviceRegistry:
             if energy_j is not None:
                 record.stats["energy_j"] += energy_j
                 record.stats["energy_samples"] += samples
+                record.stats["energy_steps"] += 1
             for key, value in (("samples", samples), ("compute_s", compute_s), ("comm_s", comm_s), ("steps", 1)):
                 record.stats[key] += value
 

@@ -100,6 +100,8 @@ class ShardRunner:
             self._loaded = -1
         started = time.perf_counter()
         tensors = self._with_momentum(result.tensors)
+        if self.job.error_feedback:
+            self._feedback.begin(work.step)
         wire, commit_feedback = self.formats(work.codec).encode(
             tensors, self._feedback if self.job.error_feedback else None)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import zlib
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -129,6 +130,7 @@ class StageRunner:
         key = (st.first_block, st.end_block, member, work.codec)
         if self._feedback is None or self._feedback[0] != key:
             self._feedback = (key, ErrorFeedback())
+        self._feedback[1].begin(work.step)
         return self._feedback[1]
 
     def _run_owned(self, work: Assignment, device_id: str) -> StageResult:
@@ -423,14 +425,29 @@ class _GroupExchange:
     def gather(self, microbatch: int, tag: int, local: torch.Tensor, bounds, dim: int) -> torch.Tensor:
         if bounds[self.me][1] > bounds[self.me][0]:
             self._send(microbatch, tag, False, local, [j for j in range(len(self.group)) if j != self.me])
-        parts = [local if j == self.me else self._take(microbatch, tag, False, local.shape[0], j)
-                 for j, (lo, hi) in enumerate(bounds) if hi > lo]
+        parts = []
+        for j, (lo, hi) in enumerate(bounds):
+            if hi <= lo:
+                continue
+            part = local if j == self.me else self._take(microbatch, tag, False, local.shape[0], j)
+            want = list(local.shape)
+            want[dim] = hi - lo
+            if list(part.shape) != want:
+                raise ValueError(f"output channels of split layer {tag} from channel group member "
+                                 f"{self.group[j].name or self.group[j].device_id}: shape {list(part.shape)}, "
+                                 f"expected {want}")
+            parts.append(part)
         return torch.cat(parts, dim=dim)
 
     def all_reduce(self, microbatch: int, tag: int, partial: torch.Tensor) -> torch.Tensor:
         self._send(microbatch, tag, True, partial, [j for j in range(len(self.group)) if j != self.me])
         parts = [partial if j == self.me else self._take(microbatch, tag, True, partial.shape[0], j)
                  for j in range(len(self.group))]
+        for j, part in enumerate(parts):
+            if part.shape != partial.shape:
+                raise ValueError(f"input gradient of split layer {tag} from channel group member "
+                                 f"{self.group[j].name or self.group[j].device_id}: shape {list(part.shape)}, "
+                                 f"expected {list(partial.shape)}")
         total = parts[0].clone()  # the same order on every member: the same sum, bit for bit
         for part in parts[1:]:
             total += part
@@ -452,4 +469,8 @@ def _forward(blocks, x: torch.Tensor, split: ChannelSplit | None = None, seed: i
 
 
 def _seed(work: Assignment, microbatch: int, row: int) -> int:
-    return ((work.data_seed * 1_000_003 + work.step) * 4099 + microbatch * 257 + row) % (2**63)
+    """The random seed of a channel group's forward pass: the same on every member, different for
+    every step, attempt, pipeline, stage, micro-batch and chunk."""
+    st = work.stage
+    key = (work.data_seed, work.step, work.attempt, st.pipeline, st.stage, microbatch, row)
+    return zlib.crc32(repr(key).encode()) | (work.data_seed % 2**31) << 32

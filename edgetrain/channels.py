@@ -36,8 +36,10 @@ from torch.nn import functional as F
 
 
 def splittable(module: nn.Module) -> bool:
-    """Whether a channel group splits this layer's output channels among its members."""
-    return (isinstance(module, nn.Conv2d) and module.groups == 1) or isinstance(module, nn.Linear)
+    """Whether a channel group splits this layer's output channels among its members: plain
+    ``Conv2d`` (groups 1) and ``Linear`` layers only (a subclass may be used through its weight
+    without calling its forward, e.g. attention's output projection)."""
+    return (type(module) is nn.Conv2d and module.groups == 1) or type(module) is nn.Linear
 
 
 def split_parameters(model: nn.Module) -> dict[str, int]:
@@ -66,16 +68,30 @@ def channel_bounds(channels: int, share: tuple[float, float]) -> tuple[int, int]
     return round(lo * channels), round(hi * channels)
 
 
+SHARE_STEPS = 64
+"""Channel shares are multiples of 1/64: speed estimates that drift a little do not move them
+(each share change means new slices, upload formats and error-feedback residuals)."""
+
+
 def channel_shares(weights: Sequence[float]) -> list[tuple[float, float]]:
-    """Shares ``(lo, hi)`` tiling [0, 1) in proportion to ``weights`` (the members' speeds)."""
-    if not weights or any(not w > 0 for w in weights):
-        raise ValueError(f"channel shares need positive weights, got {list(weights)}")
-    total, out, at = sum(weights), [], 0.0
-    for w in weights:
-        out.append((at, at + w / total))
+    """Shares ``(lo, hi)`` tiling [0, 1) in proportion to ``weights`` (the members' speeds),
+    rounded to multiples of 1/SHARE_STEPS, each at least one step."""
+    if not weights or any(not w > 0 for w in weights) or len(weights) > SHARE_STEPS:
+        raise ValueError(f"channel shares need 1 to {SHARE_STEPS} positive weights, got {list(weights)}")
+    total, bounds, at = sum(weights), [0], 0.0
+    for k, w in enumerate(weights[:-1]):
         at += w / total
-    out[-1] = (out[-1][0], 1.0)
-    return out
+        room = SHARE_STEPS - (len(weights) - 1 - k)  # leave a step for each member after this one
+        bounds.append(min(max(round(at * SHARE_STEPS), bounds[-1] + 1), room))
+    bounds.append(SHARE_STEPS)
+    return [(lo / SHARE_STEPS, hi / SHARE_STEPS) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def check_shares(shares: Sequence[tuple[float, float]]) -> None:
+    """ValueError unless ``shares`` tile [0, 1) in order, each non-empty (a channel group's)."""
+    if not shares or shares[0][0] != 0.0 or shares[-1][1] != 1.0 or any(
+            not lo < hi for lo, hi in shares) or any(a[1] != b[0] for a, b in zip(shares, shares[1:])):
+        raise ValueError(f"channel shares must tile [0, 1) in order, got {list(shares)}")
 
 
 class Exchange(Protocol):

@@ -288,6 +288,19 @@ class ErrorFeedback:
 
     def __init__(self) -> None:
         self._residual: dict[str, torch.Tensor] = {}
+        self._step: int | None = None
+        self._before: dict[str, torch.Tensor] = {}
+        """The residual as the update for `_step` began (its tensors are never changed in place)."""
+
+    def begin(self, step: int) -> None:
+        """An update for training step `step` begins. Another attempt of a step already begun
+        starts from the residual the first attempt began with: a step is redone only when none
+        of its earlier attempt's updates counted (a pipeline step is all or nothing), so what that
+        attempt committed here was never applied."""
+        if step == self._step:
+            self._residual = dict(self._before)
+        else:
+            self._step, self._before = step, dict(self._residual)
 
     def compensate(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``tensors + residual`` (a copy where there is no residual); the inputs are not changed."""
@@ -309,9 +322,14 @@ class ErrorFeedback:
             if name in sent:
                 self._residual[name] = tensor.detach() - sent[name]
 
+    def clear(self) -> None:
+        """The whole residual was sent (a lossless codec carried it)."""
+        self._residual = {}
+
     def reset(self) -> None:
         """Forget the residual (e.g. when the model is replaced or the job restarts)."""
         self._residual.clear()
+        self._step, self._before = None, {}
 
     def norm(self) -> float:
         """L2 norm of the whole residual (0.0 when empty), for metrics."""
@@ -334,7 +352,7 @@ def encode_with_feedback(
         return codec.encode(tensors), lambda: None
     if not codec.spec.lossy:
         wire = codec.encode(feedback.compensate(tensors))
-        return wire, feedback.reset
+        return wire, feedback.clear
     compensated = feedback.compensate(tensors)
     wire = codec.encode(compensated)
 

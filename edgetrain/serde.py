@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterator, Sequence
 
 from edgetrain.catalog import DatasetSpec
+from edgetrain.channels import check_shares
 from edgetrain.errors import FailureKind
 from edgetrain.streaming import DTYPE_BYTES, WIRE_DTYPES, RawChunk, TensorMeta, TransferError
 from edgetrain.telemetry import TelemetrySample
@@ -147,6 +148,23 @@ def _host_from_proto(msg: pb.StageHost, microbatches: int) -> StageHost:
     return StageHost(msg.device_id, msg.address, tuple(zip(msg.row_begin, msg.row_end)), msg.name, channels)
 
 
+def _check_group(group: tuple[StageHost, ...], sizes: tuple[int, ...], key: str) -> None:
+    """ValueError unless a stage's hosts are all sample-split hosts, or all members of one channel
+    group: shares tiling [0, 1) in host order (the first leads), each holding every row."""
+    split = [h.channels is not None for h in group]
+    if not any(split):
+        return
+    if not all(split):
+        raise ValueError(f"{key}: a stage's hosts are either all channel group members or none")
+    try:
+        check_shares([h.channels for h in group])
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}") from None
+    every = tuple((0, size) for size in sizes)
+    if any(h.rows != every for h in group):
+        raise ValueError(f"{key}: a channel group member computes every row of every micro-batch")
+
+
 def stage_work_to_proto(stage: StageWork) -> pb.StageWork:
     """A pipeline stage's work message."""
     return pb.StageWork(
@@ -165,12 +183,15 @@ def stage_work_from_proto(msg: pb.StageWork) -> StageWork:
     if not (msg.stage < msg.stages and msg.first_block < msg.end_block and m and msg.hosts):
         raise ValueError(f"stage work {msg.stage}/{msg.stages}, blocks [{msg.first_block}, {msg.end_block}), "
                          f"{m} micro-batches, {len(msg.hosts)} hosts does not describe a stage")
+    groups = {key: tuple(_host_from_proto(h, m) for h in getattr(msg, key)) for key in ("hosts", "prev_hosts",
+                                                                                       "next_hosts")}
+    for key, group in groups.items():
+        _check_group(group, tuple(msg.microbatch_sizes), key)
     return StageWork(
         pipeline=msg.pipeline, stage=msg.stage, stages=msg.stages, first_block=msg.first_block,
         end_block=msg.end_block, schedule=msg.schedule, indices=tuple(msg.indices),
-        microbatch_sizes=tuple(msg.microbatch_sizes), hosts=tuple(_host_from_proto(h, m) for h in msg.hosts),
-        prev_hosts=tuple(_host_from_proto(h, m) for h in msg.prev_hosts),
-        next_hosts=tuple(_host_from_proto(h, m) for h in msg.next_hosts), pipeline_samples=msg.pipeline_samples,
+        microbatch_sizes=tuple(msg.microbatch_sizes), hosts=groups["hosts"],
+        prev_hosts=groups["prev_hosts"], next_hosts=groups["next_hosts"], pipeline_samples=msg.pipeline_samples,
         timeout_s=msg.timeout_s, owned=msg.owned, lr=msg.lr, commit_step=msg.commit_step,
         commit_attempt=msg.commit_attempt)
 

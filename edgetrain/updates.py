@@ -15,6 +15,7 @@ Integer buffers (``num_batches_tracked``) travel as their new value.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -23,6 +24,10 @@ from edgetrain.compression import Codec, CodecSpec, ErrorFeedback, encode_with_f
 from edgetrain.streaming import TensorMeta
 from edgetrain.tensors import bundle_metas
 from edgetrain.training import GRAD_PREFIX
+
+FORMATS_KEPT = 32
+"""Update formats `UpdateFormats` keeps (codecs x stages x channel shares): the least recently
+used go (a PowerSGD format's warm start with it)."""
 
 
 def _layout(metas: Sequence[TensorMeta], prefix: str = "") -> dict[str, torch.Tensor]:
@@ -38,6 +43,8 @@ class UpdateFormat:
     def __init__(self, templates: Sequence[tuple[str, torch.Tensor]], spec: CodecSpec | str,
                  slices: Mapping[str, tuple[int, int]] | None = None) -> None:
         spec = parse_codec(spec) if isinstance(spec, str) else spec
+        self._member = slices is not None
+        """A channel group member's format: it sends the tensors of its templates only."""
         self._slices = {n: b for n, b in (slices or {}).items() if any(n == m for m, _ in templates)}
         """Gradients of which only rows [begin, end) travel (a channel group member's slices)."""
         self._full = {n: tuple(t.shape) for n, t in templates if n in self._slices}
@@ -68,7 +75,7 @@ class UpdateFormat:
                feedback: ErrorFeedback | None) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
         """Wire tensors for `tensors` (gradients and buffers) and the error-feedback commit."""
         grads = {n: t for n, t in tensors.items() if n.startswith(GRAD_PREFIX)}
-        if self._slices:  # a channel group member: its slices, and the rest only if the format has it
+        if self._member:  # a channel group member: its slices, and the rest only if the format has it
             grads = {n: t[slice(*self._slices[n])] if n in self._slices else t for n, t in grads.items()
                      if n in self._grad_names}
         encoded, commit = encode_with_feedback(self.codec, feedback, grads)
@@ -100,7 +107,7 @@ class UpdateFormats:
         self._templates = list(templates)
         self._split = dict(split or {})
         """Parameters a channel group splits, with their output channels (edgetrain.channels)."""
-        self._formats: dict[tuple, UpdateFormat] = {}
+        self._formats: OrderedDict[tuple, UpdateFormat] = OrderedDict()
 
     def __call__(self, codec: str, prefixes: tuple[str, ...] | None = None,
                  member: tuple[tuple[float, float], bool] | None = None) -> UpdateFormat:
@@ -119,6 +126,9 @@ class UpdateFormats:
                 slices = {GRAD_PREFIX + n: channel_bounds(c, share) for n, c in self._split.items()}
                 templates = [(n, t) for n, t in templates if leader or n in slices]
             self._formats[key] = UpdateFormat(templates, key[0], slices)
+            while len(self._formats) > FORMATS_KEPT:
+                self._formats.popitem(last=False)
+        self._formats.move_to_end(key)
         return self._formats[key]
 
 

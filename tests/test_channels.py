@@ -23,6 +23,7 @@ from edgetrain.channels import (
     ChannelSplit,
     channel_bounds,
     channel_shares,
+    check_shares,
     split_parameters,
     splittable,
 )
@@ -157,8 +158,13 @@ def test_channel_group_gradients_sum_to_the_unsplit_models(model_name, weights):
 
 def test_channel_shares_and_bounds_tile_every_layer():
     shares = channel_shares([0.5, 0.3, 0.2])
-    assert shares[0][0] == 0.0 and shares[-1][1] == 1.0
-    assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
+    assert shares == [(0.0, 0.5), (0.5, 51 / 64), (51 / 64, 1.0)]  # multiples of 1/64
+    assert channel_shares([0.5001, 0.3, 0.2]) == shares  # a drifting speed estimate moves nothing
+    assert channel_shares([0.999, 0.001])[1] == (63 / 64, 1.0)  # every member gets a step
+    check_shares(shares)
+    for bad in ([(0.0, 0.5), (0.6, 1.0)], [(0.1, 1.0)], [(0.0, 0.5), (0.5, 0.5), (0.5, 1.0)]):
+        with pytest.raises(ValueError):
+            check_shares(bad)
     for channels in (1, 3, 10, 64, 1280):
         bounds = [channel_bounds(channels, s) for s in shares]
         assert bounds[0][0] == 0 and bounds[-1][1] == channels
@@ -231,10 +237,9 @@ def test_the_cost_model_prices_a_channel_group_and_the_planner_may_be_told_not_t
     assert all(s.split == "rows" for s in plan_optimal(fleet, model, 32, channel_groups=False).stages)
 
 
-def test_the_cost_model_keeps_a_channel_group_when_sample_split_groups_do_not_fit():
-    # Prepare: two boards whose memory holds the stage's parameters but not half the batch's
-    # activations split by rows ... impossible: a channel group keeps every row, so it never fits
-    # where rows do not. What the chooser must do is keep whichever fits and costs less:
+def test_a_channel_group_needs_more_memory_and_time_than_rows_where_parameters_are_small():
+    # a channel group keeps every row (so never fits where rows do not) and exchanges slices on
+    # top of the same compute: with parameters as small as these, the chooser keeps rows
     model = _model(2)
     fleet = [_board("a"), _board("b")]
     prob = Problem(fleet, model, 16)
@@ -311,3 +316,29 @@ def test_the_planner_chooses_a_channel_group_where_it_moves_fewer_parameters():
     assert not any(s.channels for s in without.stages)
     assert chosen.prediction.samples_per_s > 1.2 * without.prediction.samples_per_s
     assert "(channels)" in chosen.explain()
+
+
+def test_a_channel_groups_forward_pass_draws_its_dropout_from_the_seed_alone():
+    # Prepare: MobileNetV2's head has dropout (p 0.2). Every member seeds its forward pass the
+    # same way (edge_client.stage._forward), so members (separate processes, each with its own
+    # generator) draw the same masks as an unsplit pass under that seed. One member here (a
+    # group's threads would share this process's generator)
+    from edge_client.stage import _forward
+
+    model = build_model("mobilenet_v2", seed=5)
+    model.train()
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1234)
+            reference = model(x)
+        exchange = ThreadExchange({}, threading.Condition(), 1, 0)
+        with ChannelSplit(model.block_modules(), [(0.0, 1.0)], (0.0, 1.0), exchange) as split:
+            torch.manual_seed(99)  # whatever the generator held before
+            same = _forward(model.block_modules(), x, split, 1234)
+            other = _forward(model.block_modules(), x, split, 4321)
+            again = _forward(model.block_modules(), x, split, 1234)
+
+    # Assert (BatchNorm uses the batch's statistics in training mode: no state between passes)
+    assert torch.allclose(same, reference, atol=1e-5) and torch.equal(same, again)
+    assert not torch.allclose(other, reference, atol=1e-3)  # another seed, other masks

@@ -415,6 +415,28 @@ def test_uncommitted_send_leaves_the_residual_alone() -> None:
     assert feedback.norm() == 0.0
 
 
+def test_a_redone_step_starts_from_the_residual_its_first_attempt_began_with() -> None:
+    # a pipeline step is all or nothing: an attempt whose upload was accepted may still not count
+    codec = make_codec("topk:0.01", _templates())
+    feedback = ErrorFeedback()
+    grads = _random_like(_templates())
+    feedback.begin(0)
+    encode_with_feedback(codec, feedback, grads)[1]()
+    after_step_0 = feedback.norm()
+    feedback.begin(1)
+    encode_with_feedback(codec, feedback, grads)[1]()  # attempt 0 of step 1: committed, then redone
+    assert feedback.norm() != after_step_0
+    feedback.begin(1)  # attempt 1 of step 1
+    assert feedback.norm() == after_step_0
+    encode_with_feedback(codec, feedback, grads)[1]()
+    lossless = make_codec("none", _templates())
+    feedback.begin(2)
+    encode_with_feedback(lossless, feedback, grads)[1]()  # the whole residual went
+    assert feedback.norm() == 0.0
+    feedback.begin(2)  # ... in an attempt that did not count: it is back
+    assert feedback.norm() > 0
+
+
 def test_feedback_is_a_no_op_for_lossless_codecs_and_without_feedback() -> None:
     grads = _random_like(_templates())
     codec = make_codec("none", grads)

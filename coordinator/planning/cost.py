@@ -25,14 +25,18 @@ A channel group (``edgetrain.channels``; ``channel_groups``) runs every row on e
 each computing the share w_k of the split layers' output channels (F_c of F, P_c of P; the
 rest, F_r and P_r, replicated), gathering their outputs (O bytes per sample) forward and
 summing the gradients of their inputs (I bytes) backward, in L_c exchanges each way per
-micro-batch. A member downloads and uploads its rows of the split layers' parameters and the
-rest whole; it holds layer-sized tensors (memory as for the whole stage):
-    g_k = max(w_k O (n−1), (1 − w_k) O) + (n − 1) I      bytes per sample on k's link, n members
+micro-batch. Every member receives the stage's inputs and output gradients (X); the leader (the
+first member) also sends them on. A member downloads its rows of the split layers' parameters
+and the rest whole, and uploads its rows (the leader the rest too); it holds layer-sized tensors
+(memory as for the whole stage). Per sample, k's link carries the larger of what it sends and
+what it receives:
+    g_k = max(w_k O (n−1), (1 − w_k) O) + (n − 1) I      n members
     γ_s = max_k (F_r + w_k F_c) / f_k + (X + g_k) σ_k;  o_s = max_k overhead_k (F_r + w_k F_c) / F_model
-          + 2 L_c max_k rtt_k;   c_k = 2 (P_r + w_k P_c) σ_k + rtt_k (never owned)
+          + 2 L_c max_k rtt_k;   c_k = (P_r + w_k P_c + [leader] P_r + w_k P_c) σ_k + rtt_k (never owned)
     mem_k = 2 P + min(S − s, M) · (B / M) · A            every member keeps every row
-For a group of several boards the model prices both splits and keeps the one that fits, or, when
-both do, the one with less c + B γ (a stage's time per step, micro-batches aside).
+A channel group never needs less memory than the same boards splitting rows; the model keeps
+the channel split for a group when it fits and c + B γ + 4 o (a stage's time per step at 4
+micro-batches, the bubble aside) is less than the rows split's.
 DP shard k with n_k samples: T_k = o_k + n_k F / f_k with o_k = 2 P σ_k + rtt_k + overhead_s
 (whole model); its memory is 2 P + n_k A. Shares are water-filled so every active shard finishes
 together (``split_proportional``'s rule); a shard that cannot start before that gets none.
@@ -246,13 +250,14 @@ class Problem:
         return hi[0] - lo[0], hi[1] - lo[1], hi[2] - lo[2], hi[3] - lo[3], hi[4] - lo[4]
 
     def channel_member(self, i: int, j: int, k: BoardCost, members: Sequence[BoardCost]) -> tuple[float, float, float]:
-        """A channel group member's (parameter bytes it moves each way, compute seconds per
-        sample, link seconds per sample) on blocks [i, j)."""
+        """A channel group member's (parameter bytes it moves down and up per step, compute
+        seconds per sample, link seconds per sample) on blocks [i, j); members[0] leads."""
         p, f, x, _ = self._span(i, j)
         fc, out, inp, _, pc = self._channel_span(i, j)
         n, w = len(members), k.flops_per_s / sum(m.flops_per_s for m in members)
         exchange = max(w * out * (n - 1), (1 - w) * out) + (n - 1) * inp
-        return p - pc + w * pc, (f - fc + w * fc) / k.flops_per_s, (x + exchange) * k.seconds_per_byte
+        moved = (p - pc + w * pc) * (2 if k is members[0] else 1) + (0 if k is members[0] else w * pc)
+        return moved, (f - fc + w * fc) / k.flops_per_s, (x + exchange) * k.seconds_per_byte
 
     def _channel_terms(self, i: int, j: int, members: Sequence[BoardCost]) -> StageTerms:
         p, _, _, a = self._span(i, j)
@@ -262,7 +267,7 @@ class Problem:
             params, compute, link = self.channel_member(i, j, k, members)
             slack, need = k.memory_bytes - 2 * p, self.B * a
             q = min(q, -1.0 if slack < 0 else slack / need if need > 0 else math.inf)
-            c = max(c, 2 * params * k.seconds_per_byte + k.rtt_s)
+            c = max(c, params * k.seconds_per_byte + k.rtt_s)
             gamma = max(gamma, compute + link)
             e += (k.busy_w - k.idle_w) * compute
             o = max(o, k.overhead_s * compute * k.flops_per_s / self.fc[-1])
@@ -271,14 +276,13 @@ class Problem:
 
     def stage(self, i: int, j: int, members: Sequence[BoardCost]) -> StageTerms:
         """Cost terms of blocks [i, j) on a group (cached by the members' names): split by rows,
-        or by channels when that is allowed, fits better or costs less (module docstring)."""
+        or by channels when that is allowed, fits and costs less (module docstring)."""
         key = (i, j, tuple(k.name for k in members))
         if key not in self._stage_cache:
             rows = self._row_terms(i, j, members)
             if self.channel_groups and len(members) > 1 and self._channel_span(i, j)[3]:
                 chan = self._channel_terms(i, j, members)
-                if (rows.q < 0 <= chan.q) or (chan.q >= 0 and chan.c_all + self.B * chan.gamma
-                                              < rows.c_all + self.B * rows.gamma):
+                if chan.q >= 0 and _stage_step(chan, self.B) < _stage_step(rows, self.B):
                     rows = chan
             self._stage_cache[key] = rows
         return self._stage_cache[key]
@@ -413,7 +417,7 @@ class Problem:
                     w = k.flops_per_s / speed
                     if st.channels:
                         params, compute, link = self.channel_member(st.begin, st.end, k, members)
-                        c = 2 * params * k.seconds_per_byte + k.rtt_s
+                        c = params * k.seconds_per_byte + k.rtt_s
                         share[k.name], busy[k.name] = w * rows / self.B, rows * compute
                         time_s[k.name] = c + m * (b * (compute + link) + lam)
                         memory[k.name] = 2 * p + min(depth - s, m) * self.B / m * a
@@ -464,6 +468,11 @@ class Problem:
             _check(all(s.boards for s in plan.stages), "every stage needs a board")
             _check(plan.microbatches <= self.B * (1 - plan.dp_share) * (1 + 1e-9),
                    f"{plan.microbatches} micro-batches need as many pipeline samples")
+
+
+def _stage_step(terms: StageTerms, batch: int) -> float:
+    """A stage's time per step at 4 micro-batches, bubble aside: what the split chooser compares."""
+    return terms.c_all + batch * terms.gamma + 4 * terms.o
 
 
 def objective_weight(objective: str | float) -> float:

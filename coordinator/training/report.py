@@ -42,9 +42,10 @@ def summarize(job: JobConfig, final_eval: dict, trainer, devices, *, stopped: st
             "samples_per_s_estimate": round(record.speed.samples_per_s, 2) if record.speed else None,
             "samples": stats["samples"], "share": stats["samples"] / total, "steps": stats["steps"],
             "compute_s": round(stats["compute_s"], 2), "comm_s": round(stats["comm_s"], 2),
-            "energy_j": round(stats["energy_j"], 1) if stats["energy_samples"] else None,
+            # a channel group member other than the leader reports no samples, but its energy counts
+            "energy_j": round(stats["energy_j"], 1) if stats["energy_steps"] else None,
             "energy_per_sample_j": stats["energy_j"] / stats["energy_samples"] if stats["energy_samples"] else None,
-            "energy_source": energy_source(record) if stats["energy_samples"] else None,
+            "energy_source": energy_source(record) if stats["energy_steps"] else None,
             "download_bytes": stats["download_bytes"], "upload_bytes": stats["upload_bytes"],
             "codec": record.codec or "none", "rejected_updates": len(record.rejections),
             "alive_at_end": record.alive, "left_reason": record.left_reason or None,
