@@ -4,8 +4,9 @@ In a **channel group** every member holds the stage's blocks and runs every row 
 micro-batch, but computes only its slice of the output channels of each *split layer*: every
 ``nn.Conv2d`` with ``groups == 1`` and every ``nn.Linear`` (``splittable``), the layers that
 carry almost all of a CNN's FLOPs and parameters. Member k's slice of a layer with C output
-channels is ``[round(lo_k C), round(hi_k C))`` (``channel_bounds``), the shares ``(lo_k, hi_k)``
-tiling [0, 1) in proportion to the members' speed. Around each split layer:
+channels is ``[round(lo_k C), round(hi_k C))``, the shares ``(lo_k, hi_k)`` tiling [0, 1) in
+proportion to the members' speed (``edgetrain.pipeline.channel_shares``, ``channel_bounds``).
+Around each split layer:
 
 - forward: the members exchange their output slices (an all-gather), so each holds the full
   output and runs the layers that are not split (BatchNorm, activations, depthwise convolutions,
@@ -34,6 +35,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from edgetrain.pipeline import channel_bounds
+
 
 def splittable(module: nn.Module) -> bool:
     """Whether a channel group splits this layer's output channels among its members: plain
@@ -57,41 +60,6 @@ def split_parameters(model: nn.Module) -> dict[str, int]:
 def member_slices(split: dict[str, int], share: tuple[float, float]) -> dict[str, tuple[int, int]]:
     """A member's rows [begin, end) of each split parameter (``split_parameters``)."""
     return {name: channel_bounds(channels, share) for name, channels in split.items()}
-
-
-def channel_bounds(channels: int, share: tuple[float, float]) -> tuple[int, int]:
-    """The [begin, end) output channels of a member with share ``(lo, hi)`` of a layer of
-    ``channels``; the members' bounds tile [0, channels) when their shares tile [0, 1)."""
-    lo, hi = share
-    if not 0.0 <= lo <= hi <= 1.0:
-        raise ValueError(f"a channel share must satisfy 0 <= lo <= hi <= 1, got {share}")
-    return round(lo * channels), round(hi * channels)
-
-
-SHARE_STEPS = 64
-"""Channel shares are multiples of 1/64: speed estimates that drift a little do not move them
-(each share change means new slices, upload formats and error-feedback residuals)."""
-
-
-def channel_shares(weights: Sequence[float]) -> list[tuple[float, float]]:
-    """Shares ``(lo, hi)`` tiling [0, 1) in proportion to ``weights`` (the members' speeds),
-    rounded to multiples of 1/SHARE_STEPS, each at least one step."""
-    if not weights or any(not w > 0 for w in weights) or len(weights) > SHARE_STEPS:
-        raise ValueError(f"channel shares need 1 to {SHARE_STEPS} positive weights, got {list(weights)}")
-    total, bounds, at = sum(weights), [0], 0.0
-    for k, w in enumerate(weights[:-1]):
-        at += w / total
-        room = SHARE_STEPS - (len(weights) - 1 - k)  # leave a step for each member after this one
-        bounds.append(min(max(round(at * SHARE_STEPS), bounds[-1] + 1), room))
-    bounds.append(SHARE_STEPS)
-    return [(lo / SHARE_STEPS, hi / SHARE_STEPS) for lo, hi in zip(bounds, bounds[1:])]
-
-
-def check_shares(shares: Sequence[tuple[float, float]]) -> None:
-    """ValueError unless ``shares`` tile [0, 1) in order, each non-empty (a channel group's)."""
-    if not shares or shares[0][0] != 0.0 or shares[-1][1] != 1.0 or any(
-            not lo < hi for lo, hi in shares) or any(a[1] != b[0] for a, b in zip(shares, shares[1:])):
-        raise ValueError(f"channel shares must tile [0, 1) in order, got {list(shares)}")
 
 
 class Exchange(Protocol):

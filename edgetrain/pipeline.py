@@ -6,6 +6,9 @@ hosted by a **group** of several boards: every board holds the stage's blocks, a
 micro-batch is split by rows in proportion to the boards' speeds (``split_rows``), so the group
 finishes a micro-batch together; between two groups, each row range travels from the board that
 computed it to the board that needs it (``overlaps``). A single-board stage is a group of one.
+A **channel group** (``edgetrain.channels``) instead gives every member every row and a share of
+each split layer's output channels (``channel_shares``, ``channel_bounds``); between groups its
+leader alone sends, and each of its members receives every row (``routes``).
 
 A pipeline's batch is cut into M **micro-batches** (``split_microbatches``) so that stages work
 on different micro-batches at once. Each stage runs the forward (F) and backward (B) of every
@@ -293,6 +296,41 @@ def routes(senders: Sequence[tuple[int, int]], sender_channels: bool,
     whole = [(send[0][0], send[-1][1])]
     return sorted(((i, j, b, e) for i, _, b, e in overlaps(send, whole) for j in range(len(receivers))),
                   key=lambda t: (t[2], t[1]))
+
+
+def channel_bounds(channels: int, share: tuple[float, float]) -> tuple[int, int]:
+    """The [begin, end) output channels of a member with share ``(lo, hi)`` of a layer of
+    ``channels``; the members' bounds tile [0, channels) when their shares tile [0, 1)."""
+    lo, hi = share
+    if not 0.0 <= lo <= hi <= 1.0:
+        raise ValueError(f"a channel share must satisfy 0 <= lo <= hi <= 1, got {share}")
+    return round(lo * channels), round(hi * channels)
+
+
+SHARE_STEPS = 64
+"""Channel shares are multiples of 1/64: speed estimates that drift a little do not move them
+(each share change means new slices, upload formats and error-feedback residuals)."""
+
+
+def channel_shares(weights: Sequence[float]) -> list[tuple[float, float]]:
+    """Shares ``(lo, hi)`` tiling [0, 1) in proportion to ``weights`` (the members' speeds),
+    rounded to multiples of 1/SHARE_STEPS, each at least one step."""
+    if not weights or any(not w > 0 for w in weights) or len(weights) > SHARE_STEPS:
+        raise ValueError(f"channel shares need 1 to {SHARE_STEPS} positive weights, got {list(weights)}")
+    total, bounds, at = sum(weights), [0], 0.0
+    for k, w in enumerate(weights[:-1]):
+        at += w / total
+        room = SHARE_STEPS - (len(weights) - 1 - k)  # leave a step for each member after this one
+        bounds.append(min(max(round(at * SHARE_STEPS), bounds[-1] + 1), room))
+    bounds.append(SHARE_STEPS)
+    return [(lo / SHARE_STEPS, hi / SHARE_STEPS) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def check_shares(shares: Sequence[tuple[float, float]]) -> None:
+    """ValueError unless ``shares`` tile [0, 1) in order, each non-empty (a channel group's)."""
+    if not shares or shares[0][0] != 0.0 or shares[-1][1] != 1.0 or any(
+            not lo < hi for lo, hi in shares) or any(a[1] != b[0] for a, b in zip(shares, shares[1:])):
+        raise ValueError(f"channel shares must tile [0, 1) in order, got {list(shares)}")
 
 
 def split_microbatches(total: int, microbatches: int) -> list[int]:

@@ -14,8 +14,8 @@ import math
 from collections.abc import Iterator, Sequence
 
 from edgetrain.catalog import DatasetSpec
-from edgetrain.channels import check_shares
 from edgetrain.errors import FailureKind
+from edgetrain.pipeline import check_shares
 from edgetrain.streaming import DTYPE_BYTES, WIRE_DTYPES, RawChunk, TensorMeta, TransferError
 from edgetrain.telemetry import TelemetrySample
 from edgetrain.work import (

@@ -120,7 +120,7 @@ class UpdateFormats:
                 (n, t) for n, t in self._templates if n.split(".", 1)[1].startswith(prefixes)]
             slices = None
             if member is not None:
-                from edgetrain.channels import channel_bounds
+                from edgetrain.pipeline import channel_bounds
 
                 share, leader = member
                 slices = {GRAD_PREFIX + n: channel_bounds(c, share) for n, c in self._split.items()}

@@ -19,16 +19,9 @@ from torch import nn
 from coordinator.planning.cost import Problem, predict
 from coordinator.planning.planner import plan_optimal
 from coordinator.training.parameters import ParameterStore
-from edgetrain.channels import (
-    ChannelSplit,
-    channel_bounds,
-    channel_shares,
-    check_shares,
-    split_parameters,
-    splittable,
-)
+from edgetrain.channels import ChannelSplit, split_parameters, splittable
 from edgetrain.models import block_costs, build_model
-from edgetrain.pipeline import routes
+from edgetrain.pipeline import channel_bounds, channel_shares, check_shares, routes
 from edgetrain.plan import (
     BlockCost,
     BoardCost,

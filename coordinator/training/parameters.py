@@ -16,9 +16,9 @@ from collections.abc import Mapping
 import torch
 
 from coordinator.training.steps import StepError
-from edgetrain.channels import channel_bounds
 from edgetrain.compression import CodecSpec, parse_codec
 from edgetrain.errors import Refusal
+from edgetrain.pipeline import channel_bounds
 from edgetrain.streaming import TensorMeta
 from edgetrain.tensors import pack, unpack
 from edgetrain.updates import DeltaFormat

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.training.steps import Contribution
-from edgetrain.channels import channel_shares
 from edgetrain.config import PipelineConfig
 from edgetrain.pipeline import (
+    channel_shares,
     split_microbatches,
     split_rows,
 )
