@@ -39,7 +39,8 @@ with application-level shaping); samples/s is the median over the steps after `-
 Last line: one JSON object, `fleets` -> capped / lab -> {with_channel_samples_per_s,
 without_channel_samples_per_s, plan_with_channel, plan_without_channel,
 channel_forced_samples_per_s, plan_channel_forced, predicted_*}, `channel_speedup_capped`
-(with over without on the capped fleet); `codecs` -> name -> {samples_per_s, accuracy,
+(with over without on the capped fleet: 1.0 when both are the same plan, whose measured ratio is
+then `same_plan_spread_capped`); `codecs` -> name -> {samples_per_s, accuracy,
 uplink_bytes_per_sample}, plus `powersgd_accuracy_minus_none` and `powersgd_uplink_reduction`
 (none's uplink bytes over PowerSGD's).
 """
@@ -262,9 +263,11 @@ def main() -> None:
                 print(f"{key}: {json.dumps(fleets[key])}", flush=True)
         out["fleets"] = fleets
         capped = fleets["capped"]
+        if capped["same_plan"]:  # the two arms ran one plan: their ratio is the run-to-run spread
+            out["channel_speedup_capped"] = 1.0
         if capped["with_channel_samples_per_s"] and capped["without_channel_samples_per_s"]:
-            out["channel_speedup_capped"] = round(capped["with_channel_samples_per_s"]
-                                                  / capped["without_channel_samples_per_s"], 3)
+            ratio = round(capped["with_channel_samples_per_s"] / capped["without_channel_samples_per_s"], 3)
+            out["same_plan_spread_capped" if capped["same_plan"] else "channel_speedup_capped"] = ratio
     if "codecs" not in parts:
         print(json.dumps(out))
         return
