@@ -111,8 +111,7 @@ class StageRunner:
         result = self._run_owned(work, device_id) if st.owned else self._run_downloaded(work, device_id, download)
         started = time.perf_counter()
         prefixes = () if st.owned else stage_parameter_prefixes(self.model.block_names, st.first_block, st.end_block)
-        mine = _host(work, device_id)
-        member = (mine.channels, mine.sends) if mine.channels is not None else None
+        member = st.host(device_id).member
         wire, commit = self.formats(work.codec, prefixes, member).encode(
             {} if st.owned else result.shard.tensors, self._stage_feedback(work, member))
         metas, payload = pack(wire)
@@ -160,7 +159,7 @@ class StageRunner:
         st = work.stage
         started = time.perf_counter()
         self.endpoint.state.drop()
-        share = _host(work, device_id).channels
+        share = st.host(device_id).channels
         loaded = (work.param_version, st.first_block, st.end_block, share)
         if self._loaded != loaded:
             prefixes = stage_parameter_prefixes(self.model.block_names, st.first_block, st.end_block)
@@ -181,10 +180,6 @@ class StageRunner:
         if any(b.is_floating_point() for b in self.model.buffers()):  # the forward passes moved BN statistics
             self._loaded = None
         return result
-
-
-def _host(work: Assignment, device_id: str) -> StageHost:
-    return next(h for h in work.stage.hosts if h.device_id == device_id)
 
 
 def _rows(host: StageHost, m: int) -> tuple[int, int]:

@@ -44,6 +44,12 @@ class StageHost:
     (edgetrain.channels; it computes every row); None for a host splitting by rows."""
 
     @property
+    def member(self) -> tuple[tuple[float, float], bool] | None:
+        """A channel group member's (share of the channels, whether it leads the group), as
+        `edgetrain.updates.UpdateFormats` takes it; None for a host splitting by rows."""
+        return None if self.channels is None else (self.channels, self.sends)
+
+    @property
     def sends(self) -> bool:
         """Whether this host sends the stage's tensors to neighbouring stages: every host of a
         sample-split group, only the leader of a channel group (its members hold the same)."""
@@ -80,6 +86,10 @@ class StageWork:
     commit_step: int = -1
     commit_attempt: int = 0
     """The last committed step and its attempt: an owned stage applies that attempt's gradients."""
+
+    def host(self, device_id: str) -> StageHost | None:
+        """This stage's host registered as `device_id` (None if it hosts no part of it)."""
+        return next((h for h in self.hosts if h.device_id == device_id), None)
 
 
 @dataclass(frozen=True)

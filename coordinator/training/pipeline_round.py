@@ -262,7 +262,7 @@ class PipelineRound(RoundPolicy):
                                        "peak_activation_bytes": c.peak_activation_bytes,
                                        "peer_bytes": c.peer_bytes, "upload_bytes": c.wire_bytes,
                                        "owned": c.stage.owned}
-                host = next((h for h in c.stage.hosts if h.device_id == c.device_id), None)
+                host = c.stage.host(c.device_id)
                 if host is not None and host.channels is not None:  # a channel group member's share
                     stages[c.device_id]["channels"] = [round(v, 4) for v in host.channels]
                 pull = self._pulls.get((c.stage.first_block, c.stage.end_block))

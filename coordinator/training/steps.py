@@ -145,7 +145,7 @@ class StepBoard:
         with self._cond:
             for device_id, a in assignments.items():
                 self._tickets[(device_id, a.step, a.attempt)] = _Ticket(
-                    a, self._formats(a.codec, self._upload_prefixes(a.stage), channel_member(a.stage, device_id)))
+                    a, self._formats(a.codec, self._upload_prefixes(a.stage), _member(a.stage, device_id)))
                 self._current = (a.step, a.attempt)
             self._cond.notify_all()
 
@@ -364,10 +364,6 @@ class StepBoard:
         self._cond.notify_all()
 
 
-def channel_member(stage: StageWork | None, device_id: str) -> tuple[tuple[float, float], bool] | None:
-    """A channel group member's (share of the channels, whether it leads the group) in `stage`,
-    as `UpdateFormats` takes it; None for any other work."""
-    host = next((h for h in stage.hosts if h.device_id == device_id), None) if stage is not None else None
-    if host is None or host.channels is None:
-        return None
-    return host.channels, host.sends
+def _member(stage: StageWork | None, device_id: str) -> tuple[tuple[float, float], bool] | None:
+    host = stage.host(device_id) if stage is not None else None
+    return host.member if host is not None else None
