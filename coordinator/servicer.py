@@ -26,7 +26,7 @@ from edgetrain import serde, transport
 from edgetrain.config import JobConfig
 from edgetrain.errors import Refusal
 from edgetrain.streaming import TransferError, iter_chunks
-from edgetrain.work import BoardJob
+from edgetrain.work import BoardJob, StepReport
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 
@@ -275,21 +275,36 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         header = first.header
         self._own(context, "UploadGradient", header.device_id)
         metas, _ = serde.header_from_proto(header.bundle)
-        try:
-            report = serde.step_report_from_proto(header.report)
-        except ValueError as e:  # the update comes with a report nothing can use: it is refused
-            self._board.refuse(header.device_id, header.step, header.attempt, f"bad step report: {e}")
-            raise
+        streamed = not header.HasField("report")  # sent during the board's backward: the report comes last
+        report = None if streamed else self._report(header, header.report)
         assembler = self._board.begin_upload(header.device_id, header.step, header.attempt, metas,
                                              report, header.resume_offset)
+        closing = None
         for message in request_iterator:
-            if message.WhichOneof("kind") != "chunk":
+            kind = message.WhichOneof("kind")
+            if closing is not None:
+                raise ValueError(f"a {kind} message after the step report that closes a streamed upload")
+            if kind == "chunk":
+                chunk = message.chunk
+                assembler.add(chunk.offset, chunk.data, chunk.crc32)
+                self._registry.count_bytes(header.device_id, up=len(chunk.data))
+            elif kind == "report" and streamed:
+                closing = self._report(header, message.report)
+            elif streamed:
+                raise ValueError(f"a {kind} message in a streamed upload: only chunks, then the step report, "
+                                 "may follow its header")
+            else:
                 raise ValueError("only chunks may follow the upload header")
-            chunk = message.chunk
-            assembler.add(chunk.offset, chunk.data, chunk.crc32)
-            self._registry.count_bytes(header.device_id, up=len(chunk.data))
-        self._board.complete_upload(header.device_id, header.step, header.attempt)
+        self._board.complete_upload(header.device_id, header.step, header.attempt, closing)
         return pb.UploadReply(received_bytes=assembler.received)
+
+    def _report(self, header: pb.UploadHeader, message: pb.StepReport) -> StepReport:
+        """A board's step report; one nothing can use refuses the update."""
+        try:
+            return serde.step_report_from_proto(message)
+        except ValueError as e:
+            self._board.refuse(header.device_id, header.step, header.attempt, f"bad step report: {e}")
+            raise
 
     @_guarded("GetUploadStatus")
     def GetUploadStatus(self, request: pb.UploadStatusRequest, context) -> pb.UploadStatus:

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import psutil
@@ -33,11 +33,14 @@ from edge_client.credentials import BoardCredentials, trusted_calls
 from edge_client.telemetry import LinkMeter
 from edgetrain import serde, transport
 from edgetrain.emulator.shaping import LinkShaper
-from edgetrain.streaming import TensorMeta, TransferError, iter_chunks
+from edgetrain.streaming import RawChunk, TensorMeta, TransferError, UploadAbandoned, iter_chunks
 from edgetrain.telemetry import TelemetrySample
 from edgetrain.work import Assignment, BoardJob, BoardProfile, Finished, StepReport
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # torch stays out of the command line's imports
+    from edge_client.streamed import StreamedUpdate
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -228,15 +231,32 @@ class CoordinatorConnection:
     def upload(self, device_id: str, work: Assignment, metas: Sequence[TensorMeta], payload: memoryview,
                report: StepReport, chunk_bytes: int) -> None:
         """Upload one step's tensors and report, resuming from what the coordinator already holds."""
+        self._send_update(device_id, work, metas, report, len(payload),
+                          lambda start: iter_chunks(payload, start=start, chunk_bytes=chunk_bytes))
+
+    def upload_streamed(self, device_id: str, work: Assignment, update: StreamedUpdate, chunk_bytes: int) -> None:
+        """Upload an update while it is being computed: the header now, each chunk once backward
+        made it final, the report last (edge_client.streamed); resumes like `upload`.
+        UploadAbandoned when the update is abandoned."""
+        self._send_update(device_id, work, update.metas, None, update.nbytes,
+                          lambda start: update.chunks(start, chunk_bytes), update)
+
+    def _send_update(self, device_id: str, work: Assignment, metas: Sequence[TensorMeta], report: StepReport | None,
+                     nbytes: int, chunks: Callable[[int], Iterator[RawChunk]],
+                     streamed: StreamedUpdate | None = None) -> None:
         header = serde.upload_header_to_proto(device_id, work.step, work.attempt, metas, report)
         status = pb.UploadStatusRequest(device_id=device_id, step=work.step, attempt=work.attempt)
         started, sent_from = time.perf_counter(), [0]
 
         def send_from(start: int) -> None:
+            if streamed is not None and streamed.abandoned:
+                raise UploadAbandoned()
             self._check()
             self._delay()
             header.resume_offset, sent_from[0] = start, start
-            self._stub.UploadGradient(self._upload_messages(header, payload, start, chunk_bytes), timeout=600)
+            # a streamed upload is open while the board computes: its deadline covers that too
+            self._stub.UploadGradient(self._upload_messages(header, chunks(start), streamed),
+                                      timeout=600 if streamed is None else 3600)
 
         def held() -> int:
             return self._retrying(lambda: self._stub.GetUploadStatus(status, timeout=30), "GetUploadStatus"
@@ -248,7 +268,8 @@ class CoordinatorConnection:
                     transport.send_bundle(send_from, held, f"upload for step {header.step}", retry=self.transfers)
             except transport.Unreachable as e:
                 raise CoordinatorUnreachable(str(e)) from e
-            self.link.observe_transfer(len(payload) - sent_from[0], time.perf_counter() - started)
+            if streamed is None:  # a streamed upload's time is mostly compute's: it says nothing of the link
+                self.link.observe_transfer(nbytes - sent_from[0], time.perf_counter() - started)
 
     def _receive_chunk(self, chunk) -> None:
         if self.shaper:
@@ -256,15 +277,20 @@ class CoordinatorConnection:
             if self.shaper.lost(self._rng):
                 raise TransferError("data_loss", f"emulated loss of the chunk at byte {chunk.offset}")
 
-    def _upload_messages(self, header: pb.UploadHeader, payload: memoryview, start: int,
-                         chunk_bytes: int) -> Iterator[pb.UploadMessage]:
+    def _upload_messages(self, header: pb.UploadHeader, chunks: Iterator[RawChunk],
+                         streamed: StreamedUpdate | None) -> Iterator[pb.UploadMessage]:
         yield pb.UploadMessage(header=header)
-        for chunk in iter_chunks(payload, start=start, chunk_bytes=chunk_bytes):
-            if self.shaper:
-                self.shaper.before_send(len(chunk.data))
-                if self.shaper.lost(self._rng):  # the stream breaks; the retry resumes from the last good byte
-                    return
-            yield pb.UploadMessage(chunk=serde.chunk_to_proto(chunk))
+        try:
+            for chunk in chunks:
+                if self.shaper:
+                    self.shaper.before_send(len(chunk.data))
+                    if self.shaper.lost(self._rng):  # the stream breaks; the retry resumes from the last good byte
+                        return
+                yield pb.UploadMessage(chunk=serde.chunk_to_proto(chunk))
+            if streamed is not None:
+                yield pb.UploadMessage(report=serde.step_report_to_proto(streamed.report()))
+        except UploadAbandoned:  # the stream ends short, without a report: nothing is accepted
+            return
 
 
 def registration(name: str, emulated_speed: float | None, stage_address: str) -> pb.RegisterRequest:

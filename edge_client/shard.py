@@ -4,7 +4,8 @@ An update is the gradient of the assigned samples (or, in a federated round, the
 change of local training), encoded with the codec the coordinator chose for this board's link;
 with a lossy codec, what was not sent is kept (error feedback) and added to the next update once
 the upload succeeded. Parameters arrive in full, or as the compressed deltas since the version
-the board holds; either way the board keeps the coordinator's served view exactly.
+the board holds; either way the board keeps the coordinator's served view exactly. An
+uncompressed gradient update can go on the wire while backward produces it (edge_client.streamed).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from edge_client.streamed import StreamedUpdate
 from edgetrain import transport
-from edgetrain.compression import ErrorFeedback
+from edgetrain.compression import ErrorFeedback, parse_codec
 from edgetrain.data import make_batch
 from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.errors import Refusal
@@ -50,6 +52,9 @@ class Update:
     report: StepReport
     commit: Callable[[], None]
     """Called after a successful upload (error feedback and momentum masks advance then)."""
+    streamed: StreamedUpdate | None = None
+    """The update when it is already on its way (started during compute): send it its report
+    and wait for it instead of uploading `payload`."""
 
 
 class ShardRunner:
@@ -76,28 +81,46 @@ class ShardRunner:
         """The model's parameters were overwritten (a pipeline stage ran on it): load the view again."""
         self._version, self._loaded, self._view = -1, -1, {}
 
-    def compute(self, work: Assignment, download: Download) -> Update:
-        """Fetch parameters if needed, compute the update, encode it."""
+    def compute(self, work: Assignment, download: Download,
+                send_streamed: Callable[[StreamedUpdate], None] | None = None) -> Update:
+        """Fetch parameters if needed, compute the update, encode it. With `send_streamed` (the
+        upload of a streamed update) an update that can stream is on its way during compute."""
         started = time.perf_counter()
         self._fetch(work, download)
         if self._loaded != self._version:  # also after a forward pass moved BN running stats
             load_state_tensors(self.model, self._view)
             self._loaded = self._version
         download_s = time.perf_counter() - started
+        streamed = None
+        if send_streamed is not None and self._can_stream(work):
+            streamed = StreamedUpdate(self.model, self.formats(work.codec).metas())
+            streamed.start(send_streamed)
         started = time.perf_counter()
-        with self.limiter.working():
-            x, y = make_batch(self.dataset, list(work.indices), augment=work.augment, seed=work.data_seed,
-                              step=work.step)
-            if work.local is not None:
-                local = work.local
-                result = local_train(self.model, x, y, steps=local.steps, batch_size=local.batch_size, lr=local.lr,
-                                     momentum=local.momentum, weight_decay=local.weight_decay,
-                                     prox_mu=local.prox_mu)
-            else:
-                result = compute_shard(self.model, x, y, self.job.max_forward_batch)
+        try:
+            with self.limiter.working():
+                x, y = make_batch(self.dataset, list(work.indices), augment=work.augment, seed=work.data_seed,
+                                  step=work.step)
+                if work.local is not None:
+                    local = work.local
+                    result = local_train(self.model, x, y, steps=local.steps, batch_size=local.batch_size,
+                                         lr=local.lr, momentum=local.momentum, weight_decay=local.weight_decay,
+                                         prox_mu=local.prox_mu)
+                else:
+                    result = compute_shard(self.model, x, y, self.job.max_forward_batch,
+                                           before_last_backward=streamed.arm if streamed else None)
+                if streamed is not None:
+                    streamed.complete(result.tensors)
+        except BaseException:
+            if streamed is not None:
+                streamed.abandon()
+            raise
         compute_s = time.perf_counter() - started
         if work.local is not None or _has_running_stats(self.model):
             self._loaded = -1
+        if streamed is not None:
+            report = StepReport(samples=result.samples, loss=result.loss, correct=result.correct,
+                                compute_s=compute_s, download_s=download_s)
+            return Update(streamed.metas, memoryview(b""), report, lambda: None, streamed)
         started = time.perf_counter()
         tensors = self._with_momentum(result.tensors)
         if self.job.error_feedback:
@@ -113,6 +136,13 @@ class ShardRunner:
         report = StepReport(samples=result.samples, loss=result.loss, correct=result.correct, compute_s=compute_s,
                             download_s=download_s, encode_s=time.perf_counter() - started)
         return Update(metas, payload, report, commit)
+
+    def _can_stream(self, work: Assignment) -> bool:
+        """Whether this step's update can go on the wire during backward: a gradient shard
+        (not a federated round) sent uncompressed, with nothing added to the gradients after
+        backward (board momentum, or a residual an earlier lossy codec left to send)."""
+        return (self.job.stream_upload and work.local is None and parse_codec(work.codec or "none").name == "none"
+                and not self.job.board_momentum and not (self.job.error_feedback and self._feedback.norm()))
 
     def _with_momentum(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Momentum correction: u <- m u + g per gradient, sent in place of g (when the job asks)."""

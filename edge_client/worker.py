@@ -8,6 +8,7 @@ them into wire messages.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -19,20 +20,21 @@ from typing import TypeVar
 
 import grpc
 
-from edge_client.connection import CoordinatorConnection
+from edge_client.connection import CoordinatorConnection, CoordinatorUnreachable
 from edge_client.dataset import board_dataset
 from edge_client.emulation import BoardEmulation
 from edge_client.endpoint import StageEndpoint, StageFailure
 from edge_client.profiler import profile_device
 from edge_client.shard import ShardRunner, Update
 from edge_client.stage import StageRunner
+from edge_client.streamed import StreamedUpdate
 from edge_client.telemetry import TelemetryCollector, probe_link
 from edgetrain import transport, trust
 from edgetrain.config import ConfigError
 from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.errors import Refusal
 from edgetrain.models import build_model
-from edgetrain.streaming import TransferError
+from edgetrain.streaming import TransferError, UploadAbandoned
 from edgetrain.training import freeze_heap, resolve_device
 from edgetrain.work import Assignment, BoardJob, BoardProfile, Finished
 
@@ -301,10 +303,19 @@ class EdgeWorker:
             if work.stage is None and self.endpoint.mailbox.redone(work.step, work.attempt):
                 logger.info("[Client.Step] step %d attempt %d is being redone without this board's update "
                             "(a board left); not uploading it", work.step, work.attempt)
+                if update.streamed is not None:
+                    update.streamed.abandon()
+                    with contextlib.suppress(grpc.RpcError, TransferError, UploadAbandoned,
+                                             CoordinatorUnreachable):
+                        update.streamed.wait()
                 return
             report = replace(update.report, energy_j=self._step_energy())
             started = time.perf_counter()
-            self.conn.upload(self.device_id, work, update.metas, update.payload, report, self._job.chunk_bytes)
+            if update.streamed is not None:
+                update.streamed.send_report(report)
+                update.streamed.wait()
+            else:
+                self.conn.upload(self.device_id, work, update.metas, update.payload, report, self._job.chunk_bytes)
             update.commit()
             self.telemetry.last_step = (report.compute_s, report.download_s + report.encode_s
                                         + time.perf_counter() - started)
@@ -333,4 +344,8 @@ class EdgeWorker:
             return self._stages.compute(work, self.device_id, download)
         self.endpoint.state.drop()
         self._stages.invalidate()
-        return self._shards.compute(work, download)
+
+        def send_streamed(update: StreamedUpdate) -> None:
+            self.conn.upload_streamed(self.device_id, work, update, self._job.chunk_bytes)
+
+        return self._shards.compute(work, download, send_streamed)

@@ -123,6 +123,11 @@ class TrainingConfig:
     chunks of at most this size, gradients accumulated. A CPU trains fastest at 32-64 samples per
     pass (larger ones outgrow its caches, smaller ones pay the fixed cost of a pass more often;
     see edgetrain.training.compute_shard). 0: a whole shard at once."""
+    stream_upload: bool = True
+    """A board computing a data-parallel shard with an uncompressed update uploads its gradients
+    as backward produces them (last layer first, as DDP's buckets), so the upload runs under the
+    backward pass instead of after it; false: the whole update is sent after compute. Either way
+    the coordinator receives the same bytes."""
 
     def __post_init__(self) -> None:
         _require(self.global_batch > 0, "global_batch", self.global_batch, "must be > 0")

@@ -234,7 +234,8 @@ def step_report_to_proto(report: StepReport) -> pb.StepReport:
     return pb.StepReport(samples=report.samples, loss=report.loss, correct=report.correct,
                          compute_s=report.compute_s, download_s=report.download_s, encode_s=report.encode_s,
                          energy_j=report.energy_j, wait_s=report.wait_s,
-                         peak_activation_bytes=report.peak_activation_bytes, peer_bytes=report.peer_bytes)
+                         peak_activation_bytes=report.peak_activation_bytes, peer_bytes=report.peer_bytes,
+                         upload_exposed_s=report.upload_exposed_s)
 
 
 def step_report_from_proto(msg: pb.StepReport) -> StepReport:
@@ -242,16 +243,19 @@ def step_report_from_proto(msg: pb.StepReport) -> StepReport:
     report = StepReport(samples=msg.samples, loss=msg.loss, correct=msg.correct, compute_s=msg.compute_s,
                         download_s=msg.download_s, encode_s=msg.encode_s,
                         energy_j=msg.energy_j if msg.HasField("energy_j") else None, wait_s=msg.wait_s,
-                        peak_activation_bytes=msg.peak_activation_bytes, peer_bytes=msg.peer_bytes)
+                        peak_activation_bytes=msg.peak_activation_bytes, peer_bytes=msg.peer_bytes,
+                        upload_exposed_s=msg.upload_exposed_s)
     report.check()
     return report
 
 
 def upload_header_to_proto(device_id: str, step: int, attempt: int, metas: Sequence[TensorMeta],
-                           report: StepReport, resume_offset: int = 0) -> pb.UploadHeader:
-    """The first message of an update upload."""
+                           report: StepReport | None, resume_offset: int = 0) -> pb.UploadHeader:
+    """The first message of an update upload (without a report: a streamed upload, whose report
+    comes last)."""
     return pb.UploadHeader(device_id=device_id, step=step, attempt=attempt, bundle=header_to_proto(metas),
-                           report=step_report_to_proto(report), resume_offset=resume_offset)
+                           report=None if report is None else step_report_to_proto(report),
+                           resume_offset=resume_offset)
 
 
 def board_job_to_proto(job: BoardJob) -> pb.JobSpec:
@@ -260,7 +264,7 @@ def board_job_to_proto(job: BoardJob) -> pb.JobSpec:
                       dataset=dataset_to_proto(job.dataset), profile_batch_sizes=job.profile_batch_sizes,
                       heartbeat_interval_s=job.heartbeat_interval_s, chunk_bytes=job.chunk_bytes,
                       max_forward_batch=job.max_forward_batch, error_feedback=job.error_feedback,
-                      board_momentum=job.board_momentum, device=job.device)
+                      board_momentum=job.board_momentum, device=job.device, stream_upload=job.stream_upload)
 
 
 def board_job_from_proto(msg: pb.JobSpec) -> BoardJob:
@@ -269,7 +273,8 @@ def board_job_from_proto(msg: pb.JobSpec) -> BoardJob:
                     dataset=dataset_from_proto(msg.dataset),
                     profile_batch_sizes=tuple(msg.profile_batch_sizes), heartbeat_interval_s=msg.heartbeat_interval_s,
                     chunk_bytes=msg.chunk_bytes, max_forward_batch=msg.max_forward_batch,
-                    error_feedback=msg.error_feedback, board_momentum=msg.board_momentum, device=msg.device or "cpu")
+                    error_feedback=msg.error_feedback, board_momentum=msg.board_momentum, device=msg.device or "cpu",
+                    stream_upload=msg.stream_upload)
 
 
 def state_request_to_proto(request: StateRequest) -> spb.StateRequest:

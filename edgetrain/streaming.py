@@ -32,6 +32,11 @@ class TransferError(Exception):
         """One of: invalid_argument, data_loss, out_of_range."""
 
 
+class UploadAbandoned(Exception):
+    """An update being streamed will not be sent after all (its compute failed, or the step is
+    being redone without it): the stream ends without its report."""
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     """Where one tensor of a bundle lives in the payload, and what it is."""

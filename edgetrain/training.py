@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +105,8 @@ def chunk_bounds(begin: int, end: int, max_batch: int) -> list[int]:
     return [begin + n * i // chunks for i in range(chunks + 1)]
 
 
-def compute_shard(model: nn.Module, x: torch.Tensor, y: torch.Tensor, max_batch: int = 0) -> ShardResult:
+def compute_shard(model: nn.Module, x: torch.Tensor, y: torch.Tensor, max_batch: int = 0, *,
+                  before_last_backward: Callable[[], None] | None = None) -> ShardResult:
     """Forward + backward of the mean cross-entropy on one shard; returns grads and buffers.
 
     With `max_batch` > 0 a larger shard goes through the model in the fewest equal chunks of at
@@ -115,6 +117,8 @@ def compute_shard(model: nn.Module, x: torch.Tensor, y: torch.Tensor, max_batch:
     BatchNorm then normalises each chunk with its own statistics (as each board does its shard),
     and the running statistics returned are the sample-weighted mean of the chunks' updates from
     the same start: one update with the chunks' mean statistics, as across boards.
+    `before_last_backward` is called before the backward pass that makes the gradients final
+    (a streamed upload sends them as that pass produces them).
     """
     model.train()
     model.zero_grad(set_to_none=True)
@@ -135,6 +139,8 @@ def compute_shard(model: nn.Module, x: torch.Tensor, y: torch.Tensor, max_batch:
         logits = model(xs)
         loss = nn.functional.cross_entropy(logits, ys) if chunks == 1 else (
             nn.functional.cross_entropy(logits, ys, reduction="sum") / n)
+        if before_last_backward is not None and end == n:
+            before_last_backward()
         loss.backward()
         loss_sum += float(loss.detach())
         correct += int((logits.argmax(dim=1) == ys).sum())

@@ -38,7 +38,9 @@ def _layout(metas: Sequence[TensorMeta], prefix: str = "") -> dict[str, torch.Te
 
 
 class UpdateFormat:
-    """One board's update on the wire: gradients through a codec, float buffers dense float32."""
+    """One board's update on the wire: gradients through a codec, last layer first (the order
+    backward produces them: an uncompressed update streams while backward runs, see
+    edge_client.streamed), then float buffers dense float32."""
 
     def __init__(self, templates: Sequence[tuple[str, torch.Tensor]], spec: CodecSpec | str,
                  slices: Mapping[str, tuple[int, int]] | None = None) -> None:
@@ -49,7 +51,7 @@ class UpdateFormat:
         """Gradients of which only rows [begin, end) travel (a channel group member's slices)."""
         self._full = {n: tuple(t.shape) for n, t in templates if n in self._slices}
         templates = [(n, t[slice(*self._slices[n])] if n in self._slices else t) for n, t in templates]
-        grads = {n: t for n, t in templates if n.startswith(GRAD_PREFIX)}
+        grads = {n: t for n, t in reversed(templates) if n.startswith(GRAD_PREFIX)}
         self._grad_names = frozenset(grads)
         self._buffers = [(n, t) for n, t in templates if not n.startswith(GRAD_PREFIX)]
         self._buffer_names = frozenset(n for n, _ in self._buffers)

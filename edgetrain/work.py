@@ -138,11 +138,14 @@ class StepReport:
     peak_activation_bytes: int = 0
     peer_bytes: int = 0
     """Pipeline stages: activation bytes sent to neighbours."""
+    upload_exposed_s: float = 0.0
+    """A streamed upload (sent during backward): seconds from the end of compute to its last byte
+    sent, the part of the upload backward did not hide; 0 for an upload sent after compute."""
 
     def check(self) -> None:
         """ValueError unless every figure is finite and every duration >= 0 (what the coordinator
         accepts; a board reports what it measured, even a diverged loss)."""
-        timings = (self.compute_s, self.download_s, self.encode_s, self.wait_s)
+        timings = (self.compute_s, self.download_s, self.encode_s, self.wait_s, self.upload_exposed_s)
         if not all(math.isfinite(t) and t >= 0 for t in timings):
             raise ValueError(f"step report timings must be finite and >= 0, got {timings}")
         if not math.isfinite(self.loss):
@@ -172,6 +175,9 @@ class BoardJob:
     """Momentum the board accumulates itself (momentum correction); 0: the coordinator's."""
     device: str = "cpu"
     """Where the board trains: cpu, auto (CUDA when it has it) or cuda (job key `device`)."""
+    stream_upload: bool = False
+    """Upload a data-parallel shard's uncompressed gradients as backward produces them (job key
+    `training.stream_upload`)."""
 
 
 @dataclass(frozen=True)

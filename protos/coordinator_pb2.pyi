@@ -80,7 +80,7 @@ class DatasetSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., seed: _Optional[int] = ..., train_size: _Optional[int] = ..., test_size: _Optional[int] = ..., augment: _Optional[bool] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "model", "num_classes", "dataset", "profile_batch_sizes", "heartbeat_interval_s", "chunk_bytes", "error_feedback", "board_momentum", "max_forward_batch", "device")
+    __slots__ = ("job_id", "model", "num_classes", "dataset", "profile_batch_sizes", "heartbeat_interval_s", "chunk_bytes", "error_feedback", "board_momentum", "max_forward_batch", "device", "stream_upload")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class JobSpec(_message.Message):
     BOARD_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     MAX_FORWARD_BATCH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_UPLOAD_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model: str
     num_classes: int
@@ -103,7 +104,8 @@ class JobSpec(_message.Message):
     board_momentum: float
     max_forward_batch: int
     device: str
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., profile_batch_sizes: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., error_feedback: _Optional[bool] = ..., board_momentum: _Optional[float] = ..., max_forward_batch: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    stream_upload: bool
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., profile_batch_sizes: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., error_feedback: _Optional[bool] = ..., board_momentum: _Optional[float] = ..., max_forward_batch: _Optional[int] = ..., device: _Optional[str] = ..., stream_upload: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("device_id", "job")
@@ -362,7 +364,7 @@ class ParameterMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[_tensor_pb2.BundleHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("samples", "loss", "correct", "compute_s", "download_s", "encode_s", "energy_j", "wait_s", "peak_activation_bytes", "peer_bytes")
+    __slots__ = ("samples", "loss", "correct", "compute_s", "download_s", "encode_s", "energy_j", "wait_s", "peak_activation_bytes", "peer_bytes", "upload_exposed_s")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     CORRECT_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +375,7 @@ class StepReport(_message.Message):
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     PEAK_ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_EXPOSED_S_FIELD_NUMBER: _ClassVar[int]
     samples: int
     loss: float
     correct: int
@@ -383,7 +386,8 @@ class StepReport(_message.Message):
     wait_s: float
     peak_activation_bytes: int
     peer_bytes: int
-    def __init__(self, samples: _Optional[int] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., compute_s: _Optional[float] = ..., download_s: _Optional[float] = ..., encode_s: _Optional[float] = ..., energy_j: _Optional[float] = ..., wait_s: _Optional[float] = ..., peak_activation_bytes: _Optional[int] = ..., peer_bytes: _Optional[int] = ...) -> None: ...
+    upload_exposed_s: float
+    def __init__(self, samples: _Optional[int] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., compute_s: _Optional[float] = ..., download_s: _Optional[float] = ..., encode_s: _Optional[float] = ..., energy_j: _Optional[float] = ..., wait_s: _Optional[float] = ..., peak_activation_bytes: _Optional[int] = ..., peer_bytes: _Optional[int] = ..., upload_exposed_s: _Optional[float] = ...) -> None: ...
 
 class UploadHeader(_message.Message):
     __slots__ = ("device_id", "step", "attempt", "bundle", "report", "resume_offset")
@@ -402,12 +406,14 @@ class UploadHeader(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., bundle: _Optional[_Union[_tensor_pb2.BundleHeader, _Mapping]] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ..., resume_offset: _Optional[int] = ...) -> None: ...
 
 class UploadMessage(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "report")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
     header: UploadHeader
     chunk: _tensor_pb2.Chunk
-    def __init__(self, header: _Optional[_Union[UploadHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
+    report: StepReport
+    def __init__(self, header: _Optional[_Union[UploadHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ...) -> None: ...
 
 class UploadReply(_message.Message):
     __slots__ = ("received_bytes",)

@@ -11,7 +11,9 @@ run:
   INSECURE, and said so in its run's outputs);
 - `equal`, `proportional`: EdgeTrain synchronous data parallelism with the equal split and with
   shares from measured speed;
-- `hybrid`: EdgeTrain with its planner on (pipeline stages and data-parallel groups).
+- `hybrid`: EdgeTrain with its planner on (pipeline stages and data-parallel groups);
+- `unstreamed`: `proportional` with `training.stream_upload: false` (each board uploads its
+  update after compute instead of during backward): the overlap's effect, side by side.
 With `--sixteen`, the `sixteen` fleet (16 boards at 0.1 of a core) runs the proportional arm at a
 global batch of 512.
 
@@ -24,11 +26,13 @@ communication is the step time outside forward + backward, all-reduce waits incl
 waiting is null).
 
     python scripts/bench_dp.py [--batches 128,64] [--steps 40] [--warmup 8]
-                               [--arms ceiling,ddp,equal,proportional,hybrid] [--sixteen] [--keep DIR]
+                               [--arms ceiling,ddp,equal,proportional,hybrid,unstreamed] [--sixteen]
+                               [--keep DIR]
 
 Last line: one JSON object: `ideal_samples_per_s` (batch -> value; batch as a string), and maps
 arm -> batch -> value for `samples_per_s`, `fraction_of_ideal`, `fraction_of_ceiling`, `over_ddp`;
-`time_split` (arm -> batch -> board -> {compute_s, comm_s, waiting_s}); `prediction_error`
+`time_split` (arm -> batch -> board -> {compute_s, comm_s, waiting_s}); `streamed_over_unstreamed`
+(batch -> proportional / unstreamed samples/s); `prediction_error`
 (EdgeTrain arm -> batch -> the planner's (hybrid) or the split's predicted step time over the measured one,
 minus 1, where the run reports a plan).
 """
@@ -52,7 +56,8 @@ FLEETS = {"compute": REPO / "experiments" / "fleets" / "compute.yaml",
           "sixteen": REPO / "experiments" / "fleets" / "sixteen.yaml"}
 EDGETRAIN_ARMS = {"equal": {"set": {"training.split": "equal"}},
                   "proportional": {"set": {"training.split": "proportional"}},
-                  "hybrid": {"set": {"planner.enabled": True}}}
+                  "hybrid": {"set": {"planner.enabled": True}},
+                  "unstreamed": {"set": {"training.split": "proportional", "training.stream_upload": False}}}
 ALL_ARMS = ("ceiling", "ddp", *EDGETRAIN_ARMS)
 SIXTEEN_BATCH = 512
 TRAIN_SIZE = 4096
@@ -251,6 +256,10 @@ def main() -> None:
         "prediction_error": {a: v for a, v in by_arm(lambda a, b, r: r.get("prediction_error")).items()
                              if a in EDGETRAIN_ARMS},
         "ceiling_boards": {str(b): r["boards"] for b, r in results.get("ceiling", {}).items()},
+        # the upload during backward against the upload after compute, same split, same run
+        "streamed_over_unstreamed": {str(b): round(r["samples_per_s"] / results["unstreamed"][b]["samples_per_s"], 3)
+                                     for b, r in sorted(results.get("proportional", {}).items())
+                                     if b in results.get("unstreamed", {})},
     }
     for arm, per in results.items():
         for b, r in sorted(per.items()):

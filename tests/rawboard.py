@@ -20,7 +20,7 @@ from edgetrain.data import load_dataset, make_batch
 from edgetrain.models import build_model
 from edgetrain.streaming import ChunkAssembler, RawChunk, iter_chunks
 from edgetrain.tensors import pack, unpack
-from edgetrain.training import compute_shard, load_state_tensors
+from edgetrain.training import GRAD_PREFIX, compute_shard, load_state_tensors
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 from protos import tensor_pb2 as tpb
@@ -110,8 +110,17 @@ def compute_gradient(board: Board, work: pb.StepWork, tmp_path: Path) -> Gradien
 
 
 def gradient_of(work: pb.StepWork, tensors: dict[str, torch.Tensor], report: pb.StepReport) -> Gradient:
-    metas, payload = pack(tensors)
+    """An upload of `tensors` (gradients and buffers, in the model's order) laid out as on the
+    wire: gradients last layer first, then the buffers."""
+    metas, payload = pack(wire_order(tensors))
     return Gradient(work, tensors, serde.header_to_proto(metas), bytes(payload), report)
+
+
+def wire_order(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An uncompressed update's tensors (in the model's order) as the wire lays them out:
+    gradients last layer first, then the buffers (edgetrain.updates.UpdateFormat)."""
+    grads = [(n, t) for n, t in tensors.items() if n.startswith(GRAD_PREFIX)]
+    return dict(grads[::-1] + [(n, t) for n, t in tensors.items() if not n.startswith(GRAD_PREFIX)])
 
 
 def header(board: Board, grad: Gradient, *, resume_offset: int = 0, **fields) -> pb.UploadHeader:

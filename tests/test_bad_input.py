@@ -21,6 +21,7 @@ from rawboard import (
     CHUNK,
     RPC_TIMEOUT_S,
     Board,
+    Gradient,
     Piece,
     chunks,
     compute_gradient,
@@ -128,8 +129,9 @@ def test_header_with_wrong_tensor_is_rejected_and_the_step_is_redone(coordinator
     work = next_step(board)
     grad = compute_gradient(board, work, tmp_path)
     head = header(board, grad)
-    name = head.bundle.tensors[0].name
-    fragments = corrupt(head.bundle.tensors[0])
+    spec = next(t for t in head.bundle.tensors if len(t.shape) >= 2)  # a shape that reversed differs
+    name = spec.name
+    fragments = corrupt(spec)
 
     # Execute
     error = refused(lambda: upload(board, head, chunks(grad)))
@@ -272,6 +274,36 @@ def _as_messages(head: pb.UploadHeader | None, pieces: Iterable[Piece]) -> list[
     return list(stream(head, pieces))
 
 
+def _streamed_header(b: Board, g: Gradient) -> pb.UploadHeader:
+    """The header of a streamed upload (sent before backward ended): no report in it."""
+    head = header(b, g)
+    head.ClearField("report")
+    return head
+
+
+def _closing(g: Gradient) -> pb.UploadMessage:
+    """The step report that closes a streamed upload."""
+    return pb.UploadMessage(report=g.report)
+
+
+def test_streamed_upload_with_its_report_last_is_accepted(coordinator, board, tmp_path):
+    # Prepare: the header without a report, the chunks, then the report (as a board streaming
+    # its gradients during backward sends them)
+    work = next_step(board)
+    grad = compute_gradient(board, work, tmp_path)
+    messages = [*_as_messages(_streamed_header(board, grad), chunks(grad)), _closing(grad)]
+
+    # Execute
+    reply = board.stub.UploadGradient(iter(messages), timeout=RPC_TIMEOUT_S)
+
+    # Assert
+    assert reply.received_bytes == len(grad.payload)
+    assert next_step(board).step == work.step + 1
+    device = train_records(coordinator.run_dir)[work.step]["devices"][board.device_id]
+    assert device["samples"] == 24
+    assert device["upload_streamed"] is True
+
+
 @pytest.mark.parametrize(("make_messages", "code", "fragment"), [
     pytest.param(lambda b, g: _as_messages(header(b, g), [chunks(g)[0], chunks(g)[2]]),
                  grpc.StatusCode.OUT_OF_RANGE,
@@ -291,6 +323,16 @@ def _as_messages(head: pb.UploadHeader | None, pieces: Iterable[Piece]) -> list[
                  "an upload must start with an UploadHeader message", id="empty-stream"),
     pytest.param(lambda b, g: _as_messages(header(b, g), []) * 2, grpc.StatusCode.INVALID_ARGUMENT,
                  "only chunks may follow the upload header", id="second-header"),
+    pytest.param(lambda b, g: [*_as_messages(header(b, g), chunks(g)), _closing(g)],
+                 grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the upload header",
+                 id="report-after-a-plain-upload"),
+    pytest.param(lambda b, g: _as_messages(_streamed_header(b, g), chunks(g)), grpc.StatusCode.INVALID_ARGUMENT,
+                 "ended without its step report", id="streamed-without-report"),
+    pytest.param(lambda b, g: [*_as_messages(_streamed_header(b, g), chunks(g)[:2]), _closing(g),
+                               *_as_messages(None, chunks(g)[2:])],
+                 grpc.StatusCode.INVALID_ARGUMENT, "a chunk message after the step report", id="chunk-after-report"),
+    pytest.param(lambda b, g: [*_as_messages(_streamed_header(b, g), chunks(g)), _closing(g), _closing(g)],
+                 grpc.StatusCode.INVALID_ARGUMENT, "a report message after the step report", id="second-report"),
 ])
 def test_malformed_stream_is_refused_and_good_upload_follows(coordinator, board, tmp_path, make_messages,
                                                             code, fragment):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import small_job, wait_for
 from inprocess import InProcessCoordinator, assignment, serve_coordinator
-from rawboard import refused
+from rawboard import refused, wire_order
 
 from edge_client.connection import CoordinatorConnection, CoordinatorUnreachable
 from edgetrain import transport
@@ -70,7 +70,7 @@ def _gradient(coordinator: InProcessCoordinator, params: dict[str, torch.Tensor]
     x, y = make_batch(load_dataset(coordinator.job.dataset, train=True), list(work.indices), augment=work.augment,
                       seed=work.data_seed, step=work.step)
     result = compute_shard(model, x, y)
-    metas, payload = pack(result.tensors)
+    metas, payload = pack(wire_order(result.tensors))
     report = StepReport(samples=result.samples, loss=result.loss, correct=result.correct, compute_s=0.01)
     return result.tensors, metas, payload, report
 

@@ -306,6 +306,14 @@ def test_the_measured_rate_is_the_median_of_this_launchs_steps_timed_by_the_coor
     assert upload_mbit(records, since) == pytest.approx(40.0)  # 8 Mbit in 0.05, 0.1, 0.2, 0.2 or 0.8 s: the median
 
 
+def test_a_streamed_upload_is_timed_by_its_steps_download():
+    # an upload sent during compute took 0.01 s past it: not the link's rate; the step's download of
+    # about as many bytes (0.4 s) is
+    records = [{"kind": "train", "time": 10.0, "devices": {"b-1": {
+        "upload_bytes": 1_000_000, "upload_s": 0.01, "upload_streamed": True, "download_s": 0.4}}}]
+    assert upload_mbit(records, 5.0) == pytest.approx(20.0)
+
+
 def test_the_implied_speed_is_the_speed_at_which_the_planner_predicts_the_measured_rate():
     config = job_from_dict({"name": "m", "model": "small_cnn", "training": {"global_batch": 16, "steps": 5}})
     for speed in (0.1, 0.3, 2.0):

@@ -113,8 +113,11 @@ def step_rate(records: list[dict], since: float) -> float:
 
 def upload_mbit(records: list[dict], since: float) -> float:
     """Median Mbit/s of the uploads in a job's steps logged at or after `since`, each timed by the
-    coordinator from its first byte to its last (0 when none was timed)."""
-    rates = [8e-6 * d["upload_bytes"] / d["upload_s"] for r in records if r.get("time", 0.0) >= since
+    coordinator from its first byte to its last (0 when none was timed). A streamed upload went
+    during compute, so its time says nothing of the link: the step's parameter download (about
+    as many bytes, on the same link) stands in for it."""
+    rates = [8e-6 * d["upload_bytes"] / seconds for r in records if r.get("time", 0.0) >= since
              for d in (r.get("devices") or {}).values()
-             if (d.get("upload_bytes") or 0) > 0 and (d.get("upload_s") or 0) > 0]
+             for seconds in [d.get("download_s" if d.get("upload_streamed") else "upload_s") or 0]
+             if (d.get("upload_bytes") or 0) > 0 and seconds > 0]
     return statistics.median(rates) if rates else 0.0

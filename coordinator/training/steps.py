@@ -78,6 +78,11 @@ class Contribution:
     byte arrived; not part of `upload_s`)."""
     accepted_at: float | None = None
     """When the update was accepted (decoded and checked), on the step board's clock."""
+    upload_exposed_s: float = 0.0
+    """A streamed upload's part after the board's compute ended (its `upload_s`)."""
+    streamed: bool = False
+    """The update was streamed during the board's backward pass: `upload_s` is only the part of
+    the upload that ran past compute, not a measure of the link."""
 
     @property
     def comm_s(self) -> float:
@@ -89,7 +94,8 @@ class Contribution:
 @dataclass
 class _Upload:
     assembler: ChunkAssembler
-    report: StepReport
+    report: StepReport | None
+    """None until a streamed upload's report arrives (after its last chunk)."""
     started: float
 
 
@@ -259,9 +265,10 @@ class StepBoard:
                     return None
                 self._cond.wait(timeout=remaining)
 
-    def begin_upload(self, device_id: str, step: int, attempt: int, metas, report: StepReport,
+    def begin_upload(self, device_id: str, step: int, attempt: int, metas, report: StepReport | None,
                      resume_offset: int) -> ChunkAssembler:
-        """Validate an upload's header; returns the assembler to feed (kept across resumes)."""
+        """Validate an upload's header; returns the assembler to feed (kept across resumes).
+        A streamed upload has no report yet: `complete_upload` gets it."""
         with self._cond:
             ticket = self._ticket_for(device_id, step, attempt)
             try:
@@ -278,12 +285,21 @@ class StepBoard:
             ticket.upload.report = report
             return ticket.upload.assembler
 
-    def complete_upload(self, device_id: str, step: int, attempt: int) -> Contribution:
-        """Decode and validate a fully received upload and record it (or its rejection)."""
+    def complete_upload(self, device_id: str, step: int, attempt: int,
+                        report: StepReport | None = None) -> Contribution:
+        """Decode and validate a fully received upload and record it (or its rejection); `report`
+        is a streamed upload's, sent after its last chunk."""
         with self._cond:
             ticket = self._ticket_for(device_id, step, attempt)
             upload = ticket.upload
+            if upload is None:
+                raise TransferError("data_loss", f"upload from {device_id} for step {step}: no bytes received")
             payload = upload.assembler.payload()
+            if report is not None:
+                upload.report = report
+            if upload.report is None:
+                raise TransferError("invalid_argument", f"upload from {device_id} for step {step} ended without "
+                                    "its step report (a streamed upload sends it after its last chunk)")
         a = ticket.assignment
         what = f"upload from {device_id} for step {step}"
         received = self._clock()
@@ -303,8 +319,10 @@ class StepBoard:
                 self._reject(device_id, self._ticket_for(device_id, step, attempt), str(e))
             raise
         now = self._clock()
-        contribution = Contribution(device_id=device_id, tensors=tensors, upload_s=received - upload.started,
-                                    decode_s=now - received, accepted_at=now,
+        streamed = report is not None  # timed by the board: its upload overlapped its compute
+        contribution = Contribution(device_id=device_id, tensors=tensors, decode_s=now - received, accepted_at=now,
+                                    upload_s=upload.report.upload_exposed_s if streamed else received - upload.started,
+                                    streamed=streamed,
                                     step=a.step, param_version=a.param_version, codec=str(ticket.fmt.spec),
                                     wire_bytes=len(payload), stage=a.stage,
                                     turnaround_s=None if ticket.taken_at is None else now - ticket.taken_at,
