@@ -11,6 +11,7 @@ uncompressed gradient update can go on the wire while backward produces it (edge
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from edge_client.streamed import StreamedUpdate
+from edge_client.streamed import StreamChoice, StreamedUpdate
 from edgetrain import transport
 from edgetrain.compression import ErrorFeedback, parse_codec
 from edgetrain.data import make_batch
@@ -72,6 +73,8 @@ class ShardRunner:
         self._deltas: dict[str, DeltaFormat] = {}
         self._feedback = ErrorFeedback()
         self._velocity: dict[str, torch.Tensor] = {}
+        self.stream_choice = StreamChoice(job.stream_upload, limiter.fraction or len(os.sched_getaffinity(0)))
+        """Whether uncompressed updates stream (the worker tells it how each upload went)."""
 
     def forget(self) -> None:
         """Hold nothing (the coordinator may have restarted: what this board holds may not be its view)."""
@@ -141,8 +144,9 @@ class ShardRunner:
         """Whether this step's update can go on the wire during backward: a gradient shard
         (not a federated round) sent uncompressed, with nothing added to the gradients after
         backward (board momentum, or a residual an earlier lossy codec left to send)."""
-        return (self.job.stream_upload and work.local is None and parse_codec(work.codec or "none").name == "none"
-                and not self.job.board_momentum and not (self.job.error_feedback and self._feedback.norm()))
+        return (work.local is None and parse_codec(work.codec or "none").name == "none"
+                and not self.job.board_momentum and not (self.job.error_feedback and self._feedback.norm())
+                and self.stream_choice.stream())
 
     def _with_momentum(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Momentum correction: u <- m u + g per gradient, sent in place of g (when the job asks)."""

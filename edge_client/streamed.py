@@ -53,6 +53,9 @@ class StreamedUpdate:
         self._next = 0
         """First slot, in wire order, not filled yet: every byte before its offset is final."""
         self._ready = 0
+        self._wanted = 0
+        """The byte the upload thread waits for: backward wakes it only once that one is final
+        (one wake-up per chunk rather than per parameter)."""
         self._cond = threading.Condition()
         self._armed = False
         self._hooks: list = []
@@ -135,7 +138,8 @@ class StreamedUpdate:
                 meta = self.metas[self._next]
                 self._ready = meta.offset + meta.nbytes
                 self._next += 1
-            self._cond.notify_all()
+            if self._ready >= self._wanted:
+                self._cond.notify_all()
 
     # -- the upload side ---------------------------------------------------------------------
 
@@ -147,6 +151,7 @@ class StreamedUpdate:
         while offset < self.nbytes:
             end = min(offset + chunk_bytes, self.nbytes)
             with self._cond:
+                self._wanted = end
                 self._cond.wait_for(lambda end=end: self._ready >= end or self._abandoned)
                 if self._abandoned:
                     raise UploadAbandoned()
@@ -162,3 +167,46 @@ class StreamedUpdate:
                 raise UploadAbandoned()
             exposed = time.perf_counter() - (self._completed_at or time.perf_counter())
             return replace(self._report, upload_exposed_s=max(0.0, exposed))
+
+
+class StreamChoice:
+    """Whether the board's next uncompressed update streams, under the job's "on", "off" or "auto".
+
+    Overlap hides the part of an upload spent waiting on the link. The part spent on the board's
+    own CPU (copying, framing, encrypting) comes out of the CPU backward needs, and streaming adds
+    a hook per parameter and thread hand-offs on top: on the emulated fleet's loopback links,
+    where a board's transfers are bound by its CPU quota, streaming every update measured 0.83 and
+    0.92 of the throughput of whole uploads (docs/benchmarks.md, bench_dp). So "auto" sends whole
+    updates and times them: an upload during which the process used less than `LINK_BOUND_SHARE`
+    of the CPU the board had (wall seconds x its cores, or its emulated fraction of one) waited
+    mostly on the link, and the board streams the updates that follow, sending one whole again
+    every `RECHECK_EVERY` to see whether the link still is the bottleneck.
+    """
+
+    LINK_BOUND_SHARE = 0.5
+    RECHECK_EVERY = 20
+
+    def __init__(self, mode: str, cores: float) -> None:
+        if mode not in ("on", "off", "auto"):
+            raise ValueError(f"stream_upload must be on, off or auto, not {mode!r}")
+        self.mode = mode
+        self.cores = cores
+        self.link_bound: bool | None = None
+        """What the last whole upload showed (None: none measured yet)."""
+        self._streamed_since = 0
+
+    def stream(self) -> bool:
+        """Whether the next eligible update streams."""
+        if self.mode != "auto":
+            return self.mode == "on"
+        return bool(self.link_bound) and self._streamed_since < self.RECHECK_EVERY
+
+    def observe(self, *, streamed: bool, wall_s: float, cpu_s: float) -> None:
+        """One uncompressed upload ended: `wall_s` long, the process using `cpu_s` of CPU meanwhile
+        (a streamed upload's times are compute's too: it only counts towards the next check)."""
+        if streamed:
+            self._streamed_since += 1
+            return
+        self._streamed_since = 0
+        if wall_s > 0:
+            self.link_bound = cpu_s < self.LINK_BOUND_SHARE * wall_s * self.cores

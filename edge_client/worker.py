@@ -310,12 +310,16 @@ class EdgeWorker:
                         update.streamed.wait()
                 return
             report = replace(update.report, energy_j=self._step_energy())
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             if update.streamed is not None:
                 update.streamed.send_report(report)
                 update.streamed.wait()
             else:
                 self.conn.upload(self.device_id, work, update.metas, update.payload, report, self._job.chunk_bytes)
+            if work.stage is None and work.local is None:
+                self._shards.stream_choice.observe(streamed=update.streamed is not None,
+                                                   wall_s=time.perf_counter() - started,
+                                                   cpu_s=time.process_time() - cpu_started)
             update.commit()
             self.telemetry.last_step = (report.compute_s, report.download_s + report.encode_s
                                         + time.perf_counter() - started)

@@ -123,11 +123,20 @@ class TrainingConfig:
     chunks of at most this size, gradients accumulated. A CPU trains fastest at 32-64 samples per
     pass (larger ones outgrow its caches, smaller ones pay the fixed cost of a pass more often;
     see edgetrain.training.compute_shard). 0: a whole shard at once."""
-    stream_upload: bool = True
-    """A board computing a data-parallel shard with an uncompressed update uploads its gradients
-    as backward produces them (last layer first, as DDP's buckets), so the upload runs under the
-    backward pass instead of after it; false: the whole update is sent after compute. Either way
-    the coordinator receives the same bytes."""
+    stream_upload: bool | str = "auto"
+    """Whether a board computing a data-parallel shard with an uncompressed update uploads its
+    gradients as backward produces them (last layer first, as DDP's buckets), so the upload runs
+    under the backward pass instead of after it. true: always; false: the whole update after
+    compute; auto: each board streams while its uploads wait on the link rather than on its CPU
+    (a transfer bound by the board's own CPU gains nothing from overlap and slows backward; see
+    edge_client.streamed.StreamChoice). Either way the coordinator receives the same bytes."""
+
+    @property
+    def stream_upload_mode(self) -> str:
+        """`stream_upload` as "on", "off" or "auto"."""
+        if isinstance(self.stream_upload, bool):
+            return "on" if self.stream_upload else "off"
+        return self.stream_upload
 
     def __post_init__(self) -> None:
         _require(self.global_batch > 0, "global_batch", self.global_batch, "must be > 0")
@@ -156,6 +165,8 @@ class TrainingConfig:
                  "must be in [4096, 1048576]")
         _require(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
         _require(self.max_forward_batch >= 0, "max_forward_batch", self.max_forward_batch, "must be >= 0")
+        _require(isinstance(self.stream_upload, bool) or self.stream_upload == "auto", "stream_upload",
+                 self.stream_upload, "must be true, false or auto")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -274,7 +274,7 @@ def board_job_from_proto(msg: pb.JobSpec) -> BoardJob:
                     profile_batch_sizes=tuple(msg.profile_batch_sizes), heartbeat_interval_s=msg.heartbeat_interval_s,
                     chunk_bytes=msg.chunk_bytes, max_forward_batch=msg.max_forward_batch,
                     error_feedback=msg.error_feedback, board_momentum=msg.board_momentum, device=msg.device or "cpu",
-                    stream_upload=msg.stream_upload)
+                    stream_upload=msg.stream_upload or "off")
 
 
 def state_request_to_proto(request: StateRequest) -> spb.StateRequest:

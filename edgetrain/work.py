@@ -175,9 +175,9 @@ class BoardJob:
     """Momentum the board accumulates itself (momentum correction); 0: the coordinator's."""
     device: str = "cpu"
     """Where the board trains: cpu, auto (CUDA when it has it) or cuda (job key `device`)."""
-    stream_upload: bool = False
-    """Upload a data-parallel shard's uncompressed gradients as backward produces them (job key
-    `training.stream_upload`)."""
+    stream_upload: str = "off"
+    """Upload a data-parallel shard's uncompressed gradients as backward produces them: "on",
+    "off" or "auto" (while the board's uploads wait on its link; job key `training.stream_upload`)."""
 
 
 @dataclass(frozen=True)

@@ -104,8 +104,8 @@ class JobSpec(_message.Message):
     board_momentum: float
     max_forward_batch: int
     device: str
-    stream_upload: bool
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., profile_batch_sizes: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., error_feedback: _Optional[bool] = ..., board_momentum: _Optional[float] = ..., max_forward_batch: _Optional[int] = ..., device: _Optional[str] = ..., stream_upload: _Optional[bool] = ...) -> None: ...
+    stream_upload: str
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., profile_batch_sizes: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., error_feedback: _Optional[bool] = ..., board_momentum: _Optional[float] = ..., max_forward_batch: _Optional[int] = ..., device: _Optional[str] = ..., stream_upload: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("device_id", "job")

@@ -12,8 +12,11 @@ run:
 - `equal`, `proportional`: EdgeTrain synchronous data parallelism with the equal split and with
   shares from measured speed;
 - `hybrid`: EdgeTrain with its planner on (pipeline stages and data-parallel groups);
-- `unstreamed`: `proportional` with `training.stream_upload: false` (each board uploads its
-  update after compute instead of during backward): the overlap's effect, side by side.
+- `proportional` leaves `training.stream_upload` at auto (a board streams its update during
+  backward only while its uploads wait on the link; on these loopback links they wait on the
+  board's CPU, so it uploads after compute). Two more arms, not run unless named: `streamed`
+  (`proportional` with every update streamed during backward) and `unstreamed` (never): the
+  overlap's effect on CPU-bound boards, side by side.
 With `--sixteen`, the `sixteen` fleet (16 boards at 0.1 of a core) runs the proportional arm at a
 global batch of 512.
 
@@ -26,13 +29,14 @@ communication is the step time outside forward + backward, all-reduce waits incl
 waiting is null).
 
     python scripts/bench_dp.py [--batches 128,64] [--steps 40] [--warmup 8]
-                               [--arms ceiling,ddp,equal,proportional,hybrid,unstreamed] [--sixteen]
+                               [--arms ceiling,ddp,equal,proportional,hybrid[,streamed,unstreamed]]
+                               [--sixteen]
                                [--keep DIR]
 
 Last line: one JSON object: `ideal_samples_per_s` (batch -> value; batch as a string), and maps
 arm -> batch -> value for `samples_per_s`, `fraction_of_ideal`, `fraction_of_ceiling`, `over_ddp`;
 `time_split` (arm -> batch -> board -> {compute_s, comm_s, waiting_s}); `streamed_over_unstreamed`
-(batch -> proportional / unstreamed samples/s); `prediction_error`
+(batch -> streamed / unstreamed samples/s, when both ran); `prediction_error`
 (EdgeTrain arm -> batch -> the planner's (hybrid) or the split's predicted step time over the measured one,
 minus 1, where the run reports a plan).
 """
@@ -57,8 +61,10 @@ FLEETS = {"compute": REPO / "experiments" / "fleets" / "compute.yaml",
 EDGETRAIN_ARMS = {"equal": {"set": {"training.split": "equal"}},
                   "proportional": {"set": {"training.split": "proportional"}},
                   "hybrid": {"set": {"planner.enabled": True}},
+                  "streamed": {"set": {"training.split": "proportional", "training.stream_upload": True}},
                   "unstreamed": {"set": {"training.split": "proportional", "training.stream_upload": False}}}
 ALL_ARMS = ("ceiling", "ddp", *EDGETRAIN_ARMS)
+DEFAULT_ARMS = ("ceiling", "ddp", "equal", "proportional", "hybrid")
 SIXTEEN_BATCH = 512
 TRAIN_SIZE = 4096
 
@@ -179,7 +185,7 @@ def steady_state(run_dir: Path, warmup: int) -> dict | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", default="128,64")
-    parser.add_argument("--arms", default=",".join(ALL_ARMS))
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"from {', '.join(ALL_ARMS)}")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=8, help="steps left out of the throughput")
     parser.add_argument("--seconds", type=float, default=30.0, help="timed window of the ceiling and ideal runs")
@@ -258,7 +264,7 @@ def main() -> None:
         "ceiling_boards": {str(b): r["boards"] for b, r in results.get("ceiling", {}).items()},
         # the upload during backward against the upload after compute, same split, same run
         "streamed_over_unstreamed": {str(b): round(r["samples_per_s"] / results["unstreamed"][b]["samples_per_s"], 3)
-                                     for b, r in sorted(results.get("proportional", {}).items())
+                                     for b, r in sorted(results.get("streamed", {}).items())
                                      if b in results.get("unstreamed", {})},
     }
     for arm, per in results.items():

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from edge_client.streamed import StreamedUpdate
+from edge_client.streamed import StreamChoice, StreamedUpdate
 from edgetrain.models import build_model
 from edgetrain.streaming import ChunkAssembler, UploadAbandoned
 from edgetrain.tensors import pack
@@ -123,3 +123,45 @@ def test_only_float32_layouts_stream():
     metas = UpdateFormats(shard_tensor_names(model))("fp16").metas()
     with pytest.raises(ValueError, match="float32"):
         StreamedUpdate(model, metas)
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("on", True), ("off", False)])
+def test_on_and_off_ignore_what_uploads_measured(mode, expected):
+    choice = StreamChoice(mode, cores=1.0)
+    assert choice.stream() is expected
+    choice.observe(streamed=False, wall_s=2.0, cpu_s=0.01)      # link-bound
+    assert choice.stream() is expected
+    choice.observe(streamed=False, wall_s=2.0, cpu_s=2.0)       # CPU-bound
+    assert choice.stream() is expected
+
+
+def test_auto_streams_while_uploads_wait_on_the_link():
+    choice = StreamChoice("auto", cores=0.2)    # an emulated board at 0.2 of a core
+    assert not choice.stream()                  # nothing measured yet: whole updates
+    # CPU-bound: the process used all of its 0.2 core during the 0.5 s upload
+    choice.observe(streamed=False, wall_s=0.5, cpu_s=0.1)
+    assert choice.link_bound is False and not choice.stream()
+    # link-bound: the same board, a slow link: 2 s for 0.1 s of CPU
+    choice.observe(streamed=False, wall_s=2.0, cpu_s=0.1)
+    assert choice.link_bound is True and choice.stream()
+    # it streams for RECHECK_EVERY updates, then sends one whole to measure the link again
+    for _ in range(StreamChoice.RECHECK_EVERY - 1):
+        choice.observe(streamed=True, wall_s=0.01, cpu_s=0.01)
+        assert choice.stream()
+    choice.observe(streamed=True, wall_s=0.01, cpu_s=0.01)
+    assert not choice.stream()
+    choice.observe(streamed=False, wall_s=0.5, cpu_s=0.1)   # the link got faster: CPU-bound again
+    assert not choice.stream()
+
+
+def test_auto_counts_all_of_a_boards_cores():
+    # 0.3 s of CPU in a 0.4 s upload: CPU-bound on one core, link-bound on four
+    one, four = StreamChoice("auto", cores=1), StreamChoice("auto", cores=4)
+    for choice in (one, four):
+        choice.observe(streamed=False, wall_s=0.4, cpu_s=0.3)
+    assert not one.stream() and four.stream()
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="on, off or auto"):
+        StreamChoice("sometimes", cores=1)
