@@ -178,12 +178,16 @@ class StreamChoice:
     where a board's transfers are bound by its CPU quota, streaming every update measured 0.83 and
     0.92 of the throughput of whole uploads (docs/benchmarks.md, bench_dp). So "auto" sends whole
     updates and times them: an upload during which the process used less than `LINK_BOUND_SHARE`
-    of the CPU the board had (wall seconds x its cores, or its emulated fraction of one) waited
+    (a quarter) of the CPU the board had (wall seconds x its cores, or its emulated fraction of one) waited
     mostly on the link, and the board streams the updates that follow, sending one whole again
     every `RECHECK_EVERY` to see whether the link still is the bottleneck.
     """
 
-    LINK_BOUND_SHARE = 0.5
+    LINK_BOUND_SHARE = 0.25
+    """At most this share of the CPU the board had during a whole upload, and the upload waited on
+    the link. Not 0.5: an upload's wall time includes the coordinator's checks before it replies,
+    which streaming does not hide either; at 0.5 the 0.5-core board of the loopback fleet (9 MB in
+    ~40 ms) counted as link-bound."""
     RECHECK_EVERY = 20
 
     def __init__(self, mode: str, cores: float) -> None:

@@ -141,8 +141,8 @@ def test_auto_streams_while_uploads_wait_on_the_link():
     # CPU-bound: the process used all of its 0.2 core during the 0.5 s upload
     choice.observe(streamed=False, wall_s=0.5, cpu_s=0.1)
     assert choice.link_bound is False and not choice.stream()
-    # link-bound: the same board, a slow link: 2 s for 0.1 s of CPU
-    choice.observe(streamed=False, wall_s=2.0, cpu_s=0.1)
+    # link-bound: the same board, a slow link: 4 s for 0.1 s of CPU (an eighth of its 0.8 CPU-seconds)
+    choice.observe(streamed=False, wall_s=4.0, cpu_s=0.1)
     assert choice.link_bound is True and choice.stream()
     # it streams for RECHECK_EVERY updates, then sends one whole to measure the link again
     for _ in range(StreamChoice.RECHECK_EVERY - 1):
@@ -155,7 +155,7 @@ def test_auto_streams_while_uploads_wait_on_the_link():
 
 
 def test_auto_counts_all_of_a_boards_cores():
-    # 0.3 s of CPU in a 0.4 s upload: CPU-bound on one core, link-bound on four
+    # 0.3 s of CPU in a 0.4 s upload: CPU-bound on one core, link-bound on four (0.3 of 1.6 s)
     one, four = StreamChoice("auto", cores=1), StreamChoice("auto", cores=4)
     for choice in (one, four):
         choice.observe(streamed=False, wall_s=0.4, cpu_s=0.3)
