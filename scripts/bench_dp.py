@@ -30,7 +30,7 @@ waiting is null).
 
     python scripts/bench_dp.py [--batches 128,64] [--steps 40] [--warmup 8]
                                [--arms ceiling,ddp,equal,proportional,hybrid[,streamed,unstreamed]]
-                               [--sixteen]
+                               [--fleet compute|bandwidth] [--sixteen]
                                [--keep DIR]
 
 Last line: one JSON object: `ideal_samples_per_s` (batch -> value; batch as a string), and maps
@@ -57,6 +57,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 FLEETS = {"compute": REPO / "experiments" / "fleets" / "compute.yaml",
+          "bandwidth": REPO / "experiments" / "fleets" / "bandwidth.yaml",
           "sixteen": REPO / "experiments" / "fleets" / "sixteen.yaml"}
 EDGETRAIN_ARMS = {"equal": {"set": {"training.split": "equal"}},
                   "proportional": {"set": {"training.split": "proportional"}},
@@ -190,6 +191,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8, help="steps left out of the throughput")
     parser.add_argument("--seconds", type=float, default=30.0, help="timed window of the ceiling and ideal runs")
     parser.add_argument("--model", default="mobilenet_v2")
+    parser.add_argument("--fleet", choices=("compute", "bandwidth"), default="compute",
+                        help="bandwidth: the same boards behind 100/50/20/10 Mbit/s links (the ceiling has no links)")
     parser.add_argument("--sixteen", action="store_true", help="also the 16-board fleet (proportional, batch 512)")
     parser.add_argument("--keep", type=Path, help="keep the run directories here")
     args = parser.parse_args()
@@ -200,8 +203,9 @@ def main() -> None:
         parser.error(f"unknown arms {unknown}; choose from {', '.join(ALL_ARMS)}")
     if args.warmup >= args.steps:
         parser.error("--warmup must be below --steps")
-    speeds = fleet_speeds("compute")
-    print(f"# {args.model}, batches {batches}, emulated boards {speeds}, loopback; data: SYNTHETIC", flush=True)
+    speeds = fleet_speeds(args.fleet)
+    links = "loopback" if args.fleet == "compute" else "links of 100/50/20/10 Mbit/s shaped on loopback"
+    print(f"# {args.model}, batches {batches}, emulated boards {speeds}, {links}; data: SYNTHETIC", flush=True)
 
     # the nominal ideal: one unthrottled core at each batch, times the fleet's fraction of a core;
     # the core is timed before the arms and again after them, and the faster window counts (this
@@ -227,7 +231,7 @@ def main() -> None:
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="bench-dp-"))
     workdir.mkdir(parents=True, exist_ok=True)
     fleet_arms = [a for a in arms if a != "ceiling"]
-    runs = run_arms(workdir, "bench-dp", "compute", fleet_arms, batches, args.steps, args.model) if fleet_arms else {}
+    runs = run_arms(workdir, "bench-dp", args.fleet, fleet_arms, batches, args.steps, args.model) if fleet_arms else {}
     if args.sixteen:
         runs.update(run_arms(workdir, "bench-dp-sixteen", "sixteen", ["proportional"], [SIXTEEN_BATCH],
                              args.steps, args.model))
@@ -247,7 +251,7 @@ def main() -> None:
         return {arm: {str(b): key(arm, b, r) for b, r in sorted(per.items())} for arm, per in results.items() if per}
 
     out = {
-        "model": args.model, "speeds": speeds, "synthetic_data": True, "steps": args.steps, "warmup": args.warmup,
+        "model": args.model, "fleet": args.fleet, "speeds": speeds, "synthetic_data": True, "steps": args.steps, "warmup": args.warmup,
         "ddp_insecure": "ddp" in arms,
         "one_core_samples_per_s": {str(b): round(v, 2) for b, v in one_core.items()},
         "one_core_windows": [{str(b): round(v, 2) for b, v in w.items()} for w in one_core_windows],
