@@ -175,8 +175,9 @@ class StreamChoice:
     Overlap hides the part of an upload spent waiting on the link. The part spent on the board's
     own CPU (copying, framing, encrypting) comes out of the CPU backward needs, and streaming adds
     a hook per parameter and thread hand-offs on top: on the emulated fleet's loopback links,
-    where a board's transfers are bound by its CPU quota, streaming every update measured 0.83 and
-    0.92 of the throughput of whole uploads (docs/benchmarks.md, bench_dp). So "auto" sends whole
+    where a board's transfers are bound by its CPU quota, streaming every update gained nothing
+    (0.83, 0.92 and 1.05 of the throughput of whole uploads in three runs, all within the
+    machine's run-to-run drift; docs/benchmarks.md, bench_dp). So "auto" sends whole
     updates and times them: an upload during which the process used less than `LINK_BOUND_SHARE`
     (a quarter) of the CPU the board had (wall seconds x its cores, or its emulated fraction of one) waited
     mostly on the link, and the board streams the updates that follow, sending one whole again
