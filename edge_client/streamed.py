@@ -24,7 +24,7 @@ import torch
 
 from edgetrain.streaming import RawChunk, TensorMeta, UploadAbandoned, iter_chunks
 from edgetrain.training import GRAD_PREFIX
-from edgetrain.work import StepReport
+from edgetrain.work import STREAM_UPLOAD_MODES, StepReport
 
 
 class StreamedUpdate:
@@ -192,7 +192,7 @@ class StreamChoice:
     RECHECK_EVERY = 20
 
     def __init__(self, mode: str, cores: float) -> None:
-        if mode not in ("on", "off", "auto"):
+        if mode not in STREAM_UPLOAD_MODES:
             raise ValueError(f"stream_upload must be on, off or auto, not {mode!r}")
         self.mode = mode
         self.cores = cores

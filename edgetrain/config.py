@@ -128,7 +128,7 @@ class TrainingConfig:
     gradients as backward produces them (last layer first, as DDP's buckets), so the upload runs
     under the backward pass instead of after it. true: always; false: the whole update after
     compute; auto: each board streams while its uploads wait on the link rather than on its CPU
-    (a transfer bound by the board's own CPU gains nothing from overlap and slows backward; see
+    (a transfer bound by the board's own CPU has nothing to hide and gained nothing; see
     edge_client.streamed.StreamChoice). Either way the coordinator receives the same bytes."""
 
     @property

@@ -19,6 +19,7 @@ from edgetrain.pipeline import check_shares
 from edgetrain.streaming import DTYPE_BYTES, WIRE_DTYPES, RawChunk, TensorMeta, TransferError
 from edgetrain.telemetry import TelemetrySample
 from edgetrain.work import (
+    STREAM_UPLOAD_MODES,
     Assignment,
     BoardJob,
     BoardProfile,
@@ -274,7 +275,7 @@ def board_job_from_proto(msg: pb.JobSpec) -> BoardJob:
                     profile_batch_sizes=tuple(msg.profile_batch_sizes), heartbeat_interval_s=msg.heartbeat_interval_s,
                     chunk_bytes=msg.chunk_bytes, max_forward_batch=msg.max_forward_batch,
                     error_feedback=msg.error_feedback, board_momentum=msg.board_momentum, device=msg.device or "cpu",
-                    stream_upload=msg.stream_upload or "off")
+                    stream_upload=msg.stream_upload if msg.stream_upload in STREAM_UPLOAD_MODES else "off")
 
 
 def state_request_to_proto(request: StateRequest) -> spb.StateRequest:

@@ -154,6 +154,10 @@ class StepReport:
             raise ValueError(f"step report energy_j must be finite and >= 0, got {self.energy_j}")
 
 
+STREAM_UPLOAD_MODES = ("on", "off", "auto")
+"""`BoardJob.stream_upload`'s values (a value a board does not know counts as "off")."""
+
+
 @dataclass(frozen=True)
 class BoardJob:
     """The job as a board needs it: model, data, and how to talk to the coordinator."""

@@ -104,6 +104,18 @@ def test_board_job_survives_the_wire_but_its_data_directory_stays_the_boards():
     assert received == replace(job, dataset=replace(dataset, data_dir=DatasetSpec.data_dir))
 
 
+@pytest.mark.parametrize(("sent", "taken"), [("on", "on"), ("auto", "auto"), ("off", "off"), ("", "off"),
+                                             ("sometimes", "off")])
+def test_a_stream_upload_mode_the_board_does_not_know_counts_as_off(sent, taken):
+    dataset = DatasetSpec(name="synthetic", seed=3, train_size=512, test_size=None, augment=False)
+    job = BoardJob(job_id="j-1", model="small_cnn", num_classes=10, dataset=dataset, profile_batch_sizes=(3,),
+                   heartbeat_interval_s=0.5, chunk_bytes=4096, max_forward_batch=32, error_feedback=True,
+                   board_momentum=0.0)
+    message = serde.board_job_to_proto(job)
+    message.stream_upload = sent
+    assert serde.board_job_from_proto(_wire(message)).stream_upload == taken
+
+
 def test_board_profile_survives_the_wire_with_its_device():
     # Prepare
     profile = BoardProfile(((3, 0.015), (12, 0.0425)), memory_total_bytes=2**31, memory_available_bytes=2**30,
