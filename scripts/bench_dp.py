@@ -70,8 +70,18 @@ SIXTEEN_BATCH = 512
 TRAIN_SIZE = 4096
 
 
+def fleet_boards(fleet: str) -> list[dict]:
+    return yaml.safe_load(FLEETS[fleet].read_text())["boards"]
+
+
 def fleet_speeds(fleet: str) -> list[float]:
-    return [b["speed"] for b in yaml.safe_load(FLEETS[fleet].read_text())["boards"]]
+    return [b["speed"] for b in fleet_boards(fleet)]
+
+
+def fleet_links(fleet: str) -> str:
+    """The fleet's links as the header line says them (its file's, or loopback)."""
+    rates = [b["link"]["mbit_per_s"] for b in fleet_boards(fleet) if b.get("link")]
+    return f"links of {'/'.join(f'{r:g}' for r in rates)} Mbit/s shaped on loopback" if rates else "loopback"
 
 
 def _train_alone(model: str, speed: float | None, batch: int, seconds: float, barrier, results) -> None:
@@ -204,8 +214,8 @@ def main() -> None:
     if args.warmup >= args.steps:
         parser.error("--warmup must be below --steps")
     speeds = fleet_speeds(args.fleet)
-    links = "loopback" if args.fleet == "compute" else "links of 100/50/20/10 Mbit/s shaped on loopback"
-    print(f"# {args.model}, batches {batches}, emulated boards {speeds}, {links}; data: SYNTHETIC", flush=True)
+    print(f"# {args.model}, batches {batches}, emulated boards {speeds}, {fleet_links(args.fleet)}; data: SYNTHETIC",
+          flush=True)
 
     # the nominal ideal: one unthrottled core at each batch, times the fleet's fraction of a core;
     # the core is timed before the arms and again after them, and the faster window counts (this
