@@ -22,7 +22,9 @@ global batch of 512.
 
 "Ideal" is nominal: the sum of the boards' fractions of a core times one unthrottled core's
 training throughput on the same model and batch, measured in this run (before the arms and
-after them; the faster window counts). Throughput is samples per
+after them; the faster window counts). Every process measured — the boards, the DDP ranks, the
+ceiling's and the ideal's — keeps freed memory for reuse (edgetrain.allocator); the one core with
+glibc's default malloc is timed once too and reported beside it (`one_core_glibc_default_malloc`). Throughput is samples per
 second of training over the steps after `--warmup`. `time_split` gives, per arm, batch and board,
 the median seconds per step of compute, communication and waiting (from metrics.jsonl; for DDP
 communication is the step time outside forward + backward, all-reduce waits included, so its
@@ -84,16 +86,21 @@ def fleet_links(fleet: str) -> str:
     return f"links of {'/'.join(f'{r:g}' for r in rates)} Mbit/s shaped on loopback" if rates else "loopback"
 
 
-def _train_alone(model: str, speed: float | None, batch: int, seconds: float, barrier, results) -> None:
+def _train_alone(model: str, speed: float | None, batch: int, seconds: float, barrier, results,
+                 keep_memory: bool) -> None:
     """Child: train `model` at `batch` samples a step (SGD) under `speed` of a core (None: a whole
-    unthrottled core) for `seconds` after warm-up and the barrier; put (speed, samples/s)."""
+    unthrottled core) for `seconds` after warm-up and the barrier; put (speed, samples/s). With
+    `keep_memory`, glibc keeps freed memory as the boards' processes do (edgetrain.allocator)."""
     import torch
 
+    from edgetrain.allocator import keep_freed_memory
     from edgetrain.config import DatasetSpec
     from edgetrain.data import load_dataset, make_batch
     from edgetrain.emulator.throttle import limit_cpu
     from edgetrain.models import build_model
 
+    if keep_memory:
+        keep_freed_memory()
     torch.set_num_threads(1)
     dataset = load_dataset(DatasetSpec(name="synthetic", train_size=max(batch, 256)), train=True)
     net = build_model(model, seed=0)
@@ -119,11 +126,13 @@ def _train_alone(model: str, speed: float | None, batch: int, seconds: float, ba
         results.put((speed, samples / (time.perf_counter() - started), limiter.mode))
 
 
-def train_alone_at_once(model: str, boards: list[tuple[float | None, int]], seconds: float) -> list[tuple]:
+def train_alone_at_once(model: str, boards: list[tuple[float | None, int]], seconds: float,
+                        keep_memory: bool = True) -> list[tuple]:
     """Run every (speed, batch) in `boards` as its own process, all timed over the same window."""
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(len(boards)), ctx.Queue()
-    procs = [ctx.Process(target=_train_alone, args=(model, s, b, seconds, barrier, results)) for s, b in boards]
+    procs = [ctx.Process(target=_train_alone, args=(model, s, b, seconds, barrier, results, keep_memory))
+             for s, b in boards]
     for p in procs:
         p.start()
     out = [results.get(timeout=600 + seconds) for _ in procs]
@@ -229,6 +238,12 @@ def main() -> None:
         return out
 
     one_core_windows = [time_one_core("before the arms")]
+    # for comparison only: the same core with glibc's default malloc (memory handed back to the
+    # kernel and faulted in again every step); every arm, the ceiling and the ideal keep it
+    glibc_default = {b: train_alone_at_once(args.model, [(None, b)], args.seconds, keep_memory=False)[0][1]
+                     for b in all_batches}
+    for b, v in glibc_default.items():
+        print(f"one unthrottled core at batch {b}, glibc's default malloc: {v:.1f} samples/s", flush=True)
 
     results: dict[str, dict[int, dict]] = {arm: {} for arm in arms}
     if "ceiling" in arms:
@@ -265,6 +280,7 @@ def main() -> None:
         "ddp_insecure": "ddp" in arms,
         "one_core_samples_per_s": {str(b): round(v, 2) for b, v in one_core.items()},
         "one_core_windows": [{str(b): round(v, 2) for b, v in w.items()} for w in one_core_windows],
+        "one_core_glibc_default_malloc": {str(b): round(v, 2) for b, v in glibc_default.items()},
         "ideal_samples_per_s": {str(b): round(v, 2) for b, v in ideal.items()},
         "samples_per_s": by_arm(lambda a, b, r: round(r["samples_per_s"], 2)),
         "fraction_of_ideal": by_arm(lambda a, b, r: round(r["samples_per_s"] / ideal[b], 3)),

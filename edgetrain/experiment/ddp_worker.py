@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from edgetrain.allocator import keep_freed_memory
 from edgetrain.config import job_from_dict
 from edgetrain.data import load_dataset, make_batch
 from edgetrain.emulator.throttle import limit_cpu, remove_stale_cgroups
@@ -338,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True, help="the arm's spec.json (written by baselines.py)")
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as the EdgeTrain boards do: the arms differ in how they train, not in malloc
     try:
         spec = json.loads(Path(args.spec).read_text())
         return launch(spec)
