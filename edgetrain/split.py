@@ -58,10 +58,19 @@ def fit_speed(timings: Sequence[tuple[int, float]]) -> SpeedEstimate:
 
 def refine_speed(estimate: SpeedEstimate, samples: int, compute_s: float, comm_s: float,
                  weight: float = 0.3) -> SpeedEstimate:
-    """Blend one observed step into the estimate (EMA of throughput and of communication time)."""
+    """Blend one observed step into the estimate (EMA of throughput and of communication time).
+    The first observed communication time is taken as it is: blending it with the 0 that stood
+    for "not observed yet" would under-predict a slow board's transfers for several steps (at
+    weight 0.3, 30% of them after one step, 66% after three), and the split would keep giving
+    it samples that make it the straggler."""
     if not (math.isfinite(compute_s) and math.isfinite(comm_s)):
         return estimate
-    comm = (1 - weight) * estimate.comm_s + weight * comm_s if comm_s > 0 else estimate.comm_s
+    if comm_s <= 0:
+        comm = estimate.comm_s
+    elif estimate.comm_s <= 0:
+        comm = comm_s
+    else:
+        comm = (1 - weight) * estimate.comm_s + weight * comm_s
     work_s = compute_s - estimate.overhead_s
     rate = estimate.samples_per_s
     if samples > 0 and work_s > 0:

@@ -160,7 +160,14 @@ def test_refine_speed_moves_towards_observation(observed_rate: float) -> None:
     low, high = sorted((estimate.samples_per_s, observed_rate))
     assert low < refined.samples_per_s < high
     assert refined.samples_per_s == pytest.approx(0.7 * 100.0 + 0.3 * observed_rate)
-    assert refined.comm_s == pytest.approx(0.3 * 0.2)
+    assert refined.comm_s == 0.2  # the first observation: nothing to blend it with
+
+
+def test_refine_speed_blends_later_communication_times() -> None:
+    estimate = SpeedEstimate(overhead_s=0.1, samples_per_s=100.0, comm_s=0.5)
+    refined = refine_speed(estimate, samples=40, compute_s=0.5, comm_s=1.0)
+    assert refined.comm_s == pytest.approx(0.7 * 0.5 + 0.3 * 1.0)
+    assert refine_speed(refined, samples=40, compute_s=0.5, comm_s=0.0).comm_s == refined.comm_s
 
 
 @pytest.mark.parametrize(("samples", "seconds"), [(0, 1.0), (10, 0.1), (10, 0.05)])
