@@ -100,3 +100,17 @@ def test_a_tiny_step_slowed_by_fixed_costs_is_not_a_false_claim() -> None:
     # Assert: under the slack, not flagged; the speed still follows the measured steps
     assert registry.get(board).claim_note == ""
     assert registry.get(board).speed.samples_per_s < 1000 / 3
+
+
+def test_communication_counts_from_a_boards_second_step_and_that_one_as_it_is() -> None:
+    # Prepare: a board's first step carries its warm-up (its transfers 2x the later ones)
+    registry = DeviceRegistry()
+    board = _claiming(registry, "board", 50.0)
+
+    # Execute / Assert
+    registry.observe_step(board, 24, 0.5, 2.0)
+    assert registry.get(board).speed.comm_s == 0.0  # not measured yet: the warm-up is not taken
+    registry.observe_step(board, 24, 0.5, 1.0)
+    assert registry.get(board).speed.comm_s == 1.0  # the first real measurement, as it is
+    registry.observe_step(board, 24, 0.5, 0.5)
+    assert registry.get(board).speed.comm_s == pytest.approx(0.7 * 1.0 + 0.3 * 0.5)
