@@ -179,12 +179,12 @@ class DeviceRegistry:
             if record is None:  # long gone and forgotten
                 return
             if record.speed is not None:
-                # a board's first transfers carry its warm-up (connection, first buffers: on the
-                # emulated fleet 1.3-2x its later ones), and the split may leave out, for good, a
-                # board whose transfers it over-predicts: its communication counts from its second step
-                record.speed = refine_speed(record.speed, samples, compute_s,
-                                            comm_s if record.stats["steps"] > 0 else 0.0)
-                if samples > 0 and record.stats["steps"] > 0:  # its first step carries the warm-up
+                # a board's first step carries its warm-up (its transfers on the emulated fleet
+                # 1.3-2x its later ones), and the split may leave out, for good, a board whose
+                # transfers it over-predicts: its communication counts from its second step
+                warmed_up = record.stats["steps"] > 0
+                record.speed = refine_speed(record.speed, samples, compute_s, comm_s if warmed_up else 0.0)
+                if samples > 0 and warmed_up:
                     record.measured.append((samples, compute_s))
                     self._check_claim(record)
             if energy_j is not None:

@@ -287,8 +287,6 @@ def _coordinator(args: argparse.Namespace) -> int:
     from edgetrain.discovery import default_interfaces
     from edgetrain.trust import gateway_authority
 
-    if not args.return_freed_memory:
-        keep_freed_memory()
     authority = gateway_authority(args.authority, insecure=args.insecure)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # end the job cleanly: boards are told it ended
@@ -354,8 +352,6 @@ def _client(args: argparse.Namespace) -> int:
     from edge_client.main import BATTERY_EMPTY, run_client
     from edge_client.worker import ClientOptions
 
-    if not args.return_freed_memory:
-        keep_freed_memory()
     join = args.join
     if join and join.startswith("@"):
         join = Path(join[1:]).read_text().strip()
@@ -574,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["GRPC_VERBOSITY"] = "INFO"
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if getattr(args, "return_freed_memory", True) is False:  # the long-running roles (_memory_arg)
+        keep_freed_memory()
     handlers = {"coordinator": _coordinator, "client": _client, "local": _local, "demo": _local,
                 "data": run_data_command,
                 "devices": _devices, "fleet": _fleet, "plan": _plan, "submit": _jobs, "jobs": _jobs, "cancel": _jobs,

@@ -24,8 +24,8 @@ global batch of 512.
 training throughput on the same model and batch, measured in this run (before the arms and
 after them; the faster window counts). Every process measured — the boards, the DDP ranks, the
 ceiling's and the ideal's — keeps freed memory for reuse (edgetrain.allocator); the one core with
-glibc's default malloc is timed once too and reported beside it (`one_core_glibc_default_malloc`). Throughput is samples per
-second of training over the steps after `--warmup`. `time_split` gives, per arm, batch and board,
+glibc's default malloc is timed once too and reported beside it (`one_core_glibc_default_malloc`).
+Throughput is samples per second of training over the steps after `--warmup`. `time_split` gives, per arm, batch and board,
 the median seconds per step of compute, communication and waiting (from metrics.jsonl; for DDP
 communication is the step time outside forward + backward, all-reduce waits included, so its
 waiting is null).
