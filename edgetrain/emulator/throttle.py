@@ -34,7 +34,16 @@ so a burst shorter than the period either runs unthrottled or stalls for up to (
 Measured at F=0.2 (2 cores, HZ=250): with 100 ms, 5 ms bursts took 0.2x-3x their ideal cpu/F
 and 30 ms bursts 0.7x-1.3x; with 20 ms, 30 ms bursts stayed within 5 % and 5 ms ones 0.75x-1.5x.
 Shorter periods smooth further but wake the throttle timer more often and, with the kernel's
-1 ms minimum quota, raise the lowest F (0.05 at 20 ms)."""
+1 ms minimum quota, raise the lowest F (0.05 at 20 ms).
+
+Where the kernel has it (5.14+), the group may also carry up to one period's unused quota into
+the next (`cpu.cfs_burst_us` = quota), so the quota holds as an average rather than a cap per
+period. Without it a board's process got less than its fraction: its gRPC threads wake on the
+other core and take a slice of the period's quota there (5 ms at a time), which the training
+thread, throttled meanwhile, gets back only after the period ends. Measured on the four-board
+fleet (scripts/bench_dp.py, batch 128, burst toggled every 12 s on the running boards, 7 windows
+each): the 0.5-core board used 0.444 of a core without carry-over and 0.464 with it, the
+0.2-core board 0.171 and 0.180 (each also waits a little every step)."""
 
 _MIN_QUOTA_US = 1_000
 """The kernel rejects a smaller cfs_quota_us; longer periods keep very low F representable."""
@@ -117,6 +126,8 @@ def limit_cpu(fraction: float | None, *, name: str, prefer_cgroup: bool = True,
             group.mkdir(parents=True, exist_ok=True)
             _write(group / "cpu.cfs_period_us", period_us)
             _write(group / "cpu.cfs_quota_us", round(fraction * period_us))
+            with suppress(OSError):  # absent before Linux 5.14: the quota is then a cap per period
+                _write(group / "cpu.cfs_burst_us", round(fraction * period_us))
             _write(group / "cgroup.procs", os.getpid())
         except OSError as e:
             logger.warning("[Throttle.limit_cpu] cgroup %s failed (%s); using duty-cycle", group, e)
