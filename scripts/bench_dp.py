@@ -22,7 +22,10 @@ global batch of 512.
 
 "Ideal" is nominal: the sum of the boards' fractions of a core times one unthrottled core's
 training throughput on the same model and batch, measured in this run (before the arms and
-after them; the faster window counts). Every process measured — the boards, the DDP ranks, the
+after them; the faster window counts). The machine's speed drifts by 10-15% over a run, so each
+fleet arm also runs on its own between two timings of the core at its batch (the one after an arm
+is the one before the next), and its *adjacent ideal* is their mean times the fleet's fraction of
+a core: the ideal at the time the arm ran. Every process measured — the boards, the DDP ranks, the
 ceiling's and the ideal's — keeps freed memory for reuse (edgetrain.allocator); the one core with
 glibc's default malloc is timed once too and reported beside it (`one_core_glibc_default_malloc`).
 Throughput is samples per second of training over the steps after `--warmup`. `time_split` gives, per arm, batch and board,
@@ -36,7 +39,8 @@ waiting is null).
                                [--keep DIR]
 
 Last line: one JSON object: `ideal_samples_per_s` (batch -> value; batch as a string), and maps
-arm -> batch -> value for `samples_per_s`, `fraction_of_ideal`, `fraction_of_ceiling`, `over_ddp`;
+arm -> batch -> value for `samples_per_s`, `fraction_of_ideal`, `fraction_of_ceiling`, `over_ddp`,
+`adjacent_ideal_samples_per_s` and `fraction_of_adjacent_ideal` (the fleet arms);
 `time_split` (arm -> batch -> board -> {compute_s, comm_s, waiting_s}); `streamed_over_unstreamed`
 (batch -> streamed / unstreamed samples/s, when both ran); `prediction_error`
 (EdgeTrain arm -> batch -> the planner's (hybrid) or the split's predicted step time over the measured one,
@@ -237,6 +241,11 @@ def main() -> None:
             print(f"one unthrottled core at batch {b} ({when}): {v:.1f} samples/s", flush=True)
         return out
 
+    def time_one_core_at(b: int, when: str) -> float:
+        value = train_alone_at_once(args.model, [(None, b)], args.seconds)[0][1]
+        print(f"one unthrottled core at batch {b} ({when}): {value:.1f} samples/s", flush=True)
+        return value
+
     one_core_windows = [time_one_core("before the arms")]
     # for comparison only: the same core with glibc's default malloc (memory handed back to the
     # kernel and faulted in again every step); every arm, the ceiling and the ideal keep it
@@ -256,11 +265,23 @@ def main() -> None:
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="bench-dp-"))
     workdir.mkdir(parents=True, exist_ok=True)
     fleet_arms = [a for a in arms if a != "ceiling"]
-    runs = run_arms(workdir, "bench-dp", args.fleet, fleet_arms, batches, args.steps, args.model) if fleet_arms else {}
+    # each fleet arm runs on its own, between two timings of one core at its batch (the one after
+    # an arm is the one before the next): its adjacent ideal is their mean, the machine's speed
+    # while the arm ran, which drifts by 10-15% over a run
+    runs: dict[tuple[str, int], Path] = {}
+    adjacent: dict[str, dict[int, float]] = {}
+    plan = [(args.fleet, arm, b) for b in batches for arm in fleet_arms]
     if args.sixteen:
-        runs.update(run_arms(workdir, "bench-dp-sixteen", "sixteen", ["proportional"], [SIXTEEN_BATCH],
-                             args.steps, args.model))
+        plan.append(("sixteen", "proportional", SIXTEEN_BATCH))
         results.setdefault("proportional", {})
+    before: dict[int, float] = {}
+    for fleet, arm, b in plan:
+        if b not in before:
+            before[b] = time_one_core_at(b, "before its first arm")
+        runs.update(run_arms(workdir, f"bench-dp-{arm}-b{b}", fleet, [arm], [b], args.steps, args.model))
+        after = time_one_core_at(b, f"after {arm}")
+        adjacent.setdefault(arm, {})[b] = (before[b] + after) / 2
+        before[b] = after
     for (arm, b), run_dir in runs.items():
         measured = steady_state(run_dir, args.warmup)
         if measured is not None:
@@ -268,9 +289,12 @@ def main() -> None:
     if fleet_arms or "ceiling" in arms:
         one_core_windows.append(time_one_core("after the arms"))
     one_core = {b: max(w[b] for w in one_core_windows) for b in all_batches}
-    ideal = {b: one_core[b] * sum(speeds) for b in batches}
-    if args.sixteen:
-        ideal[SIXTEEN_BATCH] = one_core[SIXTEEN_BATCH] * sum(fleet_speeds("sixteen"))
+
+    def fleet_fraction(b: int) -> float:
+        """The fleet's fraction of a core at batch `b` (the 16-board fleet's at its batch)."""
+        return sum(fleet_speeds("sixteen")) if args.sixteen and b == SIXTEEN_BATCH else sum(speeds)
+
+    ideal = {b: one_core[b] * fleet_fraction(b) for b in all_batches}
 
     def by_arm(key) -> dict:
         return {arm: {str(b): key(arm, b, r) for b, r in sorted(per.items())} for arm, per in results.items() if per}
@@ -284,6 +308,11 @@ def main() -> None:
         "ideal_samples_per_s": {str(b): round(v, 2) for b, v in ideal.items()},
         "samples_per_s": by_arm(lambda a, b, r: round(r["samples_per_s"], 2)),
         "fraction_of_ideal": by_arm(lambda a, b, r: round(r["samples_per_s"] / ideal[b], 3)),
+        "adjacent_ideal_samples_per_s": {a: {str(b): round(v * fleet_fraction(b), 2) for b, v in sorted(per.items())}
+                                         for a, per in adjacent.items()},
+        "fraction_of_adjacent_ideal": {a: {str(b): round(results[a][b]["samples_per_s"] / (v * fleet_fraction(b)), 3)
+                                           for b, v in sorted(per.items()) if b in results[a]}
+                                       for a, per in adjacent.items()},
         "fraction_of_ceiling": by_arm(lambda a, b, r: round(r["samples_per_s"] / results["ceiling"][b]["samples_per_s"], 3)
                                       if b in results.get("ceiling", {}) else None),
         "over_ddp": by_arm(lambda a, b, r: round(r["samples_per_s"] / results["ddp"][b]["samples_per_s"], 2)
@@ -299,9 +328,11 @@ def main() -> None:
     }
     for arm, per in results.items():
         for b, r in sorted(per.items()):
+            near = adjacent.get(arm, {}).get(b)
             print(f"{arm:>13} batch {b:>4}: {r['samples_per_s']:6.1f} samples/s = "
-                  f"{r['samples_per_s'] / ideal[b]:.2f} of the ideal" + (" (INSECURE: gloo)" if arm == "ddp" else ""),
-                  flush=True)
+                  f"{r['samples_per_s'] / ideal[b]:.2f} of the ideal"
+                  + (f", {r['samples_per_s'] / (near * fleet_fraction(b)):.2f} of the adjacent one" if near else "")
+                  + (" (INSECURE: gloo)" if arm == "ddp" else ""), flush=True)
     print(json.dumps(out))
 
 
