@@ -20,6 +20,7 @@ import torch
 
 from edgetrain import transport, trust
 from edgetrain.config import JobConfig, job_from_dict
+from edgetrain.emulator.throttle import DEFAULT_MEMORY_CGROUP_ROOT, remove_stale_cgroups
 from protos import coordinator_pb2_grpc as pb_grpc
 
 torch.set_num_threads(1)
@@ -27,10 +28,15 @@ torch.set_num_threads(1)
 
 @pytest.fixture(autouse=True, scope="session")
 def _kill_leftover_children() -> Iterator[None]:
-    """No test may leave a client or coordinator process behind."""
+    """No test may leave a client or coordinator process behind, nor the CPU or memory group of
+    an emulated board it killed (a killed process cannot remove its own)."""
     yield
-    for child in psutil.Process(os.getpid()).children(recursive=True):
+    children = psutil.Process(os.getpid()).children(recursive=True)
+    for child in children:
         child.kill()
+    psutil.wait_procs(children, timeout=10)
+    remove_stale_cgroups()
+    remove_stale_cgroups(DEFAULT_MEMORY_CGROUP_ROOT)
 
 
 @pytest.fixture(autouse=True, scope="session")
