@@ -235,16 +235,13 @@ def main() -> None:
     # machine's speed drifts by ~10% over minutes: the ideal is never the slower reading)
     all_batches = sorted(set(batches + ([SIXTEEN_BATCH] if args.sixteen else [])))
 
-    def time_one_core(when: str) -> dict[int, float]:
-        out = {b: train_alone_at_once(args.model, [(None, b)], args.seconds)[0][1] for b in all_batches}
-        for b, v in out.items():
-            print(f"one unthrottled core at batch {b} ({when}): {v:.1f} samples/s", flush=True)
-        return out
-
     def time_one_core_at(b: int, when: str) -> float:
         value = train_alone_at_once(args.model, [(None, b)], args.seconds)[0][1]
         print(f"one unthrottled core at batch {b} ({when}): {value:.1f} samples/s", flush=True)
         return value
+
+    def time_one_core(when: str) -> dict[int, float]:
+        return {b: time_one_core_at(b, when) for b in all_batches}
 
     one_core_windows = [time_one_core("before the arms")]
     # for comparison only: the same core with glibc's default malloc (memory handed back to the

@@ -125,9 +125,10 @@ def limit_cpu(fraction: float | None, *, name: str, prefer_cgroup: bool = True,
         try:
             group.mkdir(parents=True, exist_ok=True)
             _write(group / "cpu.cfs_period_us", period_us)
-            _write(group / "cpu.cfs_quota_us", round(fraction * period_us))
+            quota_us = round(fraction * period_us)
+            _write(group / "cpu.cfs_quota_us", quota_us)
             with suppress(OSError):  # absent before Linux 5.14: the quota is then a cap per period
-                _write(group / "cpu.cfs_burst_us", round(fraction * period_us))
+                _write(group / "cpu.cfs_burst_us", quota_us)
             _write(group / "cgroup.procs", os.getpid())
         except OSError as e:
             logger.warning("[Throttle.limit_cpu] cgroup %s failed (%s); using duty-cycle", group, e)
