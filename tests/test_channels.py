@@ -35,7 +35,11 @@ from edgetrain.tensors import unpack
 from edgetrain.training import shard_tensor_names
 from edgetrain.updates import UpdateFormats
 
-TOLERANCE = 2e-5
+TOLERANCE = {"small_cnn": 2e-5, "mobilenet_v2": 1e-4}
+"""Of the largest gradient. MobileNetV2 runs channels-last (edgetrain.models.IMAGE_FORMATS), whose
+oneDNN kernels sum a whole layer and its channel slices in orders further apart: one thread, seed 0,
+2.1e-5 here against 1.3e-6 in the default layout (float32 gradients of this network differ from
+float64's by 0.03-2% in norm)."""
 
 
 class ThreadExchange:
@@ -141,7 +145,7 @@ def test_channel_group_gradients_sum_to_the_unsplit_models(model_name, weights):
     # Assert: every member computed the same loss, and the gradients add up to the model's
     assert all(member_losses == losses[0] for member_losses in losses)
     largest = max(float(p.grad.abs().max()) for p in model.parameters())
-    assert summed_difference(model, members) < TOLERANCE * max(1.0, largest)  # float32 sums in other orders
+    assert summed_difference(model, members) < TOLERANCE[model_name] * max(1.0, largest)  # float32 sums in other orders
     split_weight = next(m for m in members[-1].modules() if splittable(m)).weight
     lo, hi = channel_bounds(split_weight.shape[0], channel_shares(weights)[-1])
     assert split_weight.grad[:lo].abs().max() == 0 and split_weight.grad[lo:hi].abs().max() > 0

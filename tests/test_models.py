@@ -75,6 +75,38 @@ def test_mobilenet_v2_stem_has_stride_one(models):
     assert models["mobilenet_v2"].blocks["features_0"][0].stride == (1, 1)
 
 
+def test_mobilenet_v2_runs_channels_last_with_the_same_arithmetic_and_parameters():
+    # Prepare: the catalog's MobileNetV2 and a copy run in the default layout
+    fast = build_model("mobilenet_v2", seed=0).train()
+    plain = build_model("mobilenet_v2", seed=0).train()
+    plain.image_format = torch.contiguous_format
+    x, y = torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(1)), torch.arange(16) % 10
+
+    # Act
+    first = fast.run_blocks(x, 0, 1)
+    losses = []
+    for model in (fast, plain):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # the same dropout mask for both
+            losses.append(nn.functional.cross_entropy(model(x), y))
+        losses[-1].backward()
+
+    # Assert: activations are channels-last, parameters and their gradients keep their layout,
+    # and loss and gradients agree with the default layout's up to float rounding (float32
+    # gradients of this BatchNorm network already differ from float64's by 0.03-2% in norm)
+    assert fast.image_format == torch.channels_last
+    assert first.is_contiguous(memory_format=torch.channels_last) and not first.is_contiguous()
+    assert all(p.is_contiguous() and p.grad.is_contiguous() for p in fast.parameters())
+    assert torch.allclose(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    a, b = (torch.cat([p.grad.flatten() for p in m.parameters()]) for m in (fast, plain))
+    assert (a - b).norm() / b.norm() < 0.05
+
+
+def test_resnet18_and_small_cnn_keep_the_default_layout(models):
+    assert models["resnet18"].image_format == torch.contiguous_format
+    assert models["small_cnn"].image_format == torch.contiguous_format
+
+
 def test_has_batchnorm(models):
     assert has_batchnorm(models["resnet18"])
     assert has_batchnorm(models["mobilenet_v2"])
