@@ -95,7 +95,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._board = board
         self._store = store
         self._cache_lock = threading.Lock()
-        self._cache: dict[tuple[int, int, int], list[pb.ParameterMessage]] = {}
+        self._cache: dict[tuple[int, int, int, bool], list[pb.ParameterMessage]] = {}
         self._job_spec = serde.board_job_to_proto(board_job)
 
     def _own(self, context, rpc: str, device_id: str) -> DeviceRecord:
@@ -212,6 +212,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def DownloadParameters(self, request: pb.ParameterRequest, context) -> Iterator[pb.ParameterMessage]:
         self._own(context, "DownloadParameters", request.device_id)
         base = request.base_version if request.HasField("base_version") else -1
+        checksum = not transport.authenticated_channel(context)  # TLS checks every byte already
         prefixes = tuple(request.prefixes)
         if prefixes and base >= 0:
             raise ValueError("a download is either deltas (base_version) or a part (prefixes), not both")
@@ -225,9 +226,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             metas, payload = self._store.part(request.version, prefixes, share)
             if request.offset > len(payload):
                 raise TransferError("out_of_range", f"offset {request.offset} is past the {len(payload)} bytes")
-            chunks = iter_chunks(payload, start=request.offset, chunk_bytes=self._job.training.chunk_bytes)
+            chunks = iter_chunks(payload, start=request.offset, chunk_bytes=self._job.training.chunk_bytes,
+                                 checksum=checksum)
             return self._counted(request.device_id, serde.parameter_stream(metas, chunks))
-        messages = self._parameter_messages(base, request.version)
+        messages = self._parameter_messages(base, request.version, checksum)
         total = messages[0].header.total_bytes
         if request.offset > total:
             raise TransferError("out_of_range", f"offset {request.offset} is past the {total} bytes")
@@ -235,7 +237,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             first = 1 + request.offset // self._job.training.chunk_bytes
             return self._counted(request.device_id, [messages[0], *messages[first:]])
         metas, payload = self._bundle(base, request.version)
-        chunks = iter_chunks(payload, start=request.offset, chunk_bytes=self._job.training.chunk_bytes)
+        chunks = iter_chunks(payload, start=request.offset, chunk_bytes=self._job.training.chunk_bytes,
+                             checksum=checksum)
         return self._counted(request.device_id, serde.parameter_stream(metas, chunks))
 
     def _counted(self, device_id: str, messages) -> Iterator[pb.ParameterMessage]:
@@ -253,17 +256,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         """Full parameters of `version` (base -1) or the deltas since `base`."""
         return self._store.full(version) if base < 0 else self._store.deltas(base, version)
 
-    def _parameter_messages(self, base: int, version: int) -> list[pb.ParameterMessage]:
-        """The header and chunk messages of a download, encoded once per publication and served to
-        every device."""
+    def _parameter_messages(self, base: int, version: int, checksum: bool) -> list[pb.ParameterMessage]:
+        """The header and chunk messages of a download (with crc32s or without), encoded once per
+        publication and served to every device."""
         publication = self._store.publication
         metas, payload = self._bundle(base, version)  # refuses a version no longer served
         with self._cache_lock:
-            key = (publication, base, version)
+            key = (publication, base, version, checksum)
             if key not in self._cache:
                 if any(k[0] != publication or k[2] != version for k in self._cache):
                     self._cache.clear()
-                chunks = iter_chunks(payload, chunk_bytes=self._job.training.chunk_bytes)
+                chunks = iter_chunks(payload, chunk_bytes=self._job.training.chunk_bytes, checksum=checksum)
                 self._cache[key] = list(serde.parameter_stream(metas, chunks))
             return self._cache[key]
 
@@ -286,7 +289,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 raise ValueError(f"a {kind} message after the step report that closes a streamed upload")
             if kind == "chunk":
                 chunk = message.chunk
-                assembler.add(chunk.offset, chunk.data, chunk.crc32)
+                assembler.add(chunk.offset, chunk.data, serde.chunk_crc32(chunk))
                 self._registry.count_bytes(header.device_id, up=len(chunk.data))
             elif kind == "report" and streamed:
                 closing = self._report(header, message.report)

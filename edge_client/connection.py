@@ -231,15 +231,16 @@ class CoordinatorConnection:
     def upload(self, device_id: str, work: Assignment, metas: Sequence[TensorMeta], payload: memoryview,
                report: StepReport, chunk_bytes: int) -> None:
         """Upload one step's tensors and report, resuming from what the coordinator already holds."""
-        self._send_update(device_id, work, metas, report, len(payload),
-                          lambda start: iter_chunks(payload, start=start, chunk_bytes=chunk_bytes))
+        self._send_update(device_id, work, metas, report, len(payload), lambda start: iter_chunks(
+            payload, start=start, chunk_bytes=chunk_bytes, checksum=self.credentials is None))
 
     def upload_streamed(self, device_id: str, work: Assignment, update: StreamedUpdate, chunk_bytes: int) -> None:
         """Upload an update while it is being computed: the header now, each chunk once backward
         made it final, the report last (edge_client.streamed); resumes like `upload`.
         UploadAbandoned when the update is abandoned."""
         self._send_update(device_id, work, update.metas, None, update.nbytes,
-                          lambda start: update.chunks(start, chunk_bytes), update)
+                          lambda start: update.chunks(start, chunk_bytes, checksum=self.credentials is None),
+                          update)
 
     def _send_update(self, device_id: str, work: Assignment, metas: Sequence[TensorMeta], report: StepReport | None,
                      nbytes: int, chunks: Callable[[int], Iterator[RawChunk]],

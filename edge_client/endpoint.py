@@ -296,7 +296,8 @@ class StagePeerServicer(spb_grpc.StagePeerServicer):
             transport.abort(context, grpc.StatusCode.OUT_OF_RANGE, f"offset {offset} is past the "
                             f"{len(payload)} bytes of {what}")
         yield spb.StateMessage(header=serde.header_to_proto(metas))
-        for chunk in iter_chunks(payload, start=offset, chunk_bytes=self.chunk_bytes):
+        checksum = not transport.authenticated_channel(context)  # TLS checks every byte already
+        for chunk in iter_chunks(payload, start=offset, chunk_bytes=self.chunk_bytes, checksum=checksum):
             if self.shaper:
                 self.shaper.before_send(len(chunk.data))
             yield spb.StateMessage(chunk=serde.chunk_to_proto(chunk))
@@ -370,6 +371,8 @@ class StageEndpoint:
         except OSError as e:
             raise OSError(f"cannot bind the stage endpoint: {e}") from None
         self._channels = transport.ChannelCache(security)
+        self._checksum = not security.secure
+        """Whether chunks sent carry crc32s (TLS authenticates every byte already)."""
         self._senders = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="stage-send")
 
     def expect(self, work: Assignment) -> None:
@@ -415,7 +418,7 @@ class StageEndpoint:
 
     def _messages(self, header: spb.StageHeader, payload) -> Iterator[spb.StageMessage]:
         yield spb.StageMessage(header=header)
-        for chunk in iter_chunks(payload, chunk_bytes=self.chunk_bytes):
+        for chunk in iter_chunks(payload, chunk_bytes=self.chunk_bytes, checksum=self._checksum):
             if self.shaper:
                 self.shaper.before_send(len(chunk.data))
             yield spb.StageMessage(chunk=serde.chunk_to_proto(chunk))

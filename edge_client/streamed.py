@@ -143,9 +143,9 @@ class StreamedUpdate:
 
     # -- the upload side ---------------------------------------------------------------------
 
-    def chunks(self, start: int, chunk_bytes: int) -> Iterator[RawChunk]:
-        """Chunks from byte `start` on, each once all its bytes are final; UploadAbandoned if the
-        update is abandoned before the last one."""
+    def chunks(self, start: int, chunk_bytes: int, checksum: bool = True) -> Iterator[RawChunk]:
+        """Chunks from byte `start` on (with crc32s unless not `checksum`), each once all its
+        bytes are final; UploadAbandoned if the update is abandoned before the last one."""
         view = memoryview(self._payload)
         offset = start
         while offset < self.nbytes:
@@ -155,7 +155,7 @@ class StreamedUpdate:
                 self._cond.wait_for(lambda end=end: self._ready >= end or self._abandoned)
                 if self._abandoned:
                     raise UploadAbandoned()
-            yield from iter_chunks(view[:end], start=offset, chunk_bytes=chunk_bytes)
+            yield from iter_chunks(view[:end], start=offset, chunk_bytes=chunk_bytes, checksum=checksum)
             offset = end
 
     def report(self) -> StepReport:

@@ -83,8 +83,13 @@ def _checked_header(serialized: bytes) -> tuple[tuple[TensorMeta, ...], int]:
 
 
 def chunk_to_proto(chunk: RawChunk) -> tpb.Chunk:
-    """Chunk message."""
+    """Chunk message (without crc32 when the chunk has none)."""
     return tpb.Chunk(offset=chunk.offset, data=chunk.data, crc32=chunk.crc32)
+
+
+def chunk_crc32(msg: tpb.Chunk) -> int | None:
+    """The chunk's crc32, None when the sender left it out (a TLS channel)."""
+    return msg.crc32 if msg.HasField("crc32") else None
 
 
 def parameter_stream(metas: Sequence[TensorMeta], chunks: Iterator[RawChunk]) -> Iterator[pb.ParameterMessage]:

@@ -2,7 +2,9 @@
 
 A bundle is an ordered mapping name -> tensor. On the wire it is a header (one `TensorMeta` per
 tensor: dtype, shape and byte range) followed by the concatenated raw bytes of all tensors, sent
-in chunks of 256 KiB - 1 MiB, each with a zlib crc32. `ChunkAssembler` receives such a stream,
+in chunks of 256 KiB - 1 MiB, each with a zlib crc32 unless the channel is TLS (whose records are
+authenticated already: the checksum would cost a board ~5 ms of a core per 14 MB each way for
+nothing). `ChunkAssembler` receives such a stream,
 rejects bad chunks precisely and remembers the last good byte, so a broken transfer resumes from
 there instead of from zero (edgetrain.transport runs those resumable loops). Nothing here
 unpickles anything; edgetrain.tensors turns payloads into tensors.
@@ -75,22 +77,23 @@ def check_metas(received: Sequence[TensorMeta], expected: Sequence[TensorMeta], 
 
 @dataclass(frozen=True)
 class RawChunk:
-    """One piece of a payload, with the crc32 of its bytes."""
+    """One piece of a payload, with the crc32 of its bytes (None: not checksummed, on TLS)."""
 
     offset: int
     data: bytes
-    crc32: int
+    crc32: int | None
 
 
 def iter_chunks(payload: bytes | bytearray | memoryview, *, start: int = 0,
-                chunk_bytes: int = 512 * 1024) -> Iterator[RawChunk]:
-    """Chunks of `payload` from byte `start` on, each at most `chunk_bytes` long."""
+                chunk_bytes: int = 512 * 1024, checksum: bool = True) -> Iterator[RawChunk]:
+    """Chunks of `payload` from byte `start` on, each at most `chunk_bytes` long; with their
+    crc32 unless `checksum` is False (the channel is TLS)."""
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
     view = memoryview(payload)
     for offset in range(start, len(view), chunk_bytes):
         data = bytes(view[offset : offset + chunk_bytes])
-        yield RawChunk(offset, data, zlib.crc32(data))
+        yield RawChunk(offset, data, zlib.crc32(data) if checksum else None)
 
 
 class ChunkAssembler:
@@ -110,8 +113,9 @@ class ChunkAssembler:
         """True once every byte has arrived."""
         return self.received == self.total_bytes
 
-    def add(self, offset: int, data: bytes, crc32: int) -> None:
-        """Append one chunk, or raise TransferError saying why it is refused."""
+    def add(self, offset: int, data: bytes, crc32: int | None) -> None:
+        """Append one chunk (checked against `crc32` when given), or raise TransferError saying
+        why it is refused."""
         end = offset + len(data)
         if end > self.total_bytes:
             raise TransferError(
@@ -120,7 +124,7 @@ class ChunkAssembler:
         if offset > self.received:
             raise TransferError(
                 "out_of_range", f"chunk at byte {offset} leaves a gap; resume from byte {self.received}")
-        if zlib.crc32(data) != crc32:
+        if crc32 is not None and zlib.crc32(data) != crc32:
             raise TransferError(
                 "data_loss", f"chunk at byte {offset} failed its crc32 check; resume from byte {self.received}")
         if end <= self.received:

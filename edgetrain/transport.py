@@ -199,6 +199,12 @@ _PEERS: dict[bytes, Peer | None] = {}
 _PEERS_LOCK = threading.Lock()
 
 
+def authenticated_channel(context: grpc.ServicerContext) -> bool:
+    """Whether the call came over TLS, whose records are authenticated byte for byte (a payload
+    sent over it needs no checksum of its own)."""
+    return (context.auth_context() or {}).get("transport_security_type") == [b"ssl"]
+
+
 def peer_of(context: grpc.ServicerContext) -> Peer | None:
     """The verified fleet member calling (None: no certificate, or a plaintext server)."""
     pems = (context.auth_context() or {}).get("x509_pem_cert")
@@ -500,7 +506,7 @@ def receive_bundle(open_stream: Callable[[int], Iterable[Any]], what: str, *, re
                 elif kind == "chunk" and assembler is not None:
                     if on_chunk is not None:
                         on_chunk(message.chunk)
-                    assembler.add(message.chunk.offset, message.chunk.data, message.chunk.crc32)
+                    assembler.add(message.chunk.offset, message.chunk.data, serde.chunk_crc32(message.chunk))
                 else:
                     raise TransferError("invalid_argument", f"{what}: a {kind} message where the stream's "
                                         f"{'chunks' if assembler else 'header'} should be")
@@ -554,5 +560,5 @@ def read_bundle(messages: Iterator[Any], total: int, *, after: str,
             raise TransferError("invalid_argument", f"only chunks may follow the {after}")
         if on_chunk is not None:
             on_chunk(len(message.chunk.data))
-        assembler.add(message.chunk.offset, message.chunk.data, message.chunk.crc32)
+        assembler.add(message.chunk.offset, message.chunk.data, serde.chunk_crc32(message.chunk))
     return assembler.payload()

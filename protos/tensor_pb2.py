@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/tensor.proto\x12\x0c\x65\x64getrain.v1\"m\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.edgetrain.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"N\n\x0c\x42undleHeader\x12)\n\x07tensors\x18\x01 \x03(\x0b\x32\x18.edgetrain.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"4\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x03 \x01(\r*q\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT64\x10\x04\x12\t\n\x05INT32\x10\x05\x12\x08\n\x04INT8\x10\x06\x12\t\n\x05UINT8\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/tensor.proto\x12\x0c\x65\x64getrain.v1\"m\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.edgetrain.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"N\n\x0c\x42undleHeader\x12)\n\x07tensors\x18\x01 \x03(\x0b\x32\x18.edgetrain.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"C\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\x05\x63rc32\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_crc32*q\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT64\x10\x04\x12\t\n\x05INT32\x10\x05\x12\x08\n\x04INT8\x10\x06\x12\t\n\x05UINT8\x10\x07\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=282
-  _globals['_DTYPE']._serialized_end=395
+  _globals['_DTYPE']._serialized_start=297
+  _globals['_DTYPE']._serialized_end=410
   _globals['_TENSORSPEC']._serialized_start=37
   _globals['_TENSORSPEC']._serialized_end=146
   _globals['_BUNDLEHEADER']._serialized_start=148
   _globals['_BUNDLEHEADER']._serialized_end=226
   _globals['_CHUNK']._serialized_start=228
-  _globals['_CHUNK']._serialized_end=280
+  _globals['_CHUNK']._serialized_end=295
 # @@protoc_insertion_point(module_scope)

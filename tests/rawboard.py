@@ -93,7 +93,7 @@ def download(board: Board, version: int) -> dict[str, torch.Tensor]:
             metas, total = serde.header_from_proto(message.header)
             assembler = ChunkAssembler(total)
         else:
-            assembler.add(message.chunk.offset, message.chunk.data, message.chunk.crc32)
+            assembler.add(message.chunk.offset, message.chunk.data, serde.chunk_crc32(message.chunk))
     return unpack(metas, assembler.payload())
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from rawboard import (
 from edge_client.pairing import pair
 from edgetrain import transport, trust
 from edgetrain.errors import FailureKind, Refusal
+from edgetrain.streaming import RawChunk
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 
@@ -325,3 +327,37 @@ def test_a_stopped_job_writes_a_summary_that_says_so(coordinator_factory):
     assert summary["stopped"] == "stopped while waiting for devices"
     assert summary["test_accuracy"] is None
     assert isinstance(running.result.get("error"), Exception)
+
+
+# --- checksums where the channel has none ---------------------------------------------------------
+
+def test_chunks_carry_a_crc32_only_on_a_plaintext_channel_and_either_kind_is_accepted(coordinator, tmp_path):
+    # Prepare: the same job served over mutual TLS (the fixture) and over plaintext, a board on each
+    plain = serve_coordinator(small_job())
+    try:
+        boards = {"tls": join(pb_grpc.CoordinatorStub(board_channel(coordinator.address, "board-a")), "board-a"),
+                  "plaintext": join(_stub(plain.address, transport.INSECURE), "board-p")}
+        for running, board in ((coordinator, boards["tls"]), (plain, boards["plaintext"])):
+            running.open({board.device_id: assignment(indices=range(0, 240, 20))})
+
+        # Execute: each board downloads version 0, then uploads its gradient in chunks without crc32s
+        downloaded = {kind: list(board.stub.DownloadParameters(
+            pb.ParameterRequest(device_id=board.device_id, version=0), timeout=RPC_TIMEOUT_S))
+            for kind, board in boards.items()}
+        replies = {}
+        for kind, board in boards.items():
+            grad = compute_gradient(board, next_step(board), tmp_path)
+            bare = [RawChunk(c.offset, c.data, None) for c in chunks(grad)]
+            replies[kind] = (upload(board, header(board, grad), bare).received_bytes, len(grad.payload))
+        outcomes = [coordinator.wait(0), plain.wait(0)]
+    finally:
+        plain.close()
+
+    # Assert: TLS authenticates every byte, so its chunks have no crc32; plaintext's all have theirs;
+    # the bytes are the same; uploads without crc32s are taken whole on both
+    pieces = {kind: [m.chunk for m in messages if m.WhichOneof("kind") == "chunk"] for kind, messages in downloaded.items()}
+    assert pieces["tls"] and not any(c.HasField("crc32") for c in pieces["tls"])
+    assert all(c.HasField("crc32") and c.crc32 == zlib.crc32(c.data) for c in pieces["plaintext"])
+    assert b"".join(c.data for c in pieces["tls"]) == b"".join(c.data for c in pieces["plaintext"])
+    assert all(received == total for received, total in replies.values()), replies
+    assert [sorted(o.accepted) for o in outcomes] == [[boards["tls"].device_id], [boards["plaintext"].device_id]]

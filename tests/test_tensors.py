@@ -358,3 +358,23 @@ def test_check_finite_accepts_finite_values_whose_sum_overflows(dtype) -> None:
 
     # Execute / Assert: no error (the quick sum is not finite; the element-wise look finds nothing)
     check_finite(tensors, "x")
+
+
+def test_chunks_without_a_checksum_are_assembled_and_a_wrong_one_is_still_refused():
+    # Prepare
+    payload = bytes(range(256)) * 64
+    bare = list(iter_chunks(payload, chunk_bytes=4096, checksum=False))
+    checked = list(iter_chunks(payload, chunk_bytes=4096))
+    assembler, strict = ChunkAssembler(len(payload)), ChunkAssembler(len(payload))
+
+    # Execute
+    for chunk in bare:
+        assembler.add(chunk.offset, chunk.data, chunk.crc32)
+    strict.add(checked[0].offset, checked[0].data, checked[0].crc32)
+    with pytest.raises(TransferError) as caught:
+        strict.add(checked[1].offset, checked[1].data, checked[1].crc32 ^ 1)
+
+    # Assert
+    assert [c.crc32 for c in bare] == [None] * 4 and all(c.crc32 == zlib.crc32(c.data) for c in checked)
+    assert bytes(assembler.payload()) == payload
+    assert caught.value.kind == "data_loss" and strict.received == 4096

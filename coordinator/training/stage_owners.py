@@ -146,6 +146,8 @@ class StageOwners:
         if isinstance(security, transport.MutualTLS):  # whatever it dials by default, a StagePeer is a board
             security = security.dialing(trust.BOARD_SERVER_NAME)
         self._channels = transport.ChannelCache(security)
+        self._checksum = not security.secure
+        """Whether chunks sent carry crc32s (TLS authenticates every byte already)."""
         self._count_bytes = count_bytes or (lambda device_id, *, down=0, up=0: None)
         """Called with the bytes each load (down) and pull (up) moved over a board's link."""
         self.bytes_moved = 0
@@ -277,7 +279,7 @@ class StageOwners:
         def messages() -> Iterator[spb.StateMessage]:
             yield spb.StateMessage(request=serde.state_request_to_proto(request))
             yield spb.StateMessage(header=serde.header_to_proto(metas))
-            for chunk in iter_chunks(payload, chunk_bytes=self.chunk_bytes):
+            for chunk in iter_chunks(payload, chunk_bytes=self.chunk_bytes, checksum=self._checksum):
                 yield spb.StateMessage(chunk=serde.chunk_to_proto(chunk))
 
         self._stub(owner.address).LoadState(messages(), timeout=self.timeout_s)
