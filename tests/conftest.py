@@ -9,7 +9,7 @@ import os
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -261,12 +261,13 @@ def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == kind]
 
 
-def wait_for(predicate, timeout_s: float, what: str, *, interval_s: float = 0.5):
-    """Poll `predicate` every `interval_s` until it returns something truthy; fail naming `what`."""
+def wait_for(predicate, timeout_s: float, what: str | Callable[[], str], *, interval_s: float = 0.5):
+    """Poll `predicate` every `interval_s` until it returns something truthy; fail naming `what`
+    (a callable: asked at the failure, so it can say what was seen meanwhile)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what() if callable(what) else what}")
