@@ -24,6 +24,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -n 2 -q -m "not slow"
 
 bench: $(STAMP)
+	$(PY) scripts/bench_memory_format.py
 	$(PY) scripts/bench_dp.py --sixteen
 	$(PY) scripts/bench_links.py
 	$(PY) scripts/bench_aggregation.py
