@@ -78,6 +78,8 @@ class CoordinatorConnection:
         self.credentials = credentials
         """The board's fleet credentials (None: plaintext)."""
         self._security = credentials.gateway() if credentials else transport.INSECURE
+        self._checksum = not self._security.secure
+        """Whether uploaded chunks carry crc32s (TLS authenticates every byte already)."""
         self._channel_lock = threading.Lock()
         self._generation = self._security.generation
         self._channel = transport.open_channel(address, self._security)
@@ -232,15 +234,14 @@ class CoordinatorConnection:
                report: StepReport, chunk_bytes: int) -> None:
         """Upload one step's tensors and report, resuming from what the coordinator already holds."""
         self._send_update(device_id, work, metas, report, len(payload), lambda start: iter_chunks(
-            payload, start=start, chunk_bytes=chunk_bytes, checksum=self.credentials is None))
+            payload, start=start, chunk_bytes=chunk_bytes, checksum=self._checksum))
 
     def upload_streamed(self, device_id: str, work: Assignment, update: StreamedUpdate, chunk_bytes: int) -> None:
         """Upload an update while it is being computed: the header now, each chunk once backward
         made it final, the report last (edge_client.streamed); resumes like `upload`.
         UploadAbandoned when the update is abandoned."""
         self._send_update(device_id, work, update.metas, None, update.nbytes,
-                          lambda start: update.chunks(start, chunk_bytes, checksum=self.credentials is None),
-                          update)
+                          lambda start: update.chunks(start, chunk_bytes, checksum=self._checksum), update)
 
     def _send_update(self, device_id: str, work: Assignment, metas: Sequence[TensorMeta], report: StepReport | None,
                      nbytes: int, chunks: Callable[[int], Iterator[RawChunk]],

@@ -292,6 +292,7 @@ def main() -> None:
         return sum(fleet_speeds("sixteen")) if args.sixteen and b == SIXTEEN_BATCH else sum(speeds)
 
     ideal = {b: one_core[b] * fleet_fraction(b) for b in all_batches}
+    adjacent_ideal = {a: {b: core * fleet_fraction(b) for b, core in per.items()} for a, per in adjacent.items()}
 
     def by_arm(key) -> dict:
         return {arm: {str(b): key(arm, b, r) for b, r in sorted(per.items())} for arm, per in results.items() if per}
@@ -305,11 +306,11 @@ def main() -> None:
         "ideal_samples_per_s": {str(b): round(v, 2) for b, v in ideal.items()},
         "samples_per_s": by_arm(lambda a, b, r: round(r["samples_per_s"], 2)),
         "fraction_of_ideal": by_arm(lambda a, b, r: round(r["samples_per_s"] / ideal[b], 3)),
-        "adjacent_ideal_samples_per_s": {a: {str(b): round(v * fleet_fraction(b), 2) for b, v in sorted(per.items())}
-                                         for a, per in adjacent.items()},
-        "fraction_of_adjacent_ideal": {a: {str(b): round(results[a][b]["samples_per_s"] / (v * fleet_fraction(b)), 3)
+        "adjacent_ideal_samples_per_s": {a: {str(b): round(v, 2) for b, v in sorted(per.items())}
+                                         for a, per in adjacent_ideal.items()},
+        "fraction_of_adjacent_ideal": {a: {str(b): round(results[a][b]["samples_per_s"] / v, 3)
                                            for b, v in sorted(per.items()) if b in results[a]}
-                                       for a, per in adjacent.items()},
+                                       for a, per in adjacent_ideal.items()},
         "fraction_of_ceiling": by_arm(lambda a, b, r: round(r["samples_per_s"] / results["ceiling"][b]["samples_per_s"], 3)
                                       if b in results.get("ceiling", {}) else None),
         "over_ddp": by_arm(lambda a, b, r: round(r["samples_per_s"] / results["ddp"][b]["samples_per_s"], 2)
@@ -325,10 +326,10 @@ def main() -> None:
     }
     for arm, per in results.items():
         for b, r in sorted(per.items()):
-            near = adjacent.get(arm, {}).get(b)
+            near = adjacent_ideal.get(arm, {}).get(b)
             print(f"{arm:>13} batch {b:>4}: {r['samples_per_s']:6.1f} samples/s = "
                   f"{r['samples_per_s'] / ideal[b]:.2f} of the ideal"
-                  + (f", {r['samples_per_s'] / (near * fleet_fraction(b)):.2f} of the adjacent one" if near else "")
+                  + (f", {r['samples_per_s'] / near:.2f} of the adjacent one" if near else "")
                   + (" (INSECURE: gloo)" if arm == "ddp" else ""), flush=True)
     print(json.dumps(out))
 
