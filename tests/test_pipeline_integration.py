@@ -180,16 +180,18 @@ def test_killed_stage_owner_loses_no_step_and_a_new_plan_continues_from_its_repl
                                          "microbatches": 2}))
     coordinator.wait(timeout=150)
 
-    # Assert: the step in flight failed, naming the board; it was redone
-    # under the new plan, which trained on
+    # Assert: a step in flight when b died failed, naming the board, and was redone under the new
+    # plan, which trained on; b may also have died between two steps (its part of the step in flight
+    # was done), and then the next step waited for the new plan without a failed attempt
     steps = records(coordinator.run_dir)
     assert stalled <= steps_before + 1
     redone = steps[stalled]
-    attempts = [f for f in redone["failures"] if "failed" in f]
+    attempts = [f for f in redone.get("failures", []) if "failed" in f]
     failed = {d: r for f in attempts for d, r in f["failed"].items()}
-    # the dead host is named: gone (missed heartbeats) or silent past the attempt's end, depending on
-    # whether its neighbour's refused connection or its missed heartbeats came first
-    assert any(d.startswith("b-") and ("gone" in r or "no result" in r) for d, r in failed.items()), failed
+    # the dead host is named: gone (its connection broke or it missed heartbeats) or silent past the
+    # attempt's end, depending on whether its neighbour's refused connection or that came first
+    assert not failed or any(d.startswith("b-") and ("gone" in r or "no result" in r)
+                             for d, r in failed.items()), failed
     assert redone["attempts"] == len(attempts) + 1
     # b owned stage 1's parameters: c took them over from the coordinator's replica, which had
     # every step b committed — no state was lost, and the run's parameters are single-process SGD's
