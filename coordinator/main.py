@@ -50,7 +50,7 @@ def board_job(job: JobConfig, aggregator: Aggregator) -> BoardJob:
                     heartbeat_interval_s=job.training.heartbeat_interval_s, chunk_bytes=job.training.chunk_bytes,
                     max_forward_batch=job.training.max_forward_batch, error_feedback=job.compression.error_feedback,
                     board_momentum=aggregator.board_momentum, device=job.device,
-                    stream_upload=job.training.stream_upload_mode)
+                    stream_upload=job.training.stream_upload_mode, stream_download=job.training.stream_download_mode)
 
 
 def _watch_heartbeats(registry: DeviceRegistry, board: StepBoard, timeout_s: float, stop: threading.Event) -> None:

@@ -205,10 +205,13 @@ class CoordinatorConnection:
 
     def download_parameters(self, device_id: str, version: int, base_version: int | None = None,
                             prefixes: Sequence[str] = (),
-                            channels: tuple[float, float] | None = None) -> tuple[list[TensorMeta], bytearray]:
+                            channels: tuple[float, float] | None = None,
+                            on_progress: Callable[[list[TensorMeta], bytearray, int], None] | None = None,
+                            ) -> tuple[list[TensorMeta], bytearray]:
         """Parameters of `version` (or the deltas since `base_version`, or only the tensors named
         with `prefixes`, and of split layers only the rows of a channel group member's share
-        `channels`), resuming an interrupted stream from the last good byte."""
+        `channels`), resuming an interrupted stream from the last good byte; `on_progress` is
+        told as the bytes arrive (transport.receive_bundle)."""
         begin, end = channels if channels is not None else (0.0, 0.0)
 
         def open_stream(offset: int) -> Iterator[pb.ParameterMessage]:
@@ -224,7 +227,8 @@ class CoordinatorConnection:
             try:
                 with trusted_calls(self.credentials):
                     metas, payload = transport.receive_bundle(open_stream, f"download of version {version}",
-                                                              retry=self.transfers, on_chunk=self._receive_chunk)
+                                                              retry=self.transfers, on_chunk=self._receive_chunk,
+                                                              on_progress=on_progress)
             except transport.Unreachable as e:
                 raise CoordinatorUnreachable(str(e)) from e
             self.link.observe_transfer(len(payload), time.perf_counter() - started)

@@ -5,7 +5,8 @@ change of local training), encoded with the codec the coordinator chose for this
 with a lossy codec, what was not sent is kept (error feedback) and added to the next update once
 the upload succeeded. Parameters arrive in full, or as the compressed deltas since the version
 the board holds; either way the board keeps the coordinator's served view exactly. An
-uncompressed gradient update can go on the wire while backward produces it (edge_client.streamed).
+uncompressed gradient update can go on the wire while backward produces it (edge_client.streamed),
+and a full download can run while the forward pass starts on what has arrived (edge_client.arriving).
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from edge_client.arriving import ArrivingParameters, Download
 from edge_client.streamed import StreamChoice, StreamedUpdate
 from edgetrain import transport
 from edgetrain.compression import ErrorFeedback, parse_codec
 from edgetrain.data import make_batch
 from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.errors import Refusal
+from edgetrain.models import BlockModel
 from edgetrain.streaming import TensorMeta, TransferError, check_metas
 from edgetrain.tensors import pack, unpack
 from edgetrain.training import (
@@ -39,9 +42,6 @@ from edgetrain.updates import DeltaFormat, UpdateFormats
 from edgetrain.work import Assignment, BoardJob, StepReport
 
 logger = logging.getLogger(__name__)
-
-Download = Callable[..., tuple[list[TensorMeta], bytearray]]
-"""The connection's parameter download: (version, base_version=None, prefixes=(), channels=None) -> bundle."""
 
 
 @dataclass
@@ -73,8 +73,11 @@ class ShardRunner:
         self._deltas: dict[str, DeltaFormat] = {}
         self._feedback = ErrorFeedback()
         self._velocity: dict[str, torch.Tensor] = {}
-        self.stream_choice = StreamChoice(job.stream_upload, limiter.fraction or len(os.sched_getaffinity(0)))
+        cores = limiter.fraction or len(os.sched_getaffinity(0))
+        self.stream_choice = StreamChoice(job.stream_upload, cores)
         """Whether uncompressed updates stream (the worker tells it how each upload went)."""
+        self.download_choice = StreamChoice(job.stream_download, cores, key="stream_download")
+        """Whether full downloads run under the compute (timed here when they do not)."""
 
     def forget(self) -> None:
         """Hold nothing (the coordinator may have restarted: what this board holds may not be its view)."""
@@ -88,11 +91,21 @@ class ShardRunner:
                 send_streamed: Callable[[StreamedUpdate], None] | None = None) -> Update:
         """Fetch parameters if needed, compute the update, encode it. With `send_streamed` (the
         upload of a streamed update) an update that can stream is on its way during compute."""
-        started = time.perf_counter()
-        self._fetch(work, download)
-        if self._loaded != self._version:  # also after a forward pass moved BN running stats
-            load_state_tensors(self.model, self._view)
-            self._loaded = self._version
+        started, cpu_started = time.perf_counter(), time.process_time()
+        full = self._full_download(work)
+        arriving = ArrivingParameters(self.model, download, work.param_version) if full and \
+            self.download_choice.stream() else None
+        if arriving is None:
+            self._fetch(work, download)
+            if full:
+                self.download_choice.observe(streamed=False, wall_s=time.perf_counter() - started,
+                                             cpu_s=time.process_time() - cpu_started)
+            if self._loaded != self._version:  # also after a forward pass moved BN running stats
+                load_state_tensors(self.model, self._view)
+                self._loaded = self._version
+        else:
+            self.download_choice.observe(streamed=True, wall_s=0.0, cpu_s=0.0)
+            self._version, self._view = -1, {}  # until the download is in, the board holds no view
         download_s = time.perf_counter() - started
         streamed = None
         if send_streamed is not None and self._can_stream(work):
@@ -103,6 +116,8 @@ class ShardRunner:
             with self.limiter.working():
                 x, y = make_batch(self.dataset, list(work.indices), augment=work.augment, seed=work.data_seed,
                                   step=work.step)
+                if arriving is not None:
+                    arriving.start()
                 if work.local is not None:
                     local = work.local
                     result = local_train(self.model, x, y, steps=local.steps, batch_size=local.batch_size,
@@ -111,18 +126,30 @@ class ShardRunner:
                 else:
                     result = compute_shard(self.model, x, y, self.job.max_forward_batch,
                                            before_last_backward=streamed.arm if streamed else None)
+                if arriving is not None:
+                    metas, payload = arriving.finish()
+                    self._view, self._version = unpack(metas, payload), work.param_version
                 if streamed is not None:
                     streamed.complete(result.tensors)
         except BaseException:
+            self._loaded = -1  # a pass that did not finish may have moved BN statistics or loaded a newer version
+            if arriving is not None:
+                arriving.close()
             if streamed is not None:
                 streamed.abandon()
             raise
         compute_s = time.perf_counter() - started
+        overlap_s = 0.0
+        if arriving is not None:  # the time the compute stood waiting for bytes is the download's
+            compute_s -= arriving.waited_s
+            download_s += arriving.waited_s
+            overlap_s = max(0.0, arriving.seconds - download_s)
+            self._loaded = self._version
         if work.local is not None or _has_running_stats(self.model):
             self._loaded = -1
         if streamed is not None:
             report = StepReport(samples=result.samples, loss=result.loss, correct=result.correct,
-                                compute_s=compute_s, download_s=download_s)
+                                compute_s=compute_s, download_s=download_s, download_overlap_s=overlap_s)
             return Update(streamed.metas, memoryview(b""), report, lambda: None, streamed)
         started = time.perf_counter()
         tensors = self._with_momentum(result.tensors)
@@ -137,8 +164,16 @@ class ShardRunner:
 
         metas, payload = pack(wire)
         report = StepReport(samples=result.samples, loss=result.loss, correct=result.correct, compute_s=compute_s,
-                            download_s=download_s, encode_s=time.perf_counter() - started)
+                            download_s=download_s, encode_s=time.perf_counter() - started,
+                            download_overlap_s=overlap_s)
         return Update(metas, payload, report, commit)
+
+    def _full_download(self, work: Assignment) -> bool:
+        """Whether this step brings a full download the compute could run under: a data-parallel
+        gradient shard whose board holds another version and would not fetch deltas."""
+        version = work.param_version
+        return (work.local is None and version != self._version and isinstance(self.model, BlockModel)
+                and not (work.delta_codec and 0 <= self._version < version))
 
     def _can_stream(self, work: Assignment) -> bool:
         """Whether this step's update can go on the wire during backward: a gradient shard

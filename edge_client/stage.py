@@ -37,8 +37,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from edge_client.arriving import Download
 from edge_client.endpoint import MailKey, StageEndpoint, StageFailure
-from edge_client.shard import Download, Update
+from edge_client.shard import Update
 from edge_client.stage_state import StageStateError
 from edgetrain.channels import ChannelSplit, member_slices, split_parameters
 from edgetrain.compression import ErrorFeedback, parse_codec

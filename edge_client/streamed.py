@@ -24,7 +24,7 @@ import torch
 
 from edgetrain.streaming import RawChunk, TensorMeta, UploadAbandoned, iter_chunks
 from edgetrain.training import GRAD_PREFIX
-from edgetrain.work import STREAM_UPLOAD_MODES, StepReport
+from edgetrain.work import STREAM_MODES, StepReport
 
 
 class StreamedUpdate:
@@ -170,9 +170,10 @@ class StreamedUpdate:
 
 
 class StreamChoice:
-    """Whether the board's next uncompressed update streams, under the job's "on", "off" or "auto".
+    """Whether the board's next uncompressed update streams (or, for `training.stream_download`,
+    its next full parameter download runs under its compute), under the job's "on", "off" or "auto".
 
-    Overlap hides the part of an upload spent waiting on the link. The part spent on the board's
+    Overlap hides the part of an upload (a download) spent waiting on the link. The part spent on the board's
     own CPU (copying, framing, encrypting) comes out of the CPU backward needs, and streaming adds
     a hook per parameter and thread hand-offs on top: on the emulated fleet's loopback links,
     where a board's transfers are bound by its CPU quota, streaming every update gained nothing
@@ -191,9 +192,9 @@ class StreamChoice:
     ~40 ms) counted as link-bound."""
     RECHECK_EVERY = 20
 
-    def __init__(self, mode: str, cores: float) -> None:
-        if mode not in STREAM_UPLOAD_MODES:
-            raise ValueError(f"stream_upload must be on, off or auto, not {mode!r}")
+    def __init__(self, mode: str, cores: float, key: str = "stream_upload") -> None:
+        if mode not in STREAM_MODES:
+            raise ValueError(f"{key} must be on, off or auto, not {mode!r}")
         self.mode = mode
         self.cores = cores
         self.link_bound: bool | None = None

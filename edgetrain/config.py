@@ -131,12 +131,24 @@ class TrainingConfig:
     (a transfer bound by the board's own CPU has nothing to hide and gained nothing; see
     edge_client.streamed.StreamChoice). Either way the coordinator receives the same bytes."""
 
+    stream_download: bool | str = "auto"
+    """Whether a board computing a data-parallel shard starts before its parameter download has
+    ended: the parameters are served buffers first, then in the order the forward pass meets them,
+    and each block runs as soon as its own are in, so the download runs under the batch's making
+    and the forward pass instead of before them. Every block computes on exactly the received
+    values: the arithmetic is that of downloading first (edge_client.arriving). true: always;
+    false: never; auto: each board streams while its downloads wait on the link rather than on its
+    CPU (as `stream_upload`). Full downloads only; a board fetching deltas applies them first."""
+
     @property
     def stream_upload_mode(self) -> str:
         """`stream_upload` as "on", "off" or "auto"."""
-        if isinstance(self.stream_upload, bool):
-            return "on" if self.stream_upload else "off"
-        return self.stream_upload
+        return _stream_mode(self.stream_upload)
+
+    @property
+    def stream_download_mode(self) -> str:
+        """`stream_download` as "on", "off" or "auto"."""
+        return _stream_mode(self.stream_download)
 
     def __post_init__(self) -> None:
         _require(self.global_batch > 0, "global_batch", self.global_batch, "must be > 0")
@@ -167,6 +179,12 @@ class TrainingConfig:
         _require(self.max_forward_batch >= 0, "max_forward_batch", self.max_forward_batch, "must be >= 0")
         _require(isinstance(self.stream_upload, bool) or self.stream_upload == "auto", "stream_upload",
                  self.stream_upload, "must be true, false or auto")
+        _require(isinstance(self.stream_download, bool) or self.stream_download == "auto", "stream_download",
+                 self.stream_download, "must be true, false or auto")
+
+
+def _stream_mode(value: bool | str) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else value
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -19,7 +19,7 @@ from edgetrain.pipeline import check_shares
 from edgetrain.streaming import DTYPE_BYTES, WIRE_DTYPES, RawChunk, TensorMeta, TransferError
 from edgetrain.telemetry import TelemetrySample
 from edgetrain.work import (
-    STREAM_UPLOAD_MODES,
+    STREAM_MODES,
     Assignment,
     BoardJob,
     BoardProfile,
@@ -241,7 +241,7 @@ def step_report_to_proto(report: StepReport) -> pb.StepReport:
                          compute_s=report.compute_s, download_s=report.download_s, encode_s=report.encode_s,
                          energy_j=report.energy_j, wait_s=report.wait_s,
                          peak_activation_bytes=report.peak_activation_bytes, peer_bytes=report.peer_bytes,
-                         upload_exposed_s=report.upload_exposed_s)
+                         upload_exposed_s=report.upload_exposed_s, download_overlap_s=report.download_overlap_s)
 
 
 def step_report_from_proto(msg: pb.StepReport) -> StepReport:
@@ -250,7 +250,7 @@ def step_report_from_proto(msg: pb.StepReport) -> StepReport:
                         download_s=msg.download_s, encode_s=msg.encode_s,
                         energy_j=msg.energy_j if msg.HasField("energy_j") else None, wait_s=msg.wait_s,
                         peak_activation_bytes=msg.peak_activation_bytes, peer_bytes=msg.peer_bytes,
-                        upload_exposed_s=msg.upload_exposed_s)
+                        upload_exposed_s=msg.upload_exposed_s, download_overlap_s=msg.download_overlap_s)
     report.check()
     return report
 
@@ -270,7 +270,8 @@ def board_job_to_proto(job: BoardJob) -> pb.JobSpec:
                       dataset=dataset_to_proto(job.dataset), profile_batch_sizes=job.profile_batch_sizes,
                       heartbeat_interval_s=job.heartbeat_interval_s, chunk_bytes=job.chunk_bytes,
                       max_forward_batch=job.max_forward_batch, error_feedback=job.error_feedback,
-                      board_momentum=job.board_momentum, device=job.device, stream_upload=job.stream_upload)
+                      board_momentum=job.board_momentum, device=job.device, stream_upload=job.stream_upload,
+                      stream_download=job.stream_download)
 
 
 def board_job_from_proto(msg: pb.JobSpec) -> BoardJob:
@@ -280,7 +281,8 @@ def board_job_from_proto(msg: pb.JobSpec) -> BoardJob:
                     profile_batch_sizes=tuple(msg.profile_batch_sizes), heartbeat_interval_s=msg.heartbeat_interval_s,
                     chunk_bytes=msg.chunk_bytes, max_forward_batch=msg.max_forward_batch,
                     error_feedback=msg.error_feedback, board_momentum=msg.board_momentum, device=msg.device or "cpu",
-                    stream_upload=msg.stream_upload if msg.stream_upload in STREAM_UPLOAD_MODES else "off")
+                    stream_upload=msg.stream_upload if msg.stream_upload in STREAM_MODES else "off",
+                    stream_download=msg.stream_download if msg.stream_download in STREAM_MODES else "off")
 
 
 def state_request_to_proto(request: StateRequest) -> spb.StateRequest:

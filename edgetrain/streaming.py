@@ -109,6 +109,11 @@ class ChunkAssembler:
         self._buffer = bytearray(total_bytes)
 
     @property
+    def buffer(self) -> bytearray:
+        """The buffer the payload is assembled in: bytes before `received` are final."""
+        return self._buffer
+
+    @property
     def complete(self) -> bool:
         """True once every byte has arrived."""
         return self.received == self.total_bytes

@@ -74,10 +74,12 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Everything a device needs to reproduce the model: parameters then buffers, by name (in CPU
-    memory: what is serialised; a CPU model's tensors are shared, not copied)."""
-    out = {name: p.detach().cpu() for name, p in model.named_parameters()}
-    out.update({name: b.detach().cpu() for name, b in model.named_buffers()})
+    """Everything a device needs to reproduce the model: buffers then parameters, each in the order
+    the forward pass meets them, by name (in CPU memory: what is serialised; a CPU model's tensors
+    are shared, not copied). In that order a board receiving them can load the few small buffers
+    first and run each block as soon as its parameters are in (edge_client.arriving)."""
+    out = {name: b.detach().cpu() for name, b in model.named_buffers()}
+    out.update({name: p.detach().cpu() for name, p in model.named_parameters()})
     return out
 
 

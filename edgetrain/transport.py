@@ -479,13 +479,17 @@ TRANSFERS = RetryPolicy(budget_s=30.0, retry_on=TRANSFER_RETRY_CODES)
 # --- resumable bundle transfers -------------------------------------------------------------------
 
 def receive_bundle(open_stream: Callable[[int], Iterable[Any]], what: str, *, retry: RetryPolicy = TRANSFERS,
-                   on_chunk: Callable[[Any], None] | None = None) -> tuple[list[TensorMeta], bytearray]:
+                   on_chunk: Callable[[Any], None] | None = None,
+                   on_progress: Callable[[list[TensorMeta], bytearray, int], None] | None = None,
+                   ) -> tuple[list[TensorMeta], bytearray]:
     """A bundle streamed as a ``header`` message then ``chunk`` messages (any message with those
     fields in its ``kind`` oneof), resuming from the last good byte after a retryable failure.
 
     `open_stream(offset)` opens the stream at byte `offset` (the header always comes first);
     `on_chunk(chunk)` sees each chunk before it is added (a link emulator may raise
-    TransferError(data_loss) there to drop it)."""
+    TransferError(data_loss) there to drop it); `on_progress(metas, payload, received)` is told
+    after the header and after each chunk that the first `received` bytes of `payload` (the
+    buffer the bundle is assembled in, which stays the same across resumed streams) are final."""
     assembler: ChunkAssembler | None = None
     metas: list[TensorMeta] = []
     backoff, progress = retry.start(what), 0
@@ -510,6 +514,8 @@ def receive_bundle(open_stream: Callable[[int], Iterable[Any]], what: str, *, re
                 else:
                     raise TransferError("invalid_argument", f"{what}: a {kind} message where the stream's "
                                         f"{'chunks' if assembler else 'header'} should be")
+                if on_progress is not None:
+                    on_progress(metas, assembler.buffer, assembler.received)
             if assembler is None:
                 raise TransferError("data_loss", f"{what}: the stream ended before its header")
             return metas, assembler.payload()

@@ -141,11 +141,15 @@ class StepReport:
     upload_exposed_s: float = 0.0
     """A streamed upload (sent during backward): seconds from the end of compute to its last byte
     sent, the part of the upload backward did not hide; 0 for an upload sent after compute."""
+    download_overlap_s: float = 0.0
+    """A download that ran while the board computed (edge_client.arriving): the seconds of it the
+    compute did not wait for; `download_s` is then only the part it waited for."""
 
     def check(self) -> None:
         """ValueError unless every figure is finite and every duration >= 0 (what the coordinator
         accepts; a board reports what it measured, even a diverged loss)."""
-        timings = (self.compute_s, self.download_s, self.encode_s, self.wait_s, self.upload_exposed_s)
+        timings = (self.compute_s, self.download_s, self.encode_s, self.wait_s, self.upload_exposed_s,
+                   self.download_overlap_s)
         if not all(math.isfinite(t) and t >= 0 for t in timings):
             raise ValueError(f"step report timings must be finite and >= 0, got {timings}")
         if not math.isfinite(self.loss):
@@ -154,8 +158,8 @@ class StepReport:
             raise ValueError(f"step report energy_j must be finite and >= 0, got {self.energy_j}")
 
 
-STREAM_UPLOAD_MODES = ("on", "off", "auto")
-"""`BoardJob.stream_upload`'s values (a value a board does not know counts as "off")."""
+STREAM_MODES = ("on", "off", "auto")
+"""`BoardJob.stream_upload`'s and `stream_download`'s values (a value a board does not know counts as "off")."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,10 @@ class BoardJob:
     stream_upload: str = "off"
     """Upload a data-parallel shard's uncompressed gradients as backward produces them: "on",
     "off" or "auto" (while the board's uploads wait on its link; job key `training.stream_upload`)."""
+    stream_download: str = "off"
+    """Run each block of a data-parallel shard's forward pass as soon as its parameters have
+    arrived, the download going on meanwhile: "on", "off" or "auto" (while the board's downloads
+    wait on its link; job key `training.stream_download`)."""
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ class DatasetSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., seed: _Optional[int] = ..., train_size: _Optional[int] = ..., test_size: _Optional[int] = ..., augment: _Optional[bool] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "model", "num_classes", "dataset", "profile_batch_sizes", "heartbeat_interval_s", "chunk_bytes", "error_feedback", "board_momentum", "max_forward_batch", "device", "stream_upload")
+    __slots__ = ("job_id", "model", "num_classes", "dataset", "profile_batch_sizes", "heartbeat_interval_s", "chunk_bytes", "error_feedback", "board_momentum", "max_forward_batch", "device", "stream_upload", "stream_download")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class JobSpec(_message.Message):
     MAX_FORWARD_BATCH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     STREAM_UPLOAD_FIELD_NUMBER: _ClassVar[int]
+    STREAM_DOWNLOAD_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model: str
     num_classes: int
@@ -105,7 +106,8 @@ class JobSpec(_message.Message):
     max_forward_batch: int
     device: str
     stream_upload: str
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., profile_batch_sizes: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., error_feedback: _Optional[bool] = ..., board_momentum: _Optional[float] = ..., max_forward_batch: _Optional[int] = ..., device: _Optional[str] = ..., stream_upload: _Optional[str] = ...) -> None: ...
+    stream_download: str
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., profile_batch_sizes: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., error_feedback: _Optional[bool] = ..., board_momentum: _Optional[float] = ..., max_forward_batch: _Optional[int] = ..., device: _Optional[str] = ..., stream_upload: _Optional[str] = ..., stream_download: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("device_id", "job")
@@ -364,7 +366,7 @@ class ParameterMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[_tensor_pb2.BundleHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("samples", "loss", "correct", "compute_s", "download_s", "encode_s", "energy_j", "wait_s", "peak_activation_bytes", "peer_bytes", "upload_exposed_s")
+    __slots__ = ("samples", "loss", "correct", "compute_s", "download_s", "encode_s", "energy_j", "wait_s", "peak_activation_bytes", "peer_bytes", "upload_exposed_s", "download_overlap_s")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     CORRECT_FIELD_NUMBER: _ClassVar[int]
@@ -376,6 +378,7 @@ class StepReport(_message.Message):
     PEAK_ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEER_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_EXPOSED_S_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_OVERLAP_S_FIELD_NUMBER: _ClassVar[int]
     samples: int
     loss: float
     correct: int
@@ -387,7 +390,8 @@ class StepReport(_message.Message):
     peak_activation_bytes: int
     peer_bytes: int
     upload_exposed_s: float
-    def __init__(self, samples: _Optional[int] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., compute_s: _Optional[float] = ..., download_s: _Optional[float] = ..., encode_s: _Optional[float] = ..., energy_j: _Optional[float] = ..., wait_s: _Optional[float] = ..., peak_activation_bytes: _Optional[int] = ..., peer_bytes: _Optional[int] = ..., upload_exposed_s: _Optional[float] = ...) -> None: ...
+    download_overlap_s: float
+    def __init__(self, samples: _Optional[int] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., compute_s: _Optional[float] = ..., download_s: _Optional[float] = ..., encode_s: _Optional[float] = ..., energy_j: _Optional[float] = ..., wait_s: _Optional[float] = ..., peak_activation_bytes: _Optional[int] = ..., peer_bytes: _Optional[int] = ..., upload_exposed_s: _Optional[float] = ..., download_overlap_s: _Optional[float] = ...) -> None: ...
 
 class UploadHeader(_message.Message):
     __slots__ = ("device_id", "step", "attempt", "bundle", "report", "resume_offset")

@@ -14,9 +14,11 @@ run:
 - `hybrid`: EdgeTrain with its planner on (pipeline stages and data-parallel groups);
 - `proportional` leaves `training.stream_upload` at auto (a board streams its update during
   backward only while its uploads wait on the link; on these loopback links they wait on the
-  board's CPU, so it uploads after compute). Two more arms, not run unless named: `streamed`
-  (`proportional` with every update streamed during backward) and `unstreamed` (never): the
-  overlap's effect on CPU-bound boards, side by side.
+  board's CPU, so it uploads after compute), and `training.stream_download` at auto too (the same
+  choice for running the forward pass while the parameters arrive). Four more arms, not run unless
+  named: `streamed` (`proportional` with every update streamed during backward) and `unstreamed`
+  (never); `download_streamed` (every full download under the compute) and `download_first`
+  (never): each overlap's effect, side by side.
 With `--sixteen`, the `sixteen` fleet (16 boards at 0.1 of a core) runs the proportional arm at a
 global batch of 512.
 
@@ -34,7 +36,8 @@ communication is the step time outside forward + backward, all-reduce waits incl
 waiting is null).
 
     python scripts/bench_dp.py [--batches 128,64] [--steps 40] [--warmup 8]
-                               [--arms ceiling,ddp,equal,proportional,hybrid[,streamed,unstreamed]]
+                               [--arms ceiling,ddp,equal,proportional,hybrid[,streamed,unstreamed,
+                                        download_streamed,download_first]]
                                [--fleet compute|bandwidth] [--sixteen]
                                [--keep DIR]
 
@@ -42,7 +45,8 @@ Last line: one JSON object: `ideal_samples_per_s` (batch -> value; batch as a st
 arm -> batch -> value for `samples_per_s`, `fraction_of_ideal`, `fraction_of_ceiling`, `over_ddp`,
 `adjacent_ideal_samples_per_s` and `fraction_of_adjacent_ideal` (the fleet arms);
 `time_split` (arm -> batch -> board -> {compute_s, comm_s, waiting_s}); `streamed_over_unstreamed`
-(batch -> streamed / unstreamed samples/s, when both ran); `prediction_error`
+(batch -> streamed / unstreamed samples/s, when both ran) and `download_streamed_over_first` (the same
+for downloads); `prediction_error`
 (EdgeTrain arm -> batch -> the planner's (hybrid) or the split's predicted step time over the measured one,
 minus 1, where the run reports a plan).
 """
@@ -69,7 +73,9 @@ EDGETRAIN_ARMS = {"equal": {"set": {"training.split": "equal"}},
                   "proportional": {"set": {"training.split": "proportional"}},
                   "hybrid": {"set": {"planner.enabled": True}},
                   "streamed": {"set": {"training.split": "proportional", "training.stream_upload": True}},
-                  "unstreamed": {"set": {"training.split": "proportional", "training.stream_upload": False}}}
+                  "unstreamed": {"set": {"training.split": "proportional", "training.stream_upload": False}},
+                  "download_streamed": {"set": {"training.split": "proportional", "training.stream_download": True}},
+                  "download_first": {"set": {"training.split": "proportional", "training.stream_download": False}}}
 ALL_ARMS = ("ceiling", "ddp", *EDGETRAIN_ARMS)
 DEFAULT_ARMS = ("ceiling", "ddp", "equal", "proportional", "hybrid")
 SIXTEEN_BATCH = 512
@@ -294,6 +300,11 @@ def main() -> None:
     ideal = {b: one_core[b] * fleet_fraction(b) for b in all_batches}
     adjacent_ideal = {a: {b: core * fleet_fraction(b) for b, core in per.items()} for a, per in adjacent.items()}
 
+    def over(arm: str, other: str) -> dict[str, float]:
+        """Batch -> `arm`'s samples/s over `other`'s, where both ran."""
+        return {str(b): round(r["samples_per_s"] / results[other][b]["samples_per_s"], 3)
+                for b, r in sorted(results.get(arm, {}).items()) if b in results.get(other, {})}
+
     def by_arm(key) -> dict:
         return {arm: {str(b): key(arm, b, r) for b, r in sorted(per.items())} for arm, per in results.items() if per}
 
@@ -319,10 +330,10 @@ def main() -> None:
         "prediction_error": {a: v for a, v in by_arm(lambda a, b, r: r.get("prediction_error")).items()
                              if a in EDGETRAIN_ARMS},
         "ceiling_boards": {str(b): r["boards"] for b, r in results.get("ceiling", {}).items()},
-        # the upload during backward against the upload after compute, same split, same run
-        "streamed_over_unstreamed": {str(b): round(r["samples_per_s"] / results["unstreamed"][b]["samples_per_s"], 3)
-                                     for b, r in sorted(results.get("streamed", {}).items())
-                                     if b in results.get("unstreamed", {})},
+        # the upload during backward against the upload after compute, and the download under the
+        # compute against the download before it: same split, same run
+        "streamed_over_unstreamed": over("streamed", "unstreamed"),
+        "download_streamed_over_first": over("download_streamed", "download_first"),
     }
     for arm, per in results.items():
         for b, r in sorted(per.items()):

@@ -102,6 +102,8 @@ def test_job_to_dict_round_trips() -> None:
     pytest.param("training: {chunk_bytes: 100}\n", ["training", "chunk_bytes=100"], id="tiny-chunks"),
     pytest.param("training: {stream_upload: sometimes}\n", ["stream_upload='sometimes'", "true, false or auto"],
                  id="stream-upload-word"),
+    pytest.param("training: {stream_download: always}\n", ["stream_download='always'", "true, false or auto"],
+                 id="stream-download-word"),
     pytest.param("training: {heartbeat_interval_s: 5, heartbeat_timeout_s: 2}\n",
                  ["heartbeat_timeout_s=2.0", "heartbeat_interval_s"], id="timeout-below-interval"),
 ])

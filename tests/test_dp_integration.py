@@ -26,9 +26,10 @@ runs of at most 12 steps are checked with this tolerance."""
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("split", "augment", "stream"), [("proportional", False, True), ("equal", True, False)])
 def test_three_client_dp_equals_single_process_sgd(coordinator_factory, client_factory, split, augment, stream):
-    # Prepare: BN-free model, 3 boards of different speeds; updates streamed during backward or sent after it
+    # Prepare: BN-free model, 3 boards of different speeds; updates streamed during backward or sent
+    # after it, parameters downloaded during the forward pass or before it
     job = small_job(training={"steps": 6, "min_clients": 3, "split": split, "global_batch": 96,
-                              "stream_upload": stream}, dataset={"augment": augment})
+                              "stream_upload": stream, "stream_download": stream}, dataset={"augment": augment})
     coordinator = coordinator_factory(job)
     for name, speed in (("fast", 0.6), ("mid", 0.3), ("slow", 0.15)):
         client_factory(coordinator.address, name, speed, extra=("--power-watts", "2", "6") if name == "fast" else ())
@@ -43,6 +44,9 @@ def test_three_client_dp_equals_single_process_sgd(coordinator_factory, client_f
     assert all(len(s["devices"]) == (3 if split == "equal" else len(s["shares"])) for s in steps)
     assert all(len(s["devices"]) >= 2 for s in steps)
     assert {d["upload_streamed"] for s in steps for d in s["devices"].values()} == {stream}
+    # every step brings a new version: downloaded while the board computed, or all before it
+    overlaps = [d["download_overlap_s"] for s in steps for d in s["devices"].values()]
+    assert (statistics.median(overlaps) > 0) if stream else (max(overlaps) == 0)
     # energy per step for every board: from its --power-watts figures, or (emulated boards without
     # figures) from the default power model of its speed
     for s in steps:
@@ -69,12 +73,13 @@ def test_three_client_dp_equals_single_process_sgd(coordinator_factory, client_f
 
 
 @pytest.mark.timeout(240)
-def test_auto_streams_once_an_upload_shows_the_link_is_the_bottleneck(coordinator_factory, client_factory, tmp_path):
-    # Prepare: one board on a 2 Mbit/s emulated link, stream_upload left at its default (auto)
+def test_auto_streams_once_a_transfer_shows_the_link_is_the_bottleneck(coordinator_factory, client_factory, tmp_path):
+    # Prepare: one board on a 2 Mbit/s emulated link, stream_upload and stream_download left at
+    # their default (auto)
     board_file = tmp_path / "board.yaml"
     board_file.write_text("name: shaped\nspeed: 0.5\nmemory_mb: 3072\nlink: {mbit_per_s: 2}\n")
     job = small_job(training={"steps": 5, "min_clients": 1, "global_batch": 32})
-    assert job.training.stream_upload_mode == "auto"
+    assert job.training.stream_upload_mode == job.training.stream_download_mode == "auto"
     coordinator = coordinator_factory(job)
     client_factory(coordinator.address, "shaped", extra=("--emulate", str(board_file)))
 
@@ -82,10 +87,13 @@ def test_auto_streams_once_an_upload_shows_the_link_is_the_bottleneck(coordinato
     coordinator.wait(timeout=200)
 
     # Assert: the first update goes whole and is timed (~0.4 s on the link for milliseconds of
-    # CPU: the link is the bottleneck), every later one streams during backward; same parameters
+    # CPU: the link is the bottleneck), every later one streams during backward; so do the
+    # downloads, whose later ones run under the compute; same parameters
     steps = read_metrics(coordinator.run_dir)
     streamed = [device["upload_streamed"] for s in steps for device in s["devices"].values()]
     assert streamed == [False] + [True] * (job.training.steps - 1)
+    overlapped = [device["download_overlap_s"] > 0 for s in steps for device in s["devices"].values()]
+    assert overlapped == [False] + [True] * (job.training.steps - 1)
     diff = max_abs_difference(checkpoint_state(coordinator.run_dir), reference_state(job))
     assert diff < TOLERANCE, f"distributed and single-process parameters differ by {diff}"
 

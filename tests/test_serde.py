@@ -106,14 +106,15 @@ def test_board_job_survives_the_wire_but_its_data_directory_stays_the_boards():
 
 @pytest.mark.parametrize(("sent", "taken"), [("on", "on"), ("auto", "auto"), ("off", "off"), ("", "off"),
                                              ("sometimes", "off")])
-def test_a_stream_upload_mode_the_board_does_not_know_counts_as_off(sent, taken):
+@pytest.mark.parametrize("key", ["stream_upload", "stream_download"])
+def test_a_stream_mode_the_board_does_not_know_counts_as_off(sent, taken, key):
     dataset = DatasetSpec(name="synthetic", seed=3, train_size=512, test_size=None, augment=False)
     job = BoardJob(job_id="j-1", model="small_cnn", num_classes=10, dataset=dataset, profile_batch_sizes=(3,),
                    heartbeat_interval_s=0.5, chunk_bytes=4096, max_forward_batch=32, error_feedback=True,
                    board_momentum=0.0)
     message = serde.board_job_to_proto(job)
-    message.stream_upload = sent
-    assert serde.board_job_from_proto(_wire(message)).stream_upload == taken
+    setattr(message, key, sent)
+    assert getattr(serde.board_job_from_proto(_wire(message)), key) == taken
 
 
 def test_board_profile_survives_the_wire_with_its_device():

@@ -80,6 +80,8 @@ class Contribution:
     """When the update was accepted (decoded and checked), on the step board's clock."""
     upload_exposed_s: float = 0.0
     """A streamed upload's part after the board's compute ended (its `upload_s`)."""
+    download_overlap_s: float = 0.0
+    """The part of the board's download that ran under its compute (not in `download_s`)."""
     streamed: bool = False
     """The update was streamed during the board's backward pass: `upload_s` is only the part of
     the upload that ran past compute, not a measure of the link."""
