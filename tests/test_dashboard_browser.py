@@ -44,8 +44,11 @@ def test_the_page_shows_the_fleet_training_live_and_a_killed_board_as_lost(
         coordinator_factory, client_factory, browser, tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
 
-    # Prepare: a real coordinator with its dashboard, three real boards, a few steps done
-    job = small_job(training={"steps": 400, "min_clients": 3, "global_batch": 24, "heartbeat_timeout_s": 3.0})
+    # Prepare: a real coordinator with its dashboard, three real boards, a few steps done; the equal
+    # split puts every board in every step (the proportional one, with 8 samples a board, left one
+    # out of every step for a minute on a machine loaded by a CPU hog)
+    job = small_job(training={"steps": 400, "min_clients": 3, "global_batch": 24, "heartbeat_timeout_s": 3.0,
+                              "split": "equal"})
     coordinator = coordinator_factory(job, dashboard="127.0.0.1:0")
     url = (coordinator.run_dir / "dashboard.url").read_text().strip()
     victim = client_factory(coordinator.address, "victim", 0.5)
@@ -78,8 +81,7 @@ def test_the_page_shows_the_fleet_training_live_and_a_killed_board_as_lost(
     wait_for(lambda: loss_points() > seen, 60, "the loss curve to gain points", interval_s=0.2)
     # the plan as a picture (three DP shards here), its step times, the energy curve and every
     # board's row in the step timeline
-    # (a step's split may leave a board out while its measured speed dips on a loaded machine: the
-    # page draws each step's, so wait for one with all three)
+    # (the page draws the newest step's: wait for one drawn with all three)
     def drawing() -> dict:
         return browser.execute_script("""
         return {shards: Array.from(document.querySelectorAll('#plan .shard'), r => r.dataset.board).sort(),
@@ -93,7 +95,8 @@ def test_the_page_shows_the_fleet_training_live_and_a_killed_board_as_lost(
         drawn.update(drawing())
         return drawn["shards"] == drawn["timeline"] == ["a", "c", "victim"]
 
-    wait_for(all_three_drawn, 60, "a plan and a timeline with all three boards", interval_s=0.2)
+    wait_for(all_three_drawn, 60, lambda: f"a plan and a timeline with all three boards (last drawn: {drawn})",
+             interval_s=0.2)
     assert "predicted" in drawn["times"] and "measured" in drawn["times"], drawn
     assert drawn["energy"] > 0, drawn  # emulated boards report their energy: the curve has points
 
