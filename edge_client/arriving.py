@@ -88,16 +88,16 @@ class ArrivingParameters:
     def _download(self, download: Download) -> None:
         started = time.perf_counter()
         try:
-            result = download(self._version, on_progress=self._progress)
+            metas, payload = download(self._version, on_progress=self._progress)
             self.seconds = time.perf_counter() - started
-            check_metas(result[0], self._expected, f"parameters of version {self._version}")
+            self._progress(metas, payload, len(payload))  # checks the header unless progress already did
         except BaseException as e:  # handed to the compute, which raises it
             with self._cond:
                 self._error, self._done = e, True
                 self._cond.notify_all()
         else:
             with self._cond:
-                self._result, self._buffer, self._received, self._done = result, result[1], len(result[1]), True
+                self._result, self._done = (metas, payload), True
                 self._cond.notify_all()
 
     def _progress(self, metas: list[TensorMeta], buffer: bytearray, received: int) -> None:

@@ -93,8 +93,9 @@ class ShardRunner:
         upload of a streamed update) an update that can stream is on its way during compute."""
         started, cpu_started = time.perf_counter(), time.process_time()
         full = self._full_download(work)
-        arriving = ArrivingParameters(self.model, download, work.param_version) if full and \
-            self.download_choice.stream() else None
+        arriving = None
+        if full and self.download_choice.stream():
+            arriving = ArrivingParameters(self.model, download, work.param_version)
         if arriving is None:
             self._fetch(work, download)
             if full:
