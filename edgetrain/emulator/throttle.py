@@ -29,11 +29,19 @@ DEFAULT_CGROUP_ROOT = "/sys/fs/cgroup/cpu"
 DEFAULT_MEMORY_CGROUP_ROOT = "/sys/fs/cgroup/memory"
 
 DEFAULT_PERIOD_US = 20_000
-"""CFS period (the shortest; see `MIN_SLICE_US`). Each period the group runs its quota at full
-speed and then waits out the rest, so a burst shorter than the period either runs unthrottled or
-stalls for up to (1 - F) of it. Measured at F=0.2 (2 cores, HZ=250): with 100 ms, 5 ms bursts took
-0.2x-3x their ideal cpu/F and 30 ms bursts 0.7x-1.3x; with 20 ms, 30 ms bursts stayed within 5 %
-and 5 ms ones 0.75x-1.5x. Shorter periods smooth further but wake the throttle timer more often.
+"""CFS period. Each period the group runs its quota at full speed and then waits out the rest,
+so a burst shorter than the period either runs unthrottled or stalls for up to (1 - F) of it.
+Measured at F=0.2 (2 cores, HZ=250): with 100 ms, 5 ms bursts took 0.2x-3x their ideal cpu/F
+and 30 ms bursts 0.7x-1.3x; with 20 ms, 30 ms bursts stayed within 5 % and 5 ms ones 0.75x-1.5x.
+Shorter periods smooth further but wake the throttle timer more often and, with the kernel's
+1 ms minimum quota, raise the lowest F (0.05 at 20 ms).
+
+One period for every F means a slow board runs in short slices (2 ms a period at 0.1 of a core),
+each beginning with caches other boards filled. A period of 10 ms / F (100 ms at 0.1) was tried
+(5878ad9, reverted): the four-board fleet training alone did 1.02-1.13x more (five alternations),
+but a synchronous step waits for its slowest board and coarser slices made that wait longer: the
+16-board fleet's boards (bench_dp --sixteen) waited a median 0.92 s a step for the others instead
+of 0.54, and it ran 105.9 samples/s against 122.8 the run before (docs/benchmarks.md).
 
 Where the kernel has it (5.14+), the group may also carry up to one period's unused quota into
 the next (`cpu.cfs_burst_us` = quota), so the quota holds as an average rather than a cap per
@@ -44,21 +52,8 @@ fleet (scripts/bench_dp.py, batch 128, burst toggled every 12 s on the running b
 each): the 0.5-core board used 0.444 of a core without carry-over and 0.464 with it, the
 0.2-core board 0.171 and 0.180 (each also waits a little every step)."""
 
-MIN_SLICE_US = 10_000
-"""The least CPU time a group runs at a stretch each period: a board at F of a core gets a period
-of at least MIN_SLICE_US / F (0.1 of a core: 100 ms, 0.2: 50 ms; 0.5 and up: `DEFAULT_PERIOD_US`).
-With one period for all, a slow board ran in short slices (2 ms a period at 0.1 of a core) and
-every slice began with caches the other boards' slices had filled: it got its CPU time but did
-less with it. Measured with the four-board fleet training alone at once (0.5/0.3/0.2/0.1 of a core,
-58/35/23/12 samples, MobileNetV2, 10 s windows, the two settings alternated five times): samples
-per CPU second per board 164.5/147.1/129.8/105.9 with 20 ms for all, 174.7/166.7/147.6/123.1 with
-these periods; the fleet's samples/s 1.02x-1.13x (median 1.09x). Slower boards' short bursts are
-lumpier for it (a burst well under the period runs at full speed or waits for the next one); a
-training step is many periods long."""
-
-_MAX_PERIOD_US = 1_000_000
-"""The kernel's longest cfs_period_us; with its 1 ms minimum quota the least F a group can hold
-is 0.001 (below that the process throttles itself)."""
+_MIN_QUOTA_US = 1_000
+"""The kernel rejects a smaller cfs_quota_us; longer periods keep very low F representable."""
 
 _MIN_SLEEP_S = 0.001
 """Duty-cycle debt below this is carried to the next burst: shorter sleeps mostly oversleep."""
@@ -133,7 +128,7 @@ def limit_cpu(fraction: float | None, *, name: str, prefer_cgroup: bool = True,
     if prefer_cgroup and can_cgroup:
         safe_name = re.sub(r"[^A-Za-z0-9_-]", "_", name)
         group = Path(cgroup_root, "edgetrain", f"{safe_name}-{os.getpid()}")
-        period_us = min(_MAX_PERIOD_US, max(period_us, math.ceil(MIN_SLICE_US / fraction)))
+        period_us = max(period_us, math.ceil(_MIN_QUOTA_US / fraction))
         try:
             group.mkdir(parents=True, exist_ok=True)
             _write(group / "cpu.cfs_period_us", period_us)
