@@ -69,11 +69,15 @@ class ArrivingParameters:
             self._hooks.append(block.register_forward_pre_hook(lambda _m, _a, names=names: self._load(names)))
 
     def finish(self) -> tuple[list[TensorMeta], bytearray]:
-        """Wait for the whole download; load what no block ran for; unhook. Its (metas, payload)."""
+        """Wait for the whole download; load what no block ran for; unhook. Its (metas, payload),
+        or the download's error: a stream that broke after its last byte (the coordinator gone
+        before the call ended) fails the step as a download that broke earlier does."""
         try:
             self._load(list(self._ends))
             self._thread.join()
-            assert self._result is not None
+            if self._result is None:
+                raise self._error or TransferError(
+                    "data_loss", f"parameters of version {self._version}: the download ended without them")
             return self._result
         finally:
             self.close()

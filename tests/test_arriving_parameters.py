@@ -119,6 +119,31 @@ def test_a_download_that_breaks_ends_the_compute_with_its_error() -> None:
     assert all(not block._forward_pre_hooks for block in model.blocks.values())
 
 
+def test_a_download_that_breaks_after_its_last_byte_fails_the_step_with_its_error() -> None:
+    # Prepare: every byte arrives (so every block loads and the forward pass runs to the end), then
+    # the stream breaks before the call ends, as when the coordinator is killed at that moment
+    metas, payload = served_state("small_cnn")
+    model = build_model("small_cnn", seed=0)
+    computed = threading.Event()
+
+    def download(version: int, on_progress):
+        on_progress(metas, bytearray(payload), len(payload))
+        computed.wait(WAIT_S)  # the call is still retrying while the board computes
+        raise TransferError("data_loss", "the coordinator went away")
+
+    # Execute
+    arriving = ArrivingParameters(model, download, 1)
+    arriving.start()
+    compute_shard(model, *batch(4))
+    computed.set()
+
+    # Assert: finishing raises the download's own error (a board then treats it as any broken
+    # download), and no hook is left on the model
+    with pytest.raises(TransferError, match="the coordinator went away"):
+        arriving.finish()
+    assert all(not block._forward_pre_hooks for block in model.blocks.values())
+
+
 def test_parameters_that_do_not_fit_the_model_are_refused_naming_the_tensor() -> None:
     # Prepare: a bundle with one tensor of the wrong shape
     metas, payload = served_state("small_cnn")
