@@ -75,9 +75,8 @@ class ArrivingParameters:
         try:
             self._load(list(self._ends))
             self._thread.join()
-            if self._result is None:
-                raise self._error or TransferError(
-                    "data_loss", f"parameters of version {self._version}: the download ended without them")
+            if self._result is None:  # the thread ended with its error instead
+                raise self._error
             return self._result
         finally:
             self.close()
