@@ -5,7 +5,9 @@ estimate from what was measured — its compute time, bounded by the coordinator
 taking the work to the upload being complete, less the transfers). When, after its first steps,
 the measured step times are far off what the claim predicts (CLAIM_TOLERANCE either way), the
 board is flagged (`claim_note`, a warning on the log) and its speed estimate is replaced by the
-measurement: it is planned by what it does, not by what it says.
+measurement: it is planned by what it does, not by what it says. A pipeline stage host's stage
+compute refines the same whole-model estimate, given the stage's share of the model's work
+(`observe_stage`).
 """
 
 from __future__ import annotations
@@ -269,12 +271,27 @@ class DeviceRegistry:
                     record.speed = refine_speed(record.speed, 0, 0.0, seconds - compute, weight=0.5)
 
     def observe_stage(self, device_id: str, samples: int, compute_s: float, comm_s: float,
-                      energy_j: float | None = None) -> None:
-        """Accumulate a pipeline stage host's step (its speed estimate is for the whole model: kept)."""
+                      energy_j: float | None = None, *, work_fraction: float | None = None,
+                      calls: int = 1) -> None:
+        """Accumulate a pipeline stage host's step, and refine its speed from it when the stage's
+        share of the model's work is known.
+
+        The speed estimate is for the whole model; a stage of `work_fraction` of the model's
+        training work, run as `calls` forward+backward calls (the micro-batches it had rows of),
+        takes `calls · overhead · fraction + samples · fraction / rate` (the planner's cost model,
+        coordinator.planning.cost), so `compute_s / fraction − (calls − 1) · overhead` is what the
+        whole model would have taken in one call: that refines the rate as a DP step does. A
+        board's first step (its warm-up) does not refine it; nor does a channel group member's
+        (None: it computes a share of some layers' channels, not of rows)."""
         with self._lock:
             record = self._devices.get(device_id)
             if record is None:
                 return
+            usable = (work_fraction is not None and 0 < work_fraction <= 1 and samples > 0 and calls >= 1
+                      and math.isfinite(compute_s) and compute_s > 0)
+            if usable and record.speed is not None and record.stats["steps"] > 0:
+                whole_s = compute_s / work_fraction - (calls - 1) * record.speed.overhead_s
+                record.speed = refine_speed(record.speed, samples, whole_s, 0.0)
             if energy_j is not None:
                 record.stats["energy_j"] += energy_j
                 record.stats["energy_samples"] += samples

@@ -448,6 +448,9 @@ class PlannerConfig:
     one on the changed fleet (hysteresis; a plan whose boards left is always replaced)."""
     battery_floor: float = 20.0
     """Boards below this battery percent and unplugged get no work."""
+    overrun: float = 0.5
+    """Re-plan (once per plan) when the plan in force measures a median step more than this
+    fraction over its prediction."""
     link_wait_s: float = 15.0
     """Before the first plan, wait up to this long for every board's first link measurement."""
     channel_groups: bool = True
@@ -462,6 +465,7 @@ class PlannerConfig:
         _require(self.bandwidth_change > 0, "bandwidth_change", self.bandwidth_change, "must be > 0")
         _require(0 <= self.min_gain < 1, "min_gain", self.min_gain, "must be in [0, 1)")
         _require(0 <= self.battery_floor <= 100, "battery_floor", self.battery_floor, "must be in [0, 100]")
+        _require(self.overrun > 0, "overrun", self.overrun, "must be > 0")
         _require(self.link_wait_s >= 0, "link_wait_s", self.link_wait_s, "must be >= 0")
 
     @property

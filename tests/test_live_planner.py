@@ -201,3 +201,45 @@ def test_a_plan_that_measures_better_than_predicted_is_not_swapped_for_a_close_c
     # Assert: the measurement halves the current plan's cost, so it is kept
     assert measured.current_cost == pytest.approx(0.5 * predicted_only.current_cost)
     assert not measured.switched
+
+
+def test_a_plan_running_far_over_its_prediction_is_planned_again_from_the_refined_speeds():
+    # Prepare: boards a and b profiled at a tenth of their speed (a profile taken while the
+    # machine was busy): the first plan is built around that
+    live = _planner(overrun=0.5)
+    first = live.decide(0, _fleet(a={"flops_per_s": 0.4e9}, b={"flops_per_s": 0.3e9}))
+    predicted = first.plan.prediction.step_s
+
+    # Execute: their steps have since refined the speeds; the step ran 2x its prediction
+    unmeasured = live.decide(3, _fleet())  # a speed is not a fleet change: no re-plan without a measured step
+    within = live.decide(3, _fleet(), measured_step_s=1.4 * predicted)
+    over = live.decide(4, _fleet(), measured_step_s=2.0 * predicted)
+
+    # Assert: re-planned once, for the overrun, onto a plan that uses a and b for what they are
+    assert unmeasured is None and within is None
+    assert over.reasons == (f"step {2 * predicted:.2f} s measured, {predicted:.2f} s predicted",)
+    assert over.switched and over.plan != first.plan
+    assert over.current_cost > over.candidate_cost
+    assert over.plan.prediction.step_s < predicted / 2
+
+
+def test_an_overrun_whose_candidate_is_the_plan_in_force_keeps_it_and_is_not_planned_again():
+    # Prepare: right speeds, but the plan runs 3x its prediction (something the cost model misses)
+    live = _planner(overrun=0.5)
+    first = live.decide(0, _fleet())
+    measured = 3.0 * first.plan.prediction.step_s
+
+    # Execute
+    over = live.decide(5, _fleet(), measured_step_s=measured)
+    again = live.decide(9, _fleet(), measured_step_s=measured)
+
+    # Assert: the candidate is the same plan (its prediction beats its own measurement, which says
+    # nothing): kept, and its overrun is not re-planned every step
+    assert over.reasons[0].startswith(f"step {measured:.2f} s measured") and not over.switched
+    assert over.plan == first.plan
+    assert again is None
+
+
+def test_overrun_must_be_positive():
+    with pytest.raises(ValueError, match="overrun"):
+        PlannerConfig(enabled=True, overrun=0.0)

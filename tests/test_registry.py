@@ -114,3 +114,50 @@ def test_communication_counts_from_a_boards_second_step_and_that_one_as_it_is() 
     assert registry.get(board).speed.comm_s == 1.0  # the first real measurement, as it is
     registry.observe_step(board, 24, 0.5, 0.5)
     assert registry.get(board).speed.comm_s == pytest.approx(0.7 * 1.0 + 0.3 * 0.5)
+
+
+def _profiled(registry: DeviceRegistry, name: str, overhead_s: float, samples_per_s: float) -> str:
+    """A registered board whose profile fits `overhead_s + samples / samples_per_s` exactly."""
+    device_id = registry.register(name, {}, {}).device_id
+    registry.set_profile(device_id, BoardProfile(((4, overhead_s + 4 / samples_per_s),
+                                                  (16, overhead_s + 16 / samples_per_s)), 2**30, 2**29, 2**28))
+    return device_id
+
+
+def test_a_stage_hosts_speed_follows_its_stage_compute_as_a_whole_model_speed() -> None:
+    # Prepare: profiled at 20 samples/s + 0.1 s a call, the board really trains at 60 samples/s;
+    # it hosts a stage of 40% of the model's work, 32 rows in 4 micro-batches: the cost model's
+    # 4 x 0.1 x 0.4 s of calls plus 32 x 0.4 / 60 s of samples
+    registry = DeviceRegistry()
+    board = _profiled(registry, "board", 0.1, 20.0)
+    compute_s = 4 * 0.1 * 0.4 + 32 * 0.4 / 60.0
+
+    # Execute: the first step (the warm-up) does not refine; later ones move the rate towards 60
+    registry.observe_stage(board, 32, compute_s, 0.05, work_fraction=0.4, calls=4)
+    after_first = registry.get(board).speed
+    for _ in range(12):
+        registry.observe_stage(board, 32, compute_s, 0.05, work_fraction=0.4, calls=4)
+
+    # Assert
+    speed = registry.get(board).speed
+    assert after_first.samples_per_s == pytest.approx(20.0)
+    assert speed.samples_per_s == pytest.approx(60.0, rel=0.01) and speed.overhead_s == pytest.approx(0.1)
+    assert speed.comm_s == 0.0  # a stage's transfers (activations, its own upload) are not a DP step's
+    assert registry.get(board).stats["steps"] == 13 and registry.get(board).stats["samples"] == 13 * 32
+
+
+def test_a_stage_step_without_its_share_of_the_work_only_counts() -> None:
+    # Prepare: a channel group member (its share is of channels, not rows: no fraction given),
+    # and steps that carry nothing to learn from
+    registry = DeviceRegistry()
+    board = _profiled(registry, "board", 0.1, 20.0)
+
+    # Execute
+    registry.observe_stage(board, 32, 0.5, 0.0, work_fraction=0.4, calls=4)  # warm-up
+    registry.observe_stage(board, 32, 0.2, 0.0)
+    registry.observe_stage(board, 0, 0.2, 0.0, work_fraction=0.4, calls=4)
+    registry.observe_stage(board, 32, float("nan"), 0.0, work_fraction=0.4, calls=4)
+
+    # Assert
+    assert registry.get(board).speed.samples_per_s == pytest.approx(20.0)
+    assert registry.get(board).stats["steps"] == 4

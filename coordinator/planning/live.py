@@ -5,7 +5,13 @@ coordinator.planning.inputs). A re-plan is considered when
 - a board joined or left (or was quarantined),
 - a board's measured link rate moved by more than `bandwidth_change` (a fraction) from the
   rate the current plan was made with,
-- a board's battery crossed `battery_floor` while unplugged, or its plug changed.
+- a board's battery crossed `battery_floor` while unplugged, or its plug changed,
+- the plan in force measures a step more than `overrun` (a fraction) over its prediction, once
+  per plan: what the planner was told about the boards was wrong (a join-time profile taken
+  while the machine was busy, say). By then the boards' speeds have been refined from the
+  steps they ran (a stage host's from its stage's compute: coordinator.registry), so the
+  re-plan sees them as they are. A candidate that is the plan in force keeps it: comparing its
+  prediction with its own measurement says nothing.
 The new plan replaces the current one only when the current one cannot run (one of its boards
 is gone or below the battery floor) or the new one is predicted at least `min_gain` better on
 the changed fleet; otherwise the current plan stays (less any DP shard it now gives no work)
@@ -69,6 +75,8 @@ class LivePlanner:
         """How stages keep their state (the job's pipeline section), for every plan and prediction."""
         self.current: Plan | None = None
         self._reference: dict[str, BoardCost] = {}
+        self._overrun_checked = False
+        """The plan in force was re-planned for running over its prediction (once per plan)."""
 
     def decide(self, step: int, boards: Sequence[BoardCost], measured_step_s: float | None = None) -> PlanDecision | None:
         """Re-plan if the fleet changed enough since the reference (None: nothing to do).
@@ -78,6 +86,10 @@ class LivePlanner:
         its prediction; the candidate has only its prediction. This keeps a plan the cost model
         underrates from being swapped for one it rates about the same."""
         reasons = self.changes(boards)
+        overrun = self.overrun(measured_step_s)
+        if overrun:
+            reasons.append(overrun)
+            self._overrun_checked = True
         if not reasons:
             return None
         candidate = plan_optimal(list(boards), self.model, self.global_batch, self.cfg.weight,
@@ -91,12 +103,14 @@ class LivePlanner:
             if measured_step_s and self.current.prediction is not None:
                 current_cost *= measured_step_s / self.current.prediction.step_s
         switch = current_cost is None or cost < (1 - self.cfg.min_gain) * current_cost
+        if switch and current_cost is not None and _structure(candidate) == _structure(self.current):
+            switch = False  # the plan in force again: nothing to switch to
         active = () if switch else tuple(n for n in self.current.dp_boards if now.share.get(n, 0.0) > 0)
         if not switch and not self.current.stages and not active:
             switch = True  # a data-parallel plan that would give none of its boards work cannot be kept
         self._reference = {b.name: b for b in boards}
         if switch:
-            self.current = candidate
+            self.current, self._overrun_checked = candidate, False
         else:  # keep the plan, with its prediction on today's fleet (shards it gives no work are out)
             idle = tuple((n, "no gain") for n in self.current.dp_boards if n not in active)
             kept = replace(self.current, dp_boards=active, dp_share=self.current.dp_share if active else 0.0,
@@ -122,6 +136,16 @@ class LivePlanner:
                            f"{'plugged' if b.plugged else 'unplugged'}")
         return out
 
+    def overrun(self, measured_step_s: float | None) -> str:
+        """Why the plan in force must be planned again for running over its prediction ("": it
+        need not, or it already was)."""
+        if self.current is None or self._overrun_checked or not measured_step_s or self.current.prediction is None:
+            return ""
+        predicted = self.current.prediction.step_s
+        if measured_step_s <= (1 + self.cfg.overrun) * predicted:
+            return ""
+        return f"step {measured_step_s:.2f} s measured, {predicted:.2f} s predicted"
+
     def _low(self, b: BoardCost) -> bool:
         return b.battery_percent is not None and b.battery_percent < self.cfg.battery_floor and b.plugged is not True
 
@@ -129,3 +153,8 @@ class LivePlanner:
         by_name = {b.name: b for b in boards}
         used = [n for s in plan.stages for n in s.boards] + list(plan.dp_boards)
         return all(n in by_name and not self._low(by_name[n]) for n in used)
+
+
+def _structure(plan: Plan) -> Plan:
+    """A plan without what does not change where work runs (why boards are left out)."""
+    return replace(plan, left_out=())

@@ -130,6 +130,12 @@ class LivePlans:
             self._record(step, decision)
         return self.planner.current or Plan(dp_share=1.0)  # nobody to plan for yet: DP waits for boards
 
+    def work_fraction(self, first_block: int, end_block: int) -> float:
+        """Blocks [first_block, end_block)'s share of the model's training work (what the planner
+        costs them at): how a stage host's measured compute refines its whole-model speed."""
+        flops = [b.train_flops for b in self.model_cost.blocks]
+        return sum(flops[first_block:end_block]) / sum(flops)
+
     def _record(self, step: int, decision) -> None:
         plan, job = decision.plan, self.ctx.job
         self.ctx.metrics.write(decision.to_record(job.pipeline.stage_state))
@@ -256,13 +262,18 @@ class PipelineRound(RoundPolicy):
         stages = {}
         for c in fresh:
             if c.stage is not None:
-                self.ctx.registry.observe_stage(c.device_id, c.samples, c.compute_s, c.comm_s, c.energy_j)
+                host = c.stage.host(c.device_id)
+                fraction = (self.plans_from.work_fraction(c.stage.first_block, c.stage.end_block)
+                            if isinstance(self.plans_from, LivePlans) and host is not None and host.channels is None
+                            else None)
+                calls = sum(e > b for b, e in host.rows) if host is not None else 1
+                self.ctx.registry.observe_stage(c.device_id, c.samples, c.compute_s, c.comm_s, c.energy_j,
+                                                work_fraction=fraction, calls=max(calls, 1))
                 stages[c.device_id] = {"stage": c.stage.stage, "blocks": [c.stage.first_block, c.stage.end_block],
                                        "compute_s": round(c.compute_s, 4), "wait_s": round(c.wait_s, 4),
                                        "peak_activation_bytes": c.peak_activation_bytes,
                                        "peer_bytes": c.peer_bytes, "upload_bytes": c.wire_bytes,
                                        "owned": c.stage.owned}
-                host = c.stage.host(c.device_id)
                 if host is not None and host.channels is not None:  # a channel group member's share
                     stages[c.device_id]["channels"] = [round(v, 4) for v in host.channels]
                 pull = self._pulls.get((c.stage.first_block, c.stage.end_block))
