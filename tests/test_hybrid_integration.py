@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -105,7 +107,8 @@ def test_a_link_rate_drop_re_plans_live_and_training_goes_on_without_the_board(
 
 
 @pytest.mark.timeout(420)
-def test_on_slow_links_the_planner_chooses_a_pipeline_and_it_trains(coordinator_factory, client_factory, tmp_path):
+def test_on_slow_links_the_planner_chooses_a_pipeline_and_it_trains(coordinator_factory, client_factory, tmp_path,
+                                                                     caplog):
     # Prepare: MobileNetV2 on three boards at 40 Mbit/s, where data parallelism moves 18 MB per
     # board and step (3.6 s; `edgetrain plan` predicts 4x the throughput for a pipeline), and
     # the owned stage's 18 MB go back to the coordinator in seconds at the end
@@ -119,7 +122,8 @@ def test_on_slow_links_the_planner_chooses_a_pipeline_and_it_trains(coordinator_
         client_factory(coordinator.address, name, extra=("--emulate", str(path), "--probe-interval", "2"))
 
     # Execute
-    coordinator.wait(timeout=400)
+    caplog.set_level(logging.INFO, logger="coordinator.servicer")
+    summary = coordinator.wait(timeout=400)
 
     # Assert: a pipeline plan whose single hosts own their stages; every step trained on it
     plans = _records(coordinator.run_dir, "plan")
@@ -128,3 +132,11 @@ def test_on_slow_links_the_planner_chooses_a_pipeline_and_it_trains(coordinator_
     assert [s["samples"] for s in steps] == [24] * 4
     assert all(s["stages"] for s in steps)
     assert plans[0]["predicted_samples_per_s"] > 0
+    # and each stage host's speed estimate moved from its join profile with the stages it ran
+    # (its first step, the warm-up, aside): the stage's compute refines the whole-model speed
+    profiled = {m["device"]: float(m["rate"]) for m in re.finditer(
+        r"ReportProfile\] (?P<device>\S+): (?P<rate>[\d.]+) samples/s", caplog.text)}
+    hosts = {d for s in steps for d in s["stages"]}
+    estimates = {d["device"]: d["samples_per_s_estimate"] for d in summary["devices"]}
+    assert hosts and hosts <= set(profiled)
+    assert all(estimates[d] != pytest.approx(profiled[d], abs=0.05) for d in hosts), (estimates, profiled)
