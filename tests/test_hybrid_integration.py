@@ -116,13 +116,13 @@ def test_on_slow_links_the_planner_chooses_a_pipeline_and_it_trains(coordinator_
                                                     "heartbeat_timeout_s": 30},
                     dataset={"train_size": 96, "test_size": 24}, planner={"enabled": True, "link_wait_s": 60},
                     pipeline={"stage_timeout_s": 120})
+    caplog.set_level(logging.INFO, logger="coordinator.servicer")  # the boards' join profiles
     coordinator = coordinator_factory(job)
     for name in ("a", "b", "c"):
         path = _board(tmp_path / f"{name}.yaml", name, 0.4, 40)
         client_factory(coordinator.address, name, extra=("--emulate", str(path), "--probe-interval", "2"))
 
     # Execute
-    caplog.set_level(logging.INFO, logger="coordinator.servicer")
     summary = coordinator.wait(timeout=400)
 
     # Assert: a pipeline plan whose single hosts own their stages; every step trained on it
