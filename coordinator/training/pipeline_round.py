@@ -23,7 +23,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
-from coordinator.planning.inputs import UNKNOWN_LINK_MBIT, board_from_record, measure_model_cost
+from coordinator.planning.inputs import (
+    UNKNOWN_LINK_MBIT,
+    board_from_record,
+    measure_model_cost,
+    train_flops_per_sample,
+)
 from coordinator.planning.live import LivePlanner
 from coordinator.training.data_parallel import DataParallelRound
 from coordinator.training.pipeline_work import (
@@ -133,8 +138,8 @@ class LivePlans:
     def work_fraction(self, first_block: int, end_block: int) -> float:
         """Blocks [first_block, end_block)'s share of the model's training work (what the planner
         costs them at): how a stage host's measured compute refines its whole-model speed."""
-        flops = [b.train_flops for b in self.model_cost.blocks]
-        return sum(flops[first_block:end_block]) / sum(flops)
+        blocks = self.model_cost.blocks[first_block:end_block]
+        return sum(b.train_flops for b in blocks) / train_flops_per_sample(self.model_cost)
 
     def _record(self, step: int, decision) -> None:
         plan, job = decision.plan, self.ctx.job
