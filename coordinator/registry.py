@@ -197,6 +197,22 @@ class DeviceRegistry:
                                ("steps", 1)):
                 record.stats[key] += value
 
+    def rate_noise(self, device_ids) -> float:
+        """How much the devices' measured throughput scatters from step to step: the median over
+        `device_ids` of each one's relative standard deviation of samples per compute second
+        (past its fixed overhead) over its latest measured steps; 0 while none has three."""
+        spreads = []
+        with self._lock:
+            for device_id in device_ids:
+                record = self._devices.get(device_id)
+                if record is None or record.speed is None:
+                    continue
+                overhead = record.speed.overhead_s
+                rates = [n / (t - overhead) for n, t in record.measured if t > overhead]
+                if len(rates) >= 3:
+                    spreads.append(statistics.stdev(rates) / statistics.fmean(rates))
+        return statistics.median(spreads) if spreads else 0.0
+
     def _check_claim(self, record: DeviceRecord) -> None:
         """Flag a board whose measured steps are far off its claimed speed, and plan it by the
         measurement from then on (see the module docstring)."""

@@ -56,8 +56,12 @@ def fit_speed(timings: Sequence[tuple[int, float]]) -> SpeedEstimate:
     return SpeedEstimate(overhead_s=0.0, samples_per_s=total_b / total_s)
 
 
+REFINE_WEIGHT = 0.3
+"""Weight of one observed step in a device's speed estimate (an exponential moving average)."""
+
+
 def refine_speed(estimate: SpeedEstimate, samples: int, compute_s: float, comm_s: float,
-                 weight: float = 0.3) -> SpeedEstimate:
+                 weight: float = REFINE_WEIGHT) -> SpeedEstimate:
     """Blend one observed step into the estimate (EMA of throughput and of communication time).
     The first observed communication time is taken as it is: blending it with the 0 that stood
     for "not observed yet" would under-predict a slow board's transfers for several steps (at
@@ -98,9 +102,26 @@ def split_proportional(total: int, speeds: Mapping[str, SpeedEstimate]) -> dict[
 
 SHARE_CHANGE_GAIN = 0.02
 """A new proportional split replaces the shares in use only if it predicts a step at least this
-much faster. Every new local batch size costs the board time: measured at 0.5 of a core,
-MobileNetV2 shards whose size changed every step (105-130) trained 20% slower than shards of a
-fixed 118, as the kernels and buffers for each new shape are set up anew."""
+much faster (at least: see share_change_gain). Every new local batch size costs the board time:
+measured at 0.5 of a core, MobileNetV2 shards whose size changed every step (105-130) trained 20%
+slower than shards of a fixed 118, as the kernels and buffers for each new shape are set up anew."""
+
+
+def share_change_gain(rate_noise: float, devices: int, weight: float = REFINE_WEIGHT) -> float:
+    """The gain a new split must predict to replace the shares in use, for `devices` whose measured
+    per-step throughput scatters by `rate_noise` (relative standard deviation, step to step).
+
+    Each speed estimate is a moving average of those measurements, itself off by
+    e = sqrt(weight / (2 - weight)) * rate_noise (0.42x at weight 0.3). The shares in use were fit
+    to the estimates of some steps ago, so against the current ones each device's predicted time
+    is off by up to sqrt(2) e, and the slowest of n such devices, the predicted step, by about
+    sqrt(2 ln n) times that: a fresh split predicts a gain of 2 sqrt(ln n) e from noise alone. Below
+    it a new split chases noise: the 16 identical boards of bench_dp.py had their shares changed
+    in 21 of 24 steps with a fixed 2%, and every change of a local batch size costs its board
+    (SHARE_CHANGE_GAIN). SHARE_CHANGE_GAIN is the floor."""
+    if devices < 2 or not math.isfinite(rate_noise) or rate_noise <= 0:
+        return SHARE_CHANGE_GAIN
+    return max(SHARE_CHANGE_GAIN, 2 * math.sqrt(math.log(devices) * weight / (2 - weight)) * rate_noise)
 
 
 def split_sticky(total: int, speeds: Mapping[str, SpeedEstimate], previous: Mapping[str, int] | None,

@@ -161,3 +161,25 @@ def test_a_stage_step_without_its_share_of_the_work_only_counts() -> None:
     # Assert
     assert registry.get(board).speed.samples_per_s == pytest.approx(20.0)
     assert registry.get(board).stats["steps"] == 4
+
+
+def test_rate_noise_is_the_median_boards_step_to_step_scatter_past_its_overhead() -> None:
+    # Prepare: three boards, 0.1 s overhead, alternating between rates r(1 - e) and r(1 + e)
+    registry = DeviceRegistry()
+    boards = {_profiled(registry, f"b{i}", 0.1, 20.0): e for i, e in enumerate((0.0, 0.1, 0.3))}
+    silent = _profiled(registry, "silent", 0.1, 20.0)  # two measured steps only: not counted
+
+    # Execute: a warm-up step (not measured), then six measured ones each
+    for board, e in boards.items():
+        registry.observe_step(board, 20, 5.0, 0.1)
+        for k in range(6):
+            registry.observe_step(board, 20, 0.1 + 20 / (20.0 * (1 + e * (-1) ** k)), 0.1)
+    for _ in range(3):
+        registry.observe_step(silent, 20, 9.0, 0.1)
+
+    # Assert: 20 samples at 20(1 +- 0.1) samples/s past the 0.1 s: a relative scatter of
+    # stdev(+-0.1) = 0.1 * sqrt(6/5); the quiet and the loud board are the other two
+    expected = 0.1 * (6 / 5) ** 0.5
+    assert registry.rate_noise([*boards, silent]) == pytest.approx(expected)
+    assert registry.rate_noise([silent]) == 0.0
+    assert registry.rate_noise(["unknown"]) == 0.0

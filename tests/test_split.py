@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import itertools
+import math
+import random
+import statistics
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgetrain.split import (
+    SHARE_CHANGE_GAIN,
     SpeedEstimate,
     fit_speed,
     predicted_step_seconds,
     refine_speed,
+    share_change_gain,
     split_equal,
     split_proportional,
     split_sticky,
@@ -227,3 +232,65 @@ def test_split_sticky_is_never_worse_than_its_tolerance(total: int, speeds: list
     assert sum(shares.values()) == total
     best = predicted_step_seconds(split_proportional(total, by_device), by_device)
     assert predicted_step_seconds(shares, by_device) <= 1.05 * best + 1e-9
+
+
+# --- share_change_gain ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("noise", "devices"), [(0.0, 16), (-0.1, 16), (float("nan"), 16), (0.01, 16), (0.3, 1)])
+def test_share_change_gain_is_the_fixed_floor_when_steps_barely_scatter(noise: float, devices: int) -> None:
+    assert share_change_gain(noise, devices) == SHARE_CHANGE_GAIN
+
+
+def test_share_change_gain_is_the_noise_the_slowest_of_n_estimates_shows() -> None:
+    # an EMA at weight w of measurements scattering by s scatters by e = s sqrt(w / (2 - w)); two
+    # of them some steps apart by sqrt(2) e; the largest of n by about sqrt(2 ln n) times that
+    assert share_change_gain(0.12, 16) == pytest.approx(2 * math.sqrt(math.log(16)) * 0.12 * (0.3 / 1.7) ** 0.5)
+    assert share_change_gain(0.12, 4, weight=0.5) == pytest.approx(2 * math.sqrt(math.log(4)) * 0.12 * (1 / 3) ** 0.5)
+    assert share_change_gain(0.12, 16) > share_change_gain(0.12, 4) > share_change_gain(0.06, 4)
+
+
+def _share_changes(min_gain_for, steps: int = 60, boards: int = 16, noise: float = 0.12) -> int:
+    """Steps whose shares changed, for identical boards (10 samples/s) whose measured throughput
+    scatters by `noise` a step, refined and split as the coordinator does."""
+    rng = random.Random(7)
+    speeds = {f"b{i}": SpeedEstimate(0.0, 10.0) for i in range(boards)}
+    shares, changes, seen = None, 0, {d: [] for d in speeds}
+    for _ in range(steps):
+        recent = [statistics.stdev(r[-6:]) / statistics.fmean(r[-6:]) for r in seen.values() if len(r) >= 3]
+        fresh = split_sticky(32 * boards, speeds, shares, min_gain=min_gain_for(
+            statistics.median(recent) if recent else 0.0))
+        changes += shares is not None and fresh != shares
+        shares = fresh
+        for d, n in shares.items():
+            rate = 10.0 * (1 + rng.gauss(0.0, noise))
+            seen[d].append(rate)
+            speeds[d] = refine_speed(speeds[d], n, n / rate, 0.0)
+    return changes
+
+
+def test_identical_noisy_boards_keep_their_shares_under_the_noise_margin() -> None:
+    fixed = _share_changes(lambda noise: SHARE_CHANGE_GAIN)
+    margin = _share_changes(lambda noise: share_change_gain(noise, 16))
+    assert fixed >= 40  # the fixed 2% re-splits nearly every step
+    assert margin <= 10, (fixed, margin)
+
+
+def test_a_board_that_really_slows_loses_samples_despite_the_noise_margin() -> None:
+    # Prepare: 16 identical noisy boards (12% a step) on equal shares; then b0 runs at half speed
+    rng = random.Random(3)
+    speeds = {f"b{i}": SpeedEstimate(0.0, 10.0) for i in range(16)}
+    seen = {d: [10.0] * 6 for d in speeds}
+    shares = split_equal(512, list(speeds))
+
+    # Execute: ten steps at b0's new speed, split under the noise margin as the coordinator does
+    for _ in range(10):
+        for d, n in shares.items():
+            rate = (5.0 if d == "b0" else 10.0) * (1 + rng.gauss(0.0, 0.12))
+            seen[d].append(rate)
+            speeds[d] = refine_speed(speeds[d], n, n / rate, 0.0)
+        noise = statistics.median(statistics.stdev(r[-6:]) / statistics.fmean(r[-6:]) for r in seen.values())
+        shares = split_sticky(512, speeds, shares, min_gain=share_change_gain(noise, 16))
+
+    # Assert: b0 was re-split to well under an equal share
+    assert shares["b0"] < 0.7 * 32, shares

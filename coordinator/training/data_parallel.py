@@ -33,7 +33,13 @@ from coordinator.training.steps import AttemptOutcome
 from edgetrain.config import AggregationConfig, ConfigError
 from edgetrain.data import dataset_labels, load_dataset
 from edgetrain.partition import class_counts, partition_members, round_indices
-from edgetrain.split import SpeedEstimate, predicted_step_seconds, split_equal, split_sticky
+from edgetrain.split import (
+    SpeedEstimate,
+    predicted_step_seconds,
+    share_change_gain,
+    split_equal,
+    split_sticky,
+)
 from edgetrain.training import shard_tensor_names, state_tensors
 from edgetrain.updates import DeltaFormat, UpdateFormats
 from edgetrain.work import Assignment, LocalWork
@@ -151,7 +157,8 @@ class DataParallelRound(RoundPolicy):
     def _split(self, total: int, speeds: dict[str, SpeedEstimate]) -> dict[str, int]:
         if self.ctx.job.training.split == "equal":
             return split_equal(total, list(speeds))
-        self._shares = split_sticky(total, speeds, self._shares)
+        noise = self.ctx.registry.rate_noise(speeds)
+        self._shares = split_sticky(total, speeds, self._shares, min_gain=share_change_gain(noise, len(speeds)))
         return self._shares
 
     def _choose_codecs(self, shares: dict[str, int], speeds: dict[str, SpeedEstimate],

@@ -51,6 +51,7 @@ from coordinator.training.steps import AttemptOutcome
 from edgetrain import transport
 from edgetrain.config import ConfigError, load_plan
 from edgetrain.plan import Plan
+from edgetrain.split import share_change_gain
 from edgetrain.training import state_tensors
 from edgetrain.work import Assignment
 
@@ -222,7 +223,9 @@ class PipelineRound(RoundPolicy):
         lr = self.ctx.aggregator.step_lr(step)
         assignments = assign(plan, self.settings, step=step, attempt=attempt, indices=indices,
                              block_names=self.ctx.model.block_names, hosts=hosts, augment=job.dataset.augment,
-                             data_seed=job.seed, lr=lr, commit=self._committed, previous_shares=self._dp_shares)
+                             data_seed=job.seed, lr=lr, commit=self._committed, previous_shares=self._dp_shares,
+                             share_gain=share_change_gain(self.ctx.registry.rate_noise(
+                                 hosts[b].device_id for b in plan.dp_boards), len(plan.dp_boards)))
         codec = job.compression.uplink
         if codec not in ("none", "adaptive"):  # the job's codec for every upload (owned stages upload nothing)
             assignments = {d: a if a.stage is not None and a.stage.owned else replace(a, codec=codec)

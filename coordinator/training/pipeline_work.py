@@ -30,7 +30,7 @@ from edgetrain.pipeline import (
     split_rows,
 )
 from edgetrain.plan import Plan, StagePlan
-from edgetrain.split import SpeedEstimate, split_sticky
+from edgetrain.split import SHARE_CHANGE_GAIN, SpeedEstimate, split_sticky
 from edgetrain.training import GRAD_PREFIX
 from edgetrain.work import Assignment, StageHost, StageWork
 
@@ -66,11 +66,12 @@ def check_covers(plan: Plan, block_names: Sequence[str]) -> None:
 def assign(plan: Plan, settings: PipelineConfig, *, step: int, attempt: int, indices: Sequence[int],
            block_names: Sequence[str], hosts: Mapping[str, Host], augment: bool, data_seed: int, lr: float = 0.0,
            commit: tuple[int, int] = (-1, 0),
-           previous_shares: Mapping[str, int] | None = None) -> dict[str, Assignment]:
+           previous_shares: Mapping[str, int] | None = None,
+           share_gain: float = SHARE_CHANGE_GAIN) -> dict[str, Assignment]:
     """Every plan board's work for one attempt of `step` (pipeline 0, plus DP shards); `settings`
     says how stages run (timeout, where their state lives); `lr` and `commit` (the last committed
     step and attempt) are for hosts that own their stage; the DP shards keep `previous_shares`
-    (device id -> samples) while they stay near the best split."""
+    (device id -> samples) while the best split predicts less than `share_gain` over them."""
     check_covers(plan, block_names)
     total = len(indices)
     dp_samples = min(round(plan.dp_share * total), total - 1) if plan.dp_boards else 0
@@ -106,7 +107,7 @@ def assign(plan: Plan, settings: PipelineConfig, *, step: int, attempt: int, ind
             out[host.device_id] = Assignment(step, attempt, step, mine, augment, data_seed, stage=stage)
     if dp_samples:
         shares = split_sticky(dp_samples, {hosts[b].device_id: hosts[b].speed for b in plan.dp_boards},
-                              previous_shares)
+                              previous_shares, min_gain=share_gain)
         at = total - dp_samples
         for device_id, count in shares.items():
             if count:
