@@ -32,6 +32,8 @@ GONE_KEPT = 64
 must not grow the coordinator's memory without bound)."""
 
 CLAIM_CHECK_STEPS = 3
+STEP_TIMES_KEPT = 8
+"""Latest steps per board from which rate_noise measures how its step times scatter."""
 """Steps measured before a board's claimed speed is judged (its first step, which carries the
 warm-up of a fresh process, is not one of them)."""
 CLAIM_TOLERANCE = 3.0
@@ -82,6 +84,8 @@ class DeviceRecord:
     """The speed its profile claims (fitted from its join-time timings)."""
     measured: deque = field(default_factory=lambda: deque(maxlen=2 * CLAIM_CHECK_STEPS))
     """(samples, compute seconds) of its latest measured steps."""
+    step_times: deque = field(default_factory=lambda: deque(maxlen=STEP_TIMES_KEPT))
+    """(step, samples, compute seconds) of its latest measured data-parallel steps (the split's noise)."""
     claim_note: str = ""
     """Set when its measured speed was far off its claim: what it claimed and what was measured."""
 
@@ -147,6 +151,7 @@ class DeviceRegistry:
             record = self._live(device_id)
             record.profile, record.speed, record.claimed = profile, speed, speed
             record.measured.clear()
+            record.step_times.clear()
             record.claim_note = ""
             self.changed.notify_all()
         return speed
@@ -167,13 +172,15 @@ class DeviceRegistry:
             return list(self._devices[device_id].telemetry)
 
     def observe_step(self, device_id: str, samples: int, compute_s: float, comm_s: float,
-                     energy_j: float | None = None, *, turnaround_s: float | None = None) -> None:
+                     energy_j: float | None = None, *, turnaround_s: float | None = None,
+                     step: int | None = None) -> None:
         """Refine the device's speed from one step's timings and accumulate its stats.
 
         `compute_s` and `comm_s` are what the board reported; `turnaround_s`, the coordinator's
         own clock from the board taking its work to its upload being complete, bounds them: the
         compute time used is at least the turnaround less the reported transfers, and at most
-        the turnaround. Then the board's claimed speed is checked against its measured steps."""
+        the turnaround. Then the board's claimed speed is checked against its measured steps.
+        `step` (the step the work was for) lets rate_noise compare the boards measured together."""
         if turnaround_s is not None and math.isfinite(turnaround_s) and turnaround_s >= 0:
             compute_s = min(max(compute_s, turnaround_s - comm_s), turnaround_s)
         with self._lock:
@@ -188,6 +195,8 @@ class DeviceRegistry:
                 record.speed = refine_speed(record.speed, samples, compute_s, comm_s if warmed_up else 0.0)
                 if samples > 0 and warmed_up:
                     record.measured.append((samples, compute_s))
+                    if step is not None:
+                        record.step_times.append((step, samples, compute_s))
                     self._check_claim(record)
             if energy_j is not None:
                 record.stats["energy_j"] += energy_j
@@ -198,19 +207,30 @@ class DeviceRegistry:
                 record.stats[key] += value
 
     def rate_noise(self, device_ids) -> float:
-        """How much the devices' measured throughput scatters from step to step: the median over
-        `device_ids` of each one's relative standard deviation of samples per compute second
-        (past its fixed overhead) over its latest measured steps; 0 while none has three."""
-        spreads = []
+        """How much the devices' compute times scatter against each other from step to step: each
+        measured step's time over its speed estimate's prediction, divided by the median of that
+        ratio over the devices measured at the same step (a slowdown of the whole machine moves
+        every board alike and not the best split); the median over `device_ids` of each one's
+        relative standard deviation of that over its latest steps. 0 while fewer than two
+        devices have three steps in common."""
+        ratios: dict[str, dict[int, float]] = {}
         with self._lock:
             for device_id in device_ids:
                 record = self._devices.get(device_id)
                 if record is None or record.speed is None:
                     continue
-                overhead = record.speed.overhead_s
-                rates = [n / (t - overhead) for n, t in record.measured if t > overhead]
-                if len(rates) >= 3:
-                    spreads.append(statistics.stdev(rates) / statistics.fmean(rates))
+                speed = SpeedEstimate(record.speed.overhead_s, record.speed.samples_per_s)  # compute only
+                ratios[device_id] = {k: t / speed.seconds(n) for k, n, t in record.step_times if n > 0}
+        by_step: dict[int, list[float]] = {}
+        for mine in ratios.values():
+            for k, r in mine.items():
+                by_step.setdefault(k, []).append(r)
+        common = {k: statistics.median(rs) for k, rs in by_step.items() if len(rs) >= 2}
+        spreads = []
+        for mine in ratios.values():
+            relative = [r / common[k] for k, r in mine.items() if k in common]
+            if len(relative) >= 3:
+                spreads.append(statistics.stdev(relative) / statistics.fmean(relative))
         return statistics.median(spreads) if spreads else 0.0
 
     def _check_claim(self, record: DeviceRecord) -> None:

@@ -109,7 +109,8 @@ slower than shards of a fixed 118, as the kernels and buffers for each new shape
 
 def share_change_gain(rate_noise: float, devices: int, weight: float = REFINE_WEIGHT) -> float:
     """The gain a new split must predict to replace the shares in use, for `devices` whose measured
-    per-step throughput scatters by `rate_noise` (relative standard deviation, step to step).
+    per-step throughput scatters against each other's by `rate_noise` (relative standard
+    deviation, step to step; coordinator.registry.DeviceRegistry.rate_noise).
 
     Each speed estimate is a moving average of those measurements, itself off by
     e = sqrt(weight / (2 - weight)) * rate_noise (0.42x at weight 0.3). The shares in use were fit

@@ -3,6 +3,8 @@ board's claimed speed checked against its measured steps."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from coordinator.registry import (
@@ -163,23 +165,34 @@ def test_a_stage_step_without_its_share_of_the_work_only_counts() -> None:
     assert registry.get(board).stats["steps"] == 4
 
 
-def test_rate_noise_is_the_median_boards_step_to_step_scatter_past_its_overhead() -> None:
-    # Prepare: three boards, 0.1 s overhead, alternating between rates r(1 - e) and r(1 + e)
+def test_rate_noise_is_how_boards_step_times_scatter_against_each_others() -> None:
+    # Prepare: four boards profiled at 0.1 s + 20 samples/s; every step the whole machine runs
+    # at a different speed (a common factor); b1 and b2 also scatter by +-10% on their own
     registry = DeviceRegistry()
-    boards = {_profiled(registry, f"b{i}", 0.1, 20.0): e for i, e in enumerate((0.0, 0.1, 0.3))}
-    silent = _profiled(registry, "silent", 0.1, 20.0)  # two measured steps only: not counted
+    boards = {_profiled(registry, f"b{i}", 0.1, 20.0): e for i, e in enumerate((0.0, 0.1, 0.1, 0.3))}
+    unstepped = _profiled(registry, "unstepped", 0.1, 20.0)  # steps without a step number: not counted
 
     # Execute: a warm-up step (not measured), then six measured ones each
-    for board, e in boards.items():
-        registry.observe_step(board, 20, 5.0, 0.1)
-        for k in range(6):
-            registry.observe_step(board, 20, 0.1 + 20 / (20.0 * (1 + e * (-1) ** k)), 0.1)
-    for _ in range(3):
-        registry.observe_step(silent, 20, 9.0, 0.1)
+    for board in boards:
+        registry.observe_step(board, 20, 5.0, 0.1, step=0)
+    for k in range(1, 7):
+        machine = (1.0, 1.6, 0.7, 2.0, 1.0, 1.3)[k - 1]
+        for board, e in boards.items():
+            registry.observe_step(board, 20, machine * (0.1 + 1.0) * (1 + e * (-1) ** k), 0.1, step=k)
+        registry.observe_step(unstepped, 20, 9.0 * k, 0.1)
+    speeds = {b: registry.get(b).speed for b in boards}
 
-    # Assert: 20 samples at 20(1 +- 0.1) samples/s past the 0.1 s: a relative scatter of
-    # stdev(+-0.1) = 0.1 * sqrt(6/5); the quiet and the loud board are the other two
-    expected = 0.1 * (6 / 5) ** 0.5
-    assert registry.rate_noise([*boards, silent]) == pytest.approx(expected)
-    assert registry.rate_noise([silent]) == 0.0
-    assert registry.rate_noise(["unknown"]) == 0.0
+    # Assert: each time over its own estimate's prediction, over the step's median of that: the
+    # common factor is gone, what is left of each board's +-e is its scatter; the median board's
+    expected = []
+    for board, e in boards.items():
+        ratios = {k: (1 + e * (-1) ** k) / speeds[board].seconds(20) for k in range(1, 7)}
+        expected.append(ratios)
+    spreads = []
+    for ratios in expected:
+        relative = [r / statistics.median(other[k] for other in expected) for k, r in ratios.items()]
+        spreads.append(statistics.stdev(relative) / statistics.fmean(relative))
+    assert registry.rate_noise([*boards, unstepped, "unknown"]) == pytest.approx(statistics.median(spreads))
+    assert 0.05 < registry.rate_noise(boards) < 0.2  # the +-10% boards; the common factor (0.7-2x) is not noise
+    assert registry.rate_noise([unstepped]) == 0.0
+    assert registry.rate_noise(list(boards)[:1]) == 0.0  # one board: nothing to compare it with

@@ -244,7 +244,7 @@ class Aggregator:
         for item in used:
             c = item.contribution
             self.registry.observe_step(c.device_id, c.samples, c.compute_s, c.comm_s, c.energy_j,
-                                       turnaround_s=c.turnaround_s)
+                                       turnaround_s=c.turnaround_s, step=c.step)
         misbehaved = {d: r for d, r in rejected.items() if r is not stale.get(d)}  # slowness is not misbehaviour
         return Aggregate(used, rejected, screening.clipped, self._quarantine(step, misbehaved))
 
