@@ -150,7 +150,8 @@ class ShardRunner:
             self._loaded = -1
         if streamed is not None:
             report = StepReport(samples=result.samples, loss=result.loss, correct=result.correct,
-                                compute_s=compute_s, download_s=download_s, download_overlap_s=overlap_s)
+                                compute_s=compute_s, download_s=download_s, download_overlap_s=overlap_s,
+                                download_streamed=arriving is not None)
             return Update(streamed.metas, memoryview(b""), report, lambda: None, streamed)
         started = time.perf_counter()
         tensors = self._with_momentum(result.tensors)
@@ -166,7 +167,7 @@ class ShardRunner:
         metas, payload = pack(wire)
         report = StepReport(samples=result.samples, loss=result.loss, correct=result.correct, compute_s=compute_s,
                             download_s=download_s, encode_s=time.perf_counter() - started,
-                            download_overlap_s=overlap_s)
+                            download_overlap_s=overlap_s, download_streamed=arriving is not None)
         return Update(metas, payload, report, commit)
 
     def _full_download(self, work: Assignment) -> bool:

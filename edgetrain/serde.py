@@ -241,7 +241,8 @@ def step_report_to_proto(report: StepReport) -> pb.StepReport:
                          compute_s=report.compute_s, download_s=report.download_s, encode_s=report.encode_s,
                          energy_j=report.energy_j, wait_s=report.wait_s,
                          peak_activation_bytes=report.peak_activation_bytes, peer_bytes=report.peer_bytes,
-                         upload_exposed_s=report.upload_exposed_s, download_overlap_s=report.download_overlap_s)
+                         upload_exposed_s=report.upload_exposed_s, download_overlap_s=report.download_overlap_s,
+                         download_streamed=report.download_streamed)
 
 
 def step_report_from_proto(msg: pb.StepReport) -> StepReport:
@@ -250,7 +251,8 @@ def step_report_from_proto(msg: pb.StepReport) -> StepReport:
                         download_s=msg.download_s, encode_s=msg.encode_s,
                         energy_j=msg.energy_j if msg.HasField("energy_j") else None, wait_s=msg.wait_s,
                         peak_activation_bytes=msg.peak_activation_bytes, peer_bytes=msg.peer_bytes,
-                        upload_exposed_s=msg.upload_exposed_s, download_overlap_s=msg.download_overlap_s)
+                        upload_exposed_s=msg.upload_exposed_s, download_overlap_s=msg.download_overlap_s,
+                        download_streamed=msg.download_streamed)
     report.check()
     return report
 

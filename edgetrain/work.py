@@ -144,6 +144,9 @@ class StepReport:
     download_overlap_s: float = 0.0
     """A download that ran while the board computed (edge_client.arriving): the seconds of it the
     compute did not wait for; `download_s` is then only the part it waited for."""
+    download_streamed: bool = False
+    """This step's full parameter download ran under the compute (the board's choice; its
+    measured overlap is `download_overlap_s`)."""
 
     def check(self) -> None:
         """ValueError unless every figure is finite and every duration >= 0 (what the coordinator

@@ -366,7 +366,7 @@ class ParameterMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[_tensor_pb2.BundleHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("samples", "loss", "correct", "compute_s", "download_s", "encode_s", "energy_j", "wait_s", "peak_activation_bytes", "peer_bytes", "upload_exposed_s", "download_overlap_s")
+    __slots__ = ("samples", "loss", "correct", "compute_s", "download_s", "encode_s", "energy_j", "wait_s", "peak_activation_bytes", "peer_bytes", "upload_exposed_s", "download_overlap_s", "download_streamed")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     CORRECT_FIELD_NUMBER: _ClassVar[int]
@@ -379,6 +379,7 @@ class StepReport(_message.Message):
     PEER_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_EXPOSED_S_FIELD_NUMBER: _ClassVar[int]
     DOWNLOAD_OVERLAP_S_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_STREAMED_FIELD_NUMBER: _ClassVar[int]
     samples: int
     loss: float
     correct: int
@@ -391,7 +392,8 @@ class StepReport(_message.Message):
     peer_bytes: int
     upload_exposed_s: float
     download_overlap_s: float
-    def __init__(self, samples: _Optional[int] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., compute_s: _Optional[float] = ..., download_s: _Optional[float] = ..., encode_s: _Optional[float] = ..., energy_j: _Optional[float] = ..., wait_s: _Optional[float] = ..., peak_activation_bytes: _Optional[int] = ..., peer_bytes: _Optional[int] = ..., upload_exposed_s: _Optional[float] = ..., download_overlap_s: _Optional[float] = ...) -> None: ...
+    download_streamed: bool
+    def __init__(self, samples: _Optional[int] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., compute_s: _Optional[float] = ..., download_s: _Optional[float] = ..., encode_s: _Optional[float] = ..., energy_j: _Optional[float] = ..., wait_s: _Optional[float] = ..., peak_activation_bytes: _Optional[int] = ..., peer_bytes: _Optional[int] = ..., upload_exposed_s: _Optional[float] = ..., download_overlap_s: _Optional[float] = ..., download_streamed: _Optional[bool] = ...) -> None: ...
 
 class UploadHeader(_message.Message):
     __slots__ = ("device_id", "step", "attempt", "bundle", "report", "resume_offset")

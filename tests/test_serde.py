@@ -77,6 +77,8 @@ def test_work_survives_the_wire(work):
     pytest.param(StepReport(samples=24, loss=2.25, correct=5, compute_s=0.75, download_s=0.125, encode_s=0.0625,
                             energy_j=3.5, wait_s=0.25, peak_activation_bytes=1 << 20, peer_bytes=4096),
                  id="with-energy"),
+    pytest.param(StepReport(samples=24, loss=2.25, correct=5, compute_s=0.75, upload_exposed_s=0.03125,
+                            download_overlap_s=0.5, download_streamed=True), id="streamed-download"),
     pytest.param(StepReport(samples=24, loss=2.25, correct=5, compute_s=0.75), id="energy-unknown"),
     pytest.param(StepReport(samples=24, loss=2.25, correct=5, compute_s=0.75, energy_j=0.0), id="zero-energy"),
 ])

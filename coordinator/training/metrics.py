@@ -120,8 +120,9 @@ class MetricsLog:
 
         Each board's entry splits the step: `compute_s`; communication (`comm_s`: `download_s`,
         `encode_s`, `upload_s` and the coordinator's `decode_s`; with `upload_streamed` the upload
-        went during backward and `upload_s` is only its part after compute; `download_overlap_s`: the
-        part of the download that ran under compute, not in `download_s`); `waiting_s`, from its update being
+        went during backward and `upload_s` is only its part after compute; with `download_streamed` the
+        parameters arrived under compute, `download_overlap_s` the part of that download the compute
+        did not wait for, not in `download_s`); `waiting_s`, from its update being
         accepted to the attempt closing (waiting for the slowest board; None for a late update
         from an earlier step); and `idle_s`, the rest of the step (before it had its work, and
         through the coordinator's part: `coordinator` → publish, configure, aggregate)."""
@@ -141,6 +142,7 @@ class MetricsLog:
                 "idle_s": round(idle, 4),
                 "energy_j": None if c.energy_j is None else round(c.energy_j, 4), "codec": c.codec,
                 "upload_bytes": c.wire_bytes, "upload_streamed": c.streamed,
+                "download_streamed": c.download_streamed,
                 "download_overlap_s": round(c.download_overlap_s, 4), "staleness": item.staleness,
                 "weight": round(item.factor, 4)}
         entry = {

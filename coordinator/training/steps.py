@@ -82,6 +82,8 @@ class Contribution:
     """A streamed upload's part after the board's compute ended (its `upload_s`)."""
     download_overlap_s: float = 0.0
     """The part of the board's download that ran under its compute (not in `download_s`)."""
+    download_streamed: bool = False
+    """The board's full parameter download ran under its compute this step."""
     streamed: bool = False
     """The update was streamed during the board's backward pass: `upload_s` is only the part of
     the upload that ran past compute, not a measure of the link."""
