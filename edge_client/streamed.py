@@ -181,8 +181,10 @@ class StreamChoice:
     machine's run-to-run drift; docs/benchmarks.md, bench_dp). So "auto" sends whole
     updates and times them: an upload during which the process used less than `LINK_BOUND_SHARE`
     (a quarter) of the CPU the board had (wall seconds x its cores, or its emulated fraction of one) waited
-    mostly on the link, and the board streams the updates that follow, sending one whole again
-    every `RECHECK_EVERY` to see whether the link still is the bottleneck.
+    mostly on something other than the board — its link, or a coordinator busy serving many boards
+    (on the 16-board loopback fleet 9 of 16 boards switched for that reason; streaming hides either
+    wait behind backward) — and the board streams the updates that follow, sending one whole again
+    every `RECHECK_EVERY` to see whether the transfer still waits elsewhere.
     """
 
     LINK_BOUND_SHARE = 0.25
@@ -198,7 +200,8 @@ class StreamChoice:
         self.mode = mode
         self.cores = cores
         self.link_bound: bool | None = None
-        """What the last whole upload showed (None: none measured yet)."""
+        """What the last whole upload showed: it waited on the link or the coordinator, not on the
+        board's CPU (None: none measured yet)."""
         self._streamed_since = 0
 
     def stream(self) -> bool:
