@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 
 import pytest
@@ -10,6 +12,7 @@ from conftest import read_metrics, small_job, wait_for
 from reference import checkpoint_state, max_abs_difference, reference_state
 
 from coordinator.training.checkpoint import read_ledger
+from protos import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.slow
 
@@ -104,16 +107,25 @@ def test_auto_streams_once_a_transfer_shows_the_link_is_the_bottleneck(coordinat
 
 @pytest.mark.timeout(240)
 def test_killed_client_step_is_redone_without_loss_or_double_update(coordinator_factory, client_factory):
-    # Prepare: the slowest board will be killed while training runs, right after the first step
-    # it took part in (the other 11 or so steps leave ample time for the kill to land mid-run)
+    # Prepare: the slowest board will be killed while it holds a step's work. The equal split
+    # gives every live board a share of every step (the proportional one may leave a slow board
+    # out, and a board killed between its steps owes nothing). The victim is held still first,
+    # right after the first step it took part in, until the coordinator has not heard from it
+    # for two heartbeats: by then a step holding its work is waiting for it (it cannot upload)
     job = small_job(training={"steps": 12, "min_clients": 3, "step_timeout_s": 20.0, "global_batch": 96,
-                              "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0})
+                              "split": "equal", "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0})
     coordinator = coordinator_factory(job)
     client_factory(coordinator.address, "a", 0.6)
     client_factory(coordinator.address, "b", 0.4)
     victim = client_factory(coordinator.address, "victim", 0.2)
     wait_for(lambda: any(any(d.startswith("victim") for d in s["devices"]) for s in read_metrics(coordinator.run_dir)),
              150, "the victim to take part in a step", interval_s=0.02)
+    os.kill(victim.pid, signal.SIGSTOP)
+    stub = coordinator.stub()
+    wait_for(lambda: any(d.info.name == "victim" and d.seconds_since_seen >= 1.0
+                         for d in stub.ListDevices(pb.ListDevicesRequest(), timeout=10).devices),
+             30, "the coordinator to miss the held victim's heartbeats", interval_s=0.1)
+    steps_before = len(read_metrics(coordinator.run_dir))
 
     # Execute
     victim.kill()
@@ -124,7 +136,7 @@ def test_killed_client_step_is_redone_without_loss_or_double_update(coordinator_
     assert [s["step"] for s in steps] == list(range(job.training.steps))
     assert [s["samples"] for s in steps] == [job.training.global_batch] * job.training.steps
     redone = [s for s in steps if s["attempts"] > 1]
-    assert redone, "no step was redone after the kill"
+    assert steps_before in [s["step"] for s in redone], f"the held step {steps_before} was not redone: {redone}"
     assert not any(d.startswith("victim") for d in steps[-1]["devices"])
     diff = max_abs_difference(checkpoint_state(coordinator.run_dir), reference_state(job))
     assert diff < TOLERANCE, f"parameters differ from the reference by {diff}"
