@@ -19,8 +19,9 @@ run:
   named: `streamed` (`proportional` with every update streamed during backward) and `unstreamed`
   (never); `download_streamed` (every full download under the compute) and `download_first`
   (never): each overlap's effect, side by side.
-With `--sixteen`, the `sixteen` fleet (16 boards at 0.1 of a core) runs the proportional arm at a
-global batch of 512.
+With `--sixteen`, the `sixteen` fleet (16 boards at 0.1 of a core) runs the proportional arm (if named) at a
+global batch of 512, and the ceiling (when it runs) is also measured for those 16 boards at 32
+samples each (batch "512").
 
 "Ideal" is nominal: the sum of the boards' fractions of a core times one unthrottled core's
 training throughput on the same model and batch, measured in this run (before the arms and
@@ -151,6 +152,15 @@ def train_alone_at_once(model: str, boards: list[tuple[float | None, int]], seco
     return out
 
 
+def ceiling_boards(alone: list[tuple]) -> dict[str, float | list[float]]:
+    """Speed -> samples/s of the board at that speed training alone (a list, fastest first, where
+    several boards share a speed)."""
+    rates: dict[str, list[float]] = {}
+    for speed, rate, _ in sorted(alone, key=lambda r: (r[0], r[1]), reverse=True):
+        rates.setdefault(f"{speed:g}", []).append(round(rate, 2))
+    return {speed: r[0] if len(r) == 1 else r for speed, r in rates.items()}
+
+
 def proportional_shares(speeds: list[float], batch: int) -> list[int]:
     """`batch` split in proportion to `speeds` (largest remainders), at least 1 each."""
     total = sum(speeds)
@@ -259,12 +269,16 @@ def main() -> None:
 
     results: dict[str, dict[int, dict]] = {arm: {} for arm in arms}
     if "ceiling" in arms:
-        for b in batches:
-            alone = train_alone_at_once(args.model, list(zip(speeds, proportional_shares(speeds, b))), args.seconds)
+        ceilings = [(b, speeds) for b in batches]
+        if args.sixteen:  # the 16 boards alone at once, 32 samples each: the 16-board fleet's own ceiling
+            ceilings.append((SIXTEEN_BATCH, fleet_speeds("sixteen")))
+        for b, fleet_speeds_ in ceilings:
+            alone = train_alone_at_once(args.model, list(zip(fleet_speeds_, proportional_shares(fleet_speeds_, b))),
+                                        args.seconds)
             results["ceiling"][b] = {"samples_per_s": sum(r[1] for r in alone), "throttle": alone[0][2],
-                                     "boards": {f"{s:g}": round(r, 2) for s, r, _ in sorted(alone, reverse=True)}}
-            print(f"ceiling at batch {b}: {results['ceiling'][b]['samples_per_s']:.1f} samples/s "
-                  f"({results['ceiling'][b]['throttle']} throttle)", flush=True)
+                                     "boards": ceiling_boards(alone)}
+            print(f"ceiling at batch {b} ({len(alone)} boards): {results['ceiling'][b]['samples_per_s']:.1f} "
+                  f"samples/s ({results['ceiling'][b]['throttle']} throttle)", flush=True)
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="bench-dp-"))
     workdir.mkdir(parents=True, exist_ok=True)
     fleet_arms = [a for a in arms if a != "ceiling"]
@@ -274,7 +288,7 @@ def main() -> None:
     runs: dict[tuple[str, int], Path] = {}
     adjacent: dict[str, dict[int, float]] = {}
     plan = [(args.fleet, arm, b) for b in batches for arm in fleet_arms]
-    if args.sixteen:
+    if args.sixteen and "proportional" in arms:
         plan.append(("sixteen", "proportional", SIXTEEN_BATCH))
         results.setdefault("proportional", {})
     before: dict[int, float] = {}
