@@ -3,8 +3,9 @@
 A device's time for a local batch of b samples is modelled as
 `comm_s + overhead_s + b / samples_per_s`: its communication per step (parameters down,
 gradients up — on a slow board mostly CPU spent copying and checksumming), a fixed compute cost
-per step, and a per-sample cost. The compute part is fitted from the join-time profile; all of
-it is refreshed from the timings the device reports each step. The proportional split gives each device the share that
+per step, and a per-sample cost. The compute part's shape (fixed against per-sample cost) is
+fitted from the join-time profile and its scale, like the communication time, is refreshed from
+the timings the device reports each step (refine_speed). The proportional split gives each device the share that
 makes all devices finish together (LB-BSP / seed 000: b_i proportional to speed once overheads
 are accounted for); the equal split is the framework-default baseline.
 """
@@ -62,7 +63,22 @@ REFINE_WEIGHT = 0.3
 
 def refine_speed(estimate: SpeedEstimate, samples: int, compute_s: float, comm_s: float,
                  weight: float = REFINE_WEIGHT) -> SpeedEstimate:
-    """Blend one observed step into the estimate (EMA of throughput and of communication time).
+    """Blend one observed step into the estimate (EMA of the compute model's scale and of the
+    communication time).
+
+    The compute model keeps its shape — the fixed cost per step against the cost per sample, as
+    the join-time profile measured it over batch sizes far apart — and takes its scale from the
+    steps: the predicted compute time for `samples` moves `weight` of the way to the observed
+    one, its fixed and per-sample parts alike. A step's own samples hardly vary, so they cannot
+    tell the two parts apart. Keeping the profile's fixed cost in seconds and fitting only the
+    rate to the steps put all of a difference between run and profile on the per-sample cost:
+    on bench_dp's hybrid arm at batch 64 (2026-12-04, 3a02dd7) the 0.2-core board profiled at
+    0.32 s fixed + 25 samples/s (8 samples 0.64 s, 32 samples 1.60 s, while the other boards
+    profiled too), its steps of 7 samples took a median 0.48 s, so its rate became ~43 samples/s
+    and a share of 10 was predicted at 0.55 s; the planner gave it 10, and those steps took a
+    median 0.67 s. Scaled as a whole the same estimate predicts 0.58 s: still short (the
+    profile's fixed share was too large), less so.
+
     The first observed communication time is taken as it is: blending it with the 0 that stood
     for "not observed yet" would under-predict a slow board's transfers for several steps (at
     weight 0.3, 30% of them after one step, 66% after three), and the split would keep giving
@@ -75,11 +91,11 @@ def refine_speed(estimate: SpeedEstimate, samples: int, compute_s: float, comm_s
         comm = comm_s
     else:
         comm = (1 - weight) * estimate.comm_s + weight * comm_s
-    work_s = compute_s - estimate.overhead_s
-    rate = estimate.samples_per_s
-    if samples > 0 and work_s > 0:
-        rate = (1 - weight) * rate + weight * samples / work_s
-    return SpeedEstimate(overhead_s=estimate.overhead_s, samples_per_s=rate, comm_s=comm)
+    overhead, rate = estimate.overhead_s, estimate.samples_per_s
+    if samples > 0 and compute_s > 0:
+        scale = (1 - weight) + weight * compute_s / (overhead + samples / rate)
+        overhead, rate = overhead * scale, rate / scale
+    return SpeedEstimate(overhead_s=overhead, samples_per_s=rate, comm_s=comm)
 
 
 def split_proportional(total: int, speeds: Mapping[str, SpeedEstimate]) -> dict[str, int]:

