@@ -203,6 +203,25 @@ def test_a_plan_that_measures_better_than_predicted_is_not_swapped_for_a_close_c
     assert not measured.switched
 
 
+def test_a_plan_that_runs_slower_than_predicted_is_judged_by_its_prediction_as_the_candidate_is():
+    # Prepare: the same first plan twice, then a link change that makes some candidate look a
+    # little better (1.8%), not by min_gain
+    live, other = _planner(min_gain=0.05), _planner(min_gain=0.05)
+    first = live.decide(0, _fleet())
+    other.decide(0, _fleet())
+    changed = _fleet(c={"mbit_per_s": 10.0}, d={"mbit_per_s": 10.0})
+
+    # Execute: judged on predictions only, and with the current plan measured at 1.5x its
+    # predicted step time (the cost model is optimistic about it, so about the candidate too)
+    predicted_only = other.decide(4, changed)
+    slower = live.decide(4, changed, measured_step_s=1.5 * first.plan.prediction.step_s)
+
+    # Assert: the measurement does not raise the current plan's cost; it is kept
+    assert slower.current_cost == pytest.approx(predicted_only.current_cost)
+    assert not predicted_only.switched and not slower.switched
+    assert slower.plan == first.plan
+
+
 def test_a_plan_running_far_over_its_prediction_is_planned_again_from_the_refined_speeds():
     # Prepare: boards a and b profiled at a tenth of their speed (a profile taken while the
     # machine was busy): the first plan is built around that
