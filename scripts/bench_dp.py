@@ -272,8 +272,8 @@ def main() -> None:
         ceilings = [(b, speeds) for b in batches]
         if args.sixteen:  # the 16 boards alone at once, 32 samples each: the 16-board fleet's own ceiling
             ceilings.append((SIXTEEN_BATCH, fleet_speeds("sixteen")))
-        for b, fleet_speeds_ in ceilings:
-            alone = train_alone_at_once(args.model, list(zip(fleet_speeds_, proportional_shares(fleet_speeds_, b))),
+        for b, board_speeds in ceilings:
+            alone = train_alone_at_once(args.model, list(zip(board_speeds, proportional_shares(board_speeds, b))),
                                         args.seconds)
             results["ceiling"][b] = {"samples_per_s": sum(r[1] for r in alone), "throttle": alone[0][2],
                                      "boards": ceiling_boards(alone)}

@@ -186,17 +186,24 @@ def test_edgetrain_plan_refuses_bad_input_clearly(fleet_file, tmp_path):
     assert broken.returncode == 2 and "not valid YAML" in broken.stderr
 
 
-def test_a_plan_that_measures_better_than_predicted_is_not_swapped_for_a_close_candidate():
-    # Prepare: a first plan, then a link change that makes some candidate look a little better
+def _judged_twice(changed: list, measured_over_predicted: float):
+    """The first plan on `_fleet()`, then one re-planning on `changed` made twice: judged on
+    predictions only, and with the plan in force measured at `measured_over_predicted` times its
+    predicted step time. Returns (first, predictions only, measured)."""
     live, other = _planner(min_gain=0.05), _planner(min_gain=0.05)
     first = live.decide(0, _fleet())
     other.decide(0, _fleet())
+    measured_step_s = measured_over_predicted * first.plan.prediction.step_s
+    return first, other.decide(4, changed), live.decide(4, changed, measured_step_s=measured_step_s)
+
+
+def test_a_plan_that_measures_better_than_predicted_is_not_swapped_for_a_close_candidate():
+    # Prepare: a link change that makes some candidate look a little better
     changed = _fleet(c={"mbit_per_s": 5.0}, d={"mbit_per_s": 5.0})
 
     # Execute: the same decision, once judged on predictions only, once with the current plan
     # measured at half its predicted step time
-    predicted_only = other.decide(4, changed)
-    measured = live.decide(4, changed, measured_step_s=0.5 * first.plan.prediction.step_s)
+    _, predicted_only, measured = _judged_twice(changed, 0.5)
 
     # Assert: the measurement halves the current plan's cost, so it is kept
     assert measured.current_cost == pytest.approx(0.5 * predicted_only.current_cost)
@@ -204,17 +211,12 @@ def test_a_plan_that_measures_better_than_predicted_is_not_swapped_for_a_close_c
 
 
 def test_a_plan_that_runs_slower_than_predicted_is_judged_by_its_prediction_as_the_candidate_is():
-    # Prepare: the same first plan twice, then a link change that makes some candidate look a
-    # little better (1.8%), not by min_gain
-    live, other = _planner(min_gain=0.05), _planner(min_gain=0.05)
-    first = live.decide(0, _fleet())
-    other.decide(0, _fleet())
+    # Prepare: a link change that makes some candidate look a little better (1.8%), not by min_gain
     changed = _fleet(c={"mbit_per_s": 10.0}, d={"mbit_per_s": 10.0})
 
     # Execute: judged on predictions only, and with the current plan measured at 1.5x its
     # predicted step time (the cost model is optimistic about it, so about the candidate too)
-    predicted_only = other.decide(4, changed)
-    slower = live.decide(4, changed, measured_step_s=1.5 * first.plan.prediction.step_s)
+    first, predicted_only, slower = _judged_twice(changed, 1.5)
 
     # Assert: the measurement does not raise the current plan's cost; it is kept
     assert slower.current_cost == pytest.approx(predicted_only.current_cost)
