@@ -235,13 +235,18 @@ def main() -> None:
     parser.add_argument("--sixteen", action="store_true", help="also the 16-board fleet (proportional, batch 512)")
     parser.add_argument("--keep", type=Path, help="keep the run directories here")
     args = parser.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        parser.error(f"--batches takes whole numbers separated by commas, got {args.batches!r}")
     arms = args.arms.split(",")
     unknown = sorted(set(arms) - set(ALL_ARMS))
     if unknown:
         parser.error(f"unknown arms {unknown}; choose from {', '.join(ALL_ARMS)}")
     if args.warmup >= args.steps:
         parser.error("--warmup must be below --steps")
+    if args.sixteen and SIXTEEN_BATCH in batches:  # results are keyed by arm and batch: one fleet per batch
+        parser.error(f"with --sixteen, batch {SIXTEEN_BATCH} is the 16-board fleet's; leave it out of --batches")
     speeds = fleet_speeds(args.fleet)
     print(f"# {args.model}, batches {batches}, emulated boards {speeds}, {fleet_links(args.fleet)}; data: SYNTHETIC",
           flush=True)
