@@ -112,10 +112,10 @@ def compute_shard(model: nn.Module, x: torch.Tensor, y: torch.Tensor, max_batch:
     """Forward + backward of the mean cross-entropy on one shard; returns grads and buffers.
 
     With `max_batch` > 0 a larger shard goes through the model in the fewest equal chunks of at
-    most that many samples, gradients accumulated: the same gradient (up to float rounding) at a fraction of
-    the memory, and faster on a CPU, whose per-sample cost grows with the batch once the
-    activations outgrow its caches (measured here on one core: MobileNetV2 at 512 samples per
-    pass 80 samples/s, in chunks of 32 149; ResNet-18 at 256 23.5, in chunks of 32 29.4).
+    most that many samples, gradients accumulated: the same gradient (up to float rounding) at a
+    fraction of the memory, and on a CPU whose caches the activations outgrow, faster (measured on
+    one core by scripts/bench_forward_batch.py: ResNet-18 at 256 samples 16.0 s in one pass, 15.2
+    in chunks of 64; MobileNetV2 the other way, 3.66 s against 4.41).
     BatchNorm then normalises each chunk with its own statistics (as each board does its shard),
     and the running statistics returned are the sample-weighted mean of the chunks' updates from
     the same start: one update with the chunks' mean statistics, as across boards.
