@@ -1,12 +1,15 @@
-"""The throughput benchmark's command line refuses what it cannot measure, in one line, before any run."""
+"""The benchmarks' command lines: what they cannot measure is refused in one line before any run."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCH_DP = Path(__file__).resolve().parent.parent / "scripts" / "bench_dp.py"
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+BENCH_DP = SCRIPTS / "bench_dp.py"
+BENCH_FORWARD_BATCH = SCRIPTS / "bench_forward_batch.py"
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -23,3 +26,28 @@ def test_bench_dp_refuses_arguments_it_cannot_run(args, message):
     assert message in done.stderr
     assert "Traceback" not in done.stderr
     assert "samples/s" not in done.stdout
+
+
+def test_bench_forward_batch_times_every_limit_and_says_the_data_is_synthetic():
+    # Execute: a small model, two shard sizes, chunked and whole
+    done = subprocess.run([sys.executable, str(BENCH_FORWARD_BATCH), "--model", "small_cnn", "--shards", "6,3",
+                           "--limits", "2,0", "--rounds", "1"], capture_output=True, text=True, timeout=300)
+
+    # Assert: one line per shard with each limit's passes, then the JSON
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert "SYNTHETIC" in lines[0]
+    assert "shard 6: 2: " in lines[1] and "(3 pass)" in lines[1] and "whole: " in lines[1]
+    result = json.loads(lines[-1])
+    assert result["synthetic_data"] is True
+    assert set(result["ms_per_shard"]) == {"6", "3"}
+    assert all(set(v) == {"2", "0"} and all(ms > 0 for ms in v.values()) for v in result["ms_per_shard"].values())
+    assert result["over_default"] is None  # the default (64) was not among the limits
+
+
+def test_bench_forward_batch_refuses_a_negative_limit():
+    done = subprocess.run([sys.executable, str(BENCH_FORWARD_BATCH), "--limits", "64,-1"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--limits must be >= 0" in done.stderr
+    assert "Traceback" not in done.stderr
