@@ -114,8 +114,8 @@ def compute_shard(model: nn.Module, x: torch.Tensor, y: torch.Tensor, max_batch:
     With `max_batch` > 0 a larger shard goes through the model in the fewest equal chunks of at
     most that many samples, gradients accumulated: the same gradient (up to float rounding) at a
     fraction of the memory, and on a CPU whose caches the activations outgrow, faster (measured on
-    one core by scripts/bench_forward_batch.py: ResNet-18 at 256 samples 16.0 s in one pass, 15.2
-    in chunks of 64; MobileNetV2 the other way, 3.66 s against 4.41).
+    one core by scripts/bench_forward_batch.py: ResNet-18's 256 samples took 16.0 s in one pass,
+    15.2 in chunks of 64; MobileNetV2's 512 the other way, 3.66 s in one pass, 4.41 in chunks).
     BatchNorm then normalises each chunk with its own statistics (as each board does its shard),
     and the running statistics returned are the sample-weighted mean of the chunks' updates from
     the same start: one update with the chunks' mean statistics, as across boards.
