@@ -29,13 +29,13 @@ from edgetrain.models import build_model
 from edgetrain.training import chunk_bounds, compute_shard
 
 
-def _numbers(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+def _numbers(parser: argparse.ArgumentParser, flag: str, text: str, least: int) -> list[int]:
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
         parser.error(f"{flag} takes whole numbers separated by commas, got {text!r}")
-    if any(v < 0 for v in values):
-        parser.error(f"{flag} must be >= 0, got {text!r}")
+    if any(v < least for v in values):
+        parser.error(f"{flag} must be >= {least}, got {text!r}")
     return values
 
 
@@ -46,14 +46,17 @@ def main() -> None:
     parser.add_argument("--limits", default="64,96,128,0", help="max_forward_batch values (0: the whole shard at once)")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    shards = _numbers(parser, "--shards", args.shards)
-    limits = _numbers(parser, "--limits", args.limits)
+    shards = _numbers(parser, "--shards", args.shards, 1)
+    limits = _numbers(parser, "--limits", args.limits, 0)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
     default = TrainingConfig().max_forward_batch
     keep_freed_memory()  # as the boards' processes do
     torch.set_num_threads(1)
-    model = build_model(args.model, seed=0)
+    try:
+        model = build_model(args.model, seed=0)
+    except ValueError as e:
+        parser.error(str(e))
     dataset = load_dataset(DatasetSpec(name="synthetic", train_size=max(shards)), train=True)
     print(f"# {args.model} on one core, compute_shard by max_forward_batch (default {default}); data: SYNTHETIC",
           flush=True)

@@ -45,9 +45,14 @@ def test_bench_forward_batch_times_every_limit_and_says_the_data_is_synthetic():
     assert result["over_default"] is None  # the default (64) was not among the limits
 
 
-def test_bench_forward_batch_refuses_a_negative_limit():
-    done = subprocess.run([sys.executable, str(BENCH_FORWARD_BATCH), "--limits", "64,-1"], capture_output=True,
-                          text=True, timeout=120)
+@pytest.mark.parametrize(("args", "message"), [
+    (["--limits", "64,-1"], "--limits must be >= 0"),
+    (["--shards", "0,70"], "--shards must be >= 1"),
+    (["--model", "alexnet"], "unknown model 'alexnet'"),
+])
+def test_bench_forward_batch_refuses_arguments_it_cannot_run(args, message):
+    done = subprocess.run([sys.executable, str(BENCH_FORWARD_BATCH), *args], capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 2
-    assert "--limits must be >= 0" in done.stderr
+    assert message in done.stderr
     assert "Traceback" not in done.stderr
