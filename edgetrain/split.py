@@ -70,14 +70,9 @@ def refine_speed(estimate: SpeedEstimate, samples: int, compute_s: float, comm_s
     the join-time profile measured it over batch sizes far apart — and takes its scale from the
     steps: the predicted compute time for `samples` moves `weight` of the way to the observed
     one, its fixed and per-sample parts alike. A step's own samples hardly vary, so they cannot
-    tell the two parts apart. Keeping the profile's fixed cost in seconds and fitting only the
-    rate to the steps put all of a difference between run and profile on the per-sample cost:
-    on bench_dp's hybrid arm at batch 64 (2026-12-04, 3a02dd7) the 0.2-core board profiled at
-    0.32 s fixed + 25 samples/s (8 samples 0.64 s, 32 samples 1.60 s, while the other boards
-    profiled too), its steps of 7 samples took a median 0.48 s, so its rate became ~43 samples/s
-    and a share of 10 was predicted at 0.55 s; the planner gave it 10, and those steps took a
-    median 0.67 s. Scaled as a whole the same estimate predicts 0.58 s: still short (the
-    profile's fixed share was too large), less so.
+    tell the two parts apart; fitting only the rate to them put all of a difference between run
+    and profile on the per-sample cost and mispredicted every share a board had not run yet
+    (docs/benchmarks.md, "Speed estimates scaled as a whole").
 
     The first observed communication time is taken as it is: blending it with the 0 that stood
     for "not observed yet" would under-predict a slow board's transfers for several steps (at

@@ -86,12 +86,9 @@ class LivePlanner:
         how much the fleet change moves its prediction; the candidate has only its prediction.
         This keeps a plan the cost model underrates from being swapped for one it rates about the
         same. One that runs slower than predicted is judged by its prediction, as the candidate
-        is: the model's optimism is the candidate's too. Judged by its measurement it lost to
-        every candidate the model rated within its error — on bench_dp's hybrid arm at batch
-        128 (2026-12-04, f27f8a6, steps ~8% over their predictions) the plan changed at steps 8,
-        15 and 22 between data parallelism on three boards, on four, and with one board holding
-        the whole model as a stage, each time for a link-rate swing of the loopback fleet, and
-        the arm trained 68.3 samples/s against the proportional split's 84.0."""
+        is: the model's optimism is the candidate's too, and judged by its measurement the plan
+        would lose to every candidate the model rates within its error (measured in
+        docs/benchmarks.md, "Re-planning judged model to model")."""
         reasons = self.changes(boards)
         overrun = self.overrun(measured_step_s)
         if overrun:
