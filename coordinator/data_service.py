@@ -1,11 +1,14 @@
-"""The Datasets service: the gateway serves boards the CIFAR-10 blocks they train on.
+"""The Datasets service: the gateway serves boards the blocks of samples they train on.
 
-CIFAR-10 is imported once on the gateway (`edgetrain data import`, edgetrain/dataset_import.py),
-which checks it and writes a manifest of per-block sha256 sums. This service, on the coordinator's
-fleet port under the same mutual TLS, describes that manifest (``Describe``) and streams one
-block at a time (``FetchBlock``), so a board without a copy fetches just the samples it is asked
-for (edge_client/dataset.py). Only boards and the gateway may call it (the fleet port's Guard
-already refused callers without a valid fleet certificate; an operator's is refused here).
+Datasets are imported once on the gateway (`edgetrain data import`, edgetrain/dataset_import.py):
+CIFAR-10 in its own files, anything else as a store (edgetrain/datastore.py); either way with a
+manifest of class names and per-block sha256 sums. This service, on the coordinator's fleet port
+under the same mutual TLS, describes a manifest (``Describe``) and streams one block at a time
+(``FetchBlock``), so a board without a copy fetches just the samples it is asked for
+(edge_client/dataset.py). It serves CIFAR-10, the job's dataset and whatever else is imported in
+its data directory; a name never imported there is NOT_FOUND. Only boards and the gateway may call it (the fleet
+port's Guard already refused callers without a valid fleet certificate; an operator's is refused
+here).
 
 The imported files are read on the first fetch of a split and checked block by block against the
 manifest before anything is served: a copy changed or damaged after its import is refused
@@ -23,17 +26,17 @@ from pathlib import Path
 import grpc
 
 from edgetrain import transport, trust
-from edgetrain.dataset_import import (
-    CIFAR10,
-    CIFAR10_DIR,
+from edgetrain.catalog import IMPORTED_NAME, SYNTHETIC_DATASET_NAMES
+from edgetrain.dataset_import import CIFAR10, CIFAR10_DIR, import_command, read_split
+from edgetrain.datastore import (
     IMAGE_SHAPE,
     MANIFEST_FILE,
     DatasetImportError,
     Manifest,
-    block_sha256,
-    import_command,
-    load_manifest,
-    read_split,
+    read_manifest,
+    read_store_split,
+    store_dir,
+    verify_blocks,
 )
 from edgetrain.errors import Refusal
 from protos import data_pb2 as dpb
@@ -57,12 +60,14 @@ class _Refused(Exception):
         self.code = code
 
 
-class ImportedCIFAR10:
-    """The CIFAR-10 imported under a data directory: its manifest, and its splits loaded (and
+class ImportedDataset:
+    """A dataset imported under a data directory: its manifest, and its splits loaded (and
     checked against the manifest) on first use. Thread-safe."""
 
-    def __init__(self, data_dir: str | Path) -> None:
+    def __init__(self, data_dir: str | Path, name: str = CIFAR10) -> None:
         self.data_dir = Path(data_dir)
+        self.name = name
+        self.directory = self.data_dir / CIFAR10_DIR if name == CIFAR10 else store_dir(data_dir, name)
         self._lock = threading.Lock()
         self._loading = threading.Lock()  # one split load at a time: boards starting together wait for it
         self._stamp: int | None = None
@@ -71,24 +76,24 @@ class ImportedCIFAR10:
 
     def _missing(self, why: str) -> _Refused:
         return _Refused(grpc.StatusCode.FAILED_PRECONDITION,
-                        f"this gateway {why}: run `{import_command(CIFAR10, self.data_dir)}` on it "
+                        f"this gateway {why}: run `{import_command(self.name, self.data_dir)}` on it "
                         "(or serve with the --data-dir it was imported into)")
 
     def manifest(self) -> Manifest:
         """The current manifest (re-read when a new import replaced it)."""
-        path = self.data_dir / CIFAR10_DIR / MANIFEST_FILE
+        path = self.directory / MANIFEST_FILE
         with self._lock:
             try:
                 stamp = path.stat().st_mtime_ns
             except FileNotFoundError:
-                raise self._missing(f"has no CIFAR-10 imported under {self.data_dir}") from None
+                raise self._missing(f"has no {self.name} imported under {self.data_dir}") from None
             if stamp != self._stamp:
                 try:
-                    manifest = load_manifest(self.data_dir)
+                    manifest = read_manifest(self.directory)
                 except DatasetImportError as e:
-                    raise self._missing(f"cannot read its CIFAR-10 manifest ({e})") from None
+                    raise self._missing(f"cannot read its {self.name} manifest ({e})") from None
                 if manifest is None:
-                    raise self._missing(f"has no CIFAR-10 imported under {self.data_dir}")
+                    raise self._missing(f"has no {self.name} imported under {self.data_dir}")
                 self._stamp, self._manifest, self._splits = stamp, manifest, {}
             return self._manifest
 
@@ -99,7 +104,7 @@ class ImportedCIFAR10:
         if not split:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "a block request needs a split (train or test)")
         if split not in manifest.splits:
-            raise _Refused(grpc.StatusCode.NOT_FOUND, f"CIFAR-10 has no split {split!r} "
+            raise _Refused(grpc.StatusCode.NOT_FOUND, f"{self.name} has no split {split!r} "
                                                       f"(it has {', '.join(manifest.splits)})")
         try:
             start, stop = manifest.block_range(split, block)
@@ -117,20 +122,18 @@ class ImportedCIFAR10:
             if manifest is self._manifest and split in self._splits:
                 return self._splits[split]
         try:
-            images, labels = read_split(self.data_dir / CIFAR10_DIR, split)
+            if self.name == CIFAR10:
+                images, labels = read_split(self.directory, split)
+                if len(labels) != manifest.splits[split].samples:
+                    raise self._missing(f"holds {len(labels)} {split} samples where its manifest says "
+                                        f"{manifest.splits[split].samples}")
+                verify_blocks(manifest, split, images, labels, where=self.directory)
+            else:
+                images, labels = read_store_split(self.directory, manifest, split)
         except DatasetImportError as e:
-            raise self._missing(f"cannot read its imported CIFAR-10 ({e})") from None
-        entry = manifest.splits[split]
-        if len(labels) != entry.samples:
-            raise self._missing(f"holds {len(labels)} {split} samples where its manifest says {entry.samples}")
-        size = manifest.block_samples
-        for index, expected in enumerate(entry.blocks):
-            start = index * size
-            if block_sha256(images[start:start + size], labels[start:start + size]) != expected:
-                raise self._missing(f"has CIFAR-10 files that changed since their import (block {index} of "
-                                    f"the {split} split no longer matches its manifest)")
-        logger.info("[Datasets] loaded the CIFAR-10 %s split from %s (%d samples, %d blocks checked)", split,
-                    self.data_dir / CIFAR10_DIR, len(labels), len(entry.blocks))
+            raise self._missing(f"cannot serve its imported {self.name} ({e})") from None
+        logger.info("[Datasets] loaded the %s %s split from %s (%d samples, %d blocks checked)", self.name, split,
+                    self.directory, len(labels), len(manifest.splits[split].blocks))
         with self._lock:
             if manifest is self._manifest:
                 self._splits[split] = (images, labels)
@@ -140,8 +143,13 @@ class ImportedCIFAR10:
 class DatasetsServicer(dpb_grpc.DatasetsServicer):
     """Describes the imported datasets and streams their blocks to the fleet's boards."""
 
-    def __init__(self, data_dir: str | Path) -> None:
-        self.cifar10 = ImportedCIFAR10(data_dir)
+    def __init__(self, data_dir: str | Path, dataset: str = CIFAR10) -> None:
+        self.data_dir = Path(data_dir)
+        self.expected = {CIFAR10, dataset} - set(SYNTHETIC_DATASET_NAMES)
+        """Datasets that must be imported (the job's; CIFAR-10 always may be): a missing one is
+        FAILED_PRECONDITION, saying which import to run."""
+        self._datasets: dict[str, ImportedDataset] = {}
+        self._lock = threading.Lock()
 
     def _admit(self, context, rpc: str) -> None:
         peer = transport.peer_of(context)  # None only on an --insecure (plaintext) server
@@ -150,11 +158,16 @@ class DatasetsServicer(dpb_grpc.DatasetsServicer):
                     f"the dataset is served to boards and the gateway, not to {peer.role} {peer.name}",
                     Refusal.NOT_PERMITTED)
 
-    def _dataset(self, context, rpc: str, name: str) -> ImportedCIFAR10:
-        if name != CIFAR10:
+    def _dataset(self, context, rpc: str, name: str) -> ImportedDataset:
+        if name not in self.expected and not (IMPORTED_NAME.fullmatch(name) and
+                                              (store_dir(self.data_dir, name) / MANIFEST_FILE).is_file()):
             _refuse(context, rpc, grpc.StatusCode.NOT_FOUND,
-                    f"this gateway serves no dataset {name!r} (it serves {CIFAR10})")
-        return self.cifar10
+                    f"this gateway serves no dataset {name!r} (it serves {', '.join(sorted(self.expected))} "
+                    "and what `edgetrain data list` shows)")
+        with self._lock:
+            if name not in self._datasets:
+                self._datasets[name] = ImportedDataset(self.data_dir, name)
+            return self._datasets[name]
 
     def Describe(self, request: dpb.DescribeRequest, context) -> dpb.DatasetDescription:
         self._admit(context, "Describe")
@@ -164,6 +177,7 @@ class DatasetsServicer(dpb_grpc.DatasetsServicer):
             _refuse(context, "Describe", e.code, str(e))
         return dpb.DatasetDescription(
             dataset=manifest.dataset, block_samples=manifest.block_samples, image_shape=list(IMAGE_SHAPE),
+            classes=list(manifest.classes),
             splits=[dpb.SplitDescription(name=name, samples=s.samples, block_sha256=[bytes.fromhex(h) for h in s.blocks])
                     for name, s in manifest.splits.items()])
 
@@ -189,6 +203,6 @@ def _refuse(context, rpc: str, code: grpc.StatusCode, message: str, reason: Refu
     transport.abort(context, code, message, reason)
 
 
-def datasets_service(data_dir: str | Path) -> list:
-    """The (add_to_server, servicer) pair to serve next to the Coordinator service."""
-    return [(dpb_grpc.add_DatasetsServicer_to_server, DatasetsServicer(data_dir))]
+def datasets_service(data_dir: str | Path, dataset: str = CIFAR10) -> list:
+    """The (add_to_server, servicer) pair to serve `dataset` next to the Coordinator service."""
+    return [(dpb_grpc.add_DatasetsServicer_to_server, DatasetsServicer(data_dir, dataset))]

@@ -43,14 +43,15 @@ def profile_batch_sizes(global_batch: int) -> list[int]:
     return sorted({max(2, min(global_batch // 8, 16)), max(4, min(global_batch // 2, 64))})
 
 
-def board_job(job: JobConfig, aggregator: Aggregator) -> BoardJob:
-    """The job as boards get it when they register."""
-    return BoardJob(job_id=job.name, model=job.model, num_classes=10, dataset=job.dataset,
+def board_job(job: JobConfig, aggregator: Aggregator, classes: tuple[str, ...]) -> BoardJob:
+    """The job as boards get it when they register (`classes`: the dataset's class names)."""
+    return BoardJob(job_id=job.name, model=job.model, num_classes=len(classes), dataset=job.dataset,
                     profile_batch_sizes=tuple(profile_batch_sizes(job.training.global_batch)),
                     heartbeat_interval_s=job.training.heartbeat_interval_s, chunk_bytes=job.training.chunk_bytes,
                     max_forward_batch=job.training.max_forward_batch, error_feedback=job.compression.error_feedback,
                     board_momentum=aggregator.board_momentum, device=job.device,
-                    stream_upload=job.training.stream_upload_mode, stream_download=job.training.stream_download_mode)
+                    stream_upload=job.training.stream_upload_mode, stream_download=job.training.stream_download_mode,
+                    class_names=classes, share_class_counts=job.privacy.class_counts)
 
 
 def _watch_heartbeats(registry: DeviceRegistry, board: StepBoard, timeout_s: float, stop: threading.Event) -> None:
@@ -100,17 +101,23 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "job.json").write_text(json.dumps(job_to_dict(job), indent=2))
     torch.set_num_threads(1)
-    model = build_model(job.model, seed=job.seed)
     train_size = len(load_dataset(job.dataset, train=True))
+    if job.training.epochs and job.dataset.train_size is None:  # steps follow the split's real size
+        job = replace(job, dataset=replace(job.dataset, train_size=train_size))
     test_set = load_dataset(job.dataset, train=False)
+    classes = test_set.classes
+    model = build_model(job.model, num_classes=len(classes), seed=job.seed)
     if dataset_is_synthetic(job.dataset):
         logger.info("[Coordinator] dataset: SYNTHETIC CIFAR-shaped data (seed %d), not CIFAR-10", job.dataset.seed)
+    else:
+        logger.info("[Coordinator] dataset %r: %d training and %d test samples of %d classes", job.dataset.name,
+                    train_size, len(test_set), len(classes))
     registry = DeviceRegistry()
     split = split_parameters(model)  # what channel group members move only a slice of
     board = StepBoard(UpdateFormats(shard_tensor_names(model), split), model.block_names)
     aggregator = Aggregator(job, model, registry)
     store = ParameterStore(job.compression.downlink, keep_full=aggregator.versions_kept, split=split)
-    servicer = CoordinatorServicer(job, board_job(job, aggregator), registry, board, store, cluster=cluster)
+    servicer = CoordinatorServicer(job, board_job(job, aggregator, classes), registry, board, store, cluster=cluster)
     trainer = Trainer(job, registry, board, model, train_size, test_set, run_dir, stop, store=store,
                       aggregator=aggregator, board_security=board_security(authority))
     try:
@@ -119,13 +126,13 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
         trainer.policy.close()
         trainer.metrics.close()
         raise
-    services = coordinator_service(servicer) + datasets_service(data_dir)  # boards fetch CIFAR-10 blocks
+    services = coordinator_service(servicer) + datasets_service(data_dir, job.dataset.name)  # boards fetch blocks
     servers = serve_gateway(bind, services, authority=authority, pair_bind=pair_bind)
     freeze_heap()
     advertiser = page = None
     try:
         if dashboard:
-            view = RunView(job.name, run_dir, registry, synthetic=dataset_is_synthetic(job.dataset))
+            view = RunView(job.name, run_dir, registry, synthetic=dataset_is_synthetic(job.dataset), classes=classes)
             page = serve_dashboard(dashboard, view.state, run_dir / "dashboard.url", authority)
         host = bind.rsplit(":", 1)[0]
         if authority is None:
@@ -146,9 +153,9 @@ def run_coordinator(job: JobConfig, *, bind: str = "127.0.0.1:0", data_dir: str 
             final = trainer.run()
         except JobAborted as e:
             _write_summary(run_dir, summarize(job, trainer.metrics.last_eval, trainer, registry.snapshot(),
-                                              stopped=str(e)))
+                                              stopped=str(e), classes=classes))
             raise
-        return _write_summary(run_dir, summarize(job, final, trainer, registry.snapshot()))
+        return _write_summary(run_dir, summarize(job, final, trainer, registry.snapshot(), classes=classes))
     finally:
         stop.set()
         trainer.metrics.close()

@@ -90,6 +90,21 @@ class DeviceRecord:
     """Set when its measured speed was far off its claim: what it claimed and what was measured."""
 
     @property
+    def local_samples(self) -> int:
+        """Samples of the board's own data, which it trains on alone (0: it trains on the job's dataset)."""
+        return self.profile.local_samples if self.profile else 0
+
+    def own_data(self, classes: tuple[str, ...]) -> dict | None:
+        """What the board told about its own data: its sample count and, if it shared them, its
+        samples per class by name (`classes`: the job's); None when it trains on the job's dataset.
+        Never images: the coordinator has none of them."""
+        if not self.local_samples:
+            return None
+        counts = self.profile.local_class_counts
+        return {"samples": self.local_samples,
+                "class_counts": {name: n for name, n in zip(classes, counts) if n} if counts else None}
+
+    @property
     def latest_telemetry(self) -> TelemetrySample | None:
         """The newest sample, if any arrived."""
         return self.telemetry[-1][1] if self.telemetry else None

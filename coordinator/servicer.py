@@ -15,6 +15,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import grpc
 
@@ -24,9 +25,9 @@ from coordinator.training.parameters import ParameterStore
 from coordinator.training.steps import StepBoard, StepError
 from edgetrain import serde, transport
 from edgetrain.config import JobConfig
-from edgetrain.errors import Refusal
+from edgetrain.errors import FailureKind, Refusal
 from edgetrain.streaming import TransferError, iter_chunks
-from edgetrain.work import BoardJob, StepReport
+from edgetrain.work import BoardJob, BoardProfile, StepReport
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 
@@ -96,6 +97,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._store = store
         self._cache_lock = threading.Lock()
         self._cache: dict[tuple[int, int, int, bool], list[pb.ParameterMessage]] = {}
+        self._board_job = board_job
         self._job_spec = serde.board_job_to_proto(board_job)
 
     def _own(self, context, rpc: str, device_id: str) -> DeviceRecord:
@@ -133,10 +135,30 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @_guarded("ReportProfile")
     def ReportProfile(self, request: pb.ProfileReport, context) -> pb.ProfileAck:
         self._own(context, "ReportProfile", request.device_id)
-        speed = self._registry.set_profile(request.device_id, serde.profile_from_proto(request))
+        profile = self._own_data(serde.profile_from_proto(request), context)
+        speed = self._registry.set_profile(request.device_id, profile)
         logger.info("[Coordinator.ReportProfile] %s: %.1f samples/s + %.3f s/step", request.device_id,
                     speed.samples_per_s, speed.overhead_s)
         return pb.ProfileAck()
+
+    def _own_data(self, profile: BoardProfile, context) -> BoardProfile:
+        """The profile, its own-data figures checked: class counts that add up to its samples (kept
+        only when the job asks boards to share them); a hand-made pipeline refuses such a board."""
+        if not profile.local_samples:
+            if profile.local_class_counts:
+                raise ValueError("class counts without own samples (local_samples is 0)")
+            return profile
+        if self._job.pipeline.enabled:
+            _abort(context, "ReportProfile", grpc.StatusCode.FAILED_PRECONDITION,
+                   f"job {self._job.name} trains as a hand-made pipeline, whose first stage needs every sample it "
+                   "trains on: a board that trains only on its own images cannot take part (run it in a data-"
+                   "parallel, federated or planner job)")
+        counts = profile.local_class_counts
+        if counts and (len(counts) != len(self._board_job.class_names) or sum(counts) != profile.local_samples):
+            raise ValueError(f"own-data class counts must give each of the job's {len(self._board_job.class_names)} "
+                             f"classes and add up to the {profile.local_samples} samples, got {len(counts)} "
+                             f"adding up to {sum(counts)}")
+        return profile if self._board_job.share_class_counts else replace(profile, local_class_counts=())
 
     @_guarded("Heartbeat")
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
@@ -205,6 +227,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if not request.reason:
             raise ValueError("a failure report needs a reason")
         kind = serde.failure_kind_from_proto(request.kind)
+        if kind == FailureKind.LOCAL_DATA:  # the board leaves the job: the others go on without it
+            self._registry.drop(request.device_id, f"its own data is gone: {request.reason[:500]}")
+            self._board.wake()
         self._board.fail(request.device_id, request.step, request.attempt, kind, request.reason[:2000])
         return pb.FailureAck()
 

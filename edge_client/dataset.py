@@ -1,15 +1,17 @@
-"""The board's training data: its own copy, or CIFAR-10 fetched from the gateway as steps need it.
+"""The board's training data: its own copy, or the job's dataset fetched from the gateway as steps need it.
 
-A board whose job trains on CIFAR-10 and that has no copy under its --data-dir needs neither
-internet access nor a copy made by hand: the coordinator serves the CIFAR-10 imported on the
-gateway (coordinator/data_service.py). ``RemoteCIFAR10`` asks for the description once
-(split sizes, block size, each block's sha256), then fetches a block only when a sample in it is
-first asked for — a board trained on the first 5000 samples fetches 5 blocks of 1000 — checks its
-sha256 (a mismatch or a truncated stream is fetched again, up to FETCH_TRIES times, then a
-DatasetFetchError), and caches it under DATA_DIR/cifar10-blocks/ named by that sha256, so the
-next start reads it from disk (a cached block that no longer matches its name is fetched again).
-Its items are those of the local loader (edgetrain.data.InMemoryImages): the same normalised
-float32 image and int label for the same index.
+A board whose job trains on CIFAR-10 or a dataset imported on the gateway, and that has no copy
+under its --data-dir, needs neither internet access nor a copy made by hand: the coordinator
+serves the datasets imported on the gateway (coordinator/data_service.py). ``RemoteDataset`` asks
+for the description once (classes, split sizes, block size, each block's sha256), then fetches a
+block only when a sample in it is first asked for — a board trained on the first 5000 samples
+fetches 5 blocks of 1000 — checks its sha256 (a mismatch or a truncated stream is fetched again, up
+to FETCH_TRIES times, then a DatasetFetchError), and caches it under DATA_DIR/<dataset>-blocks/
+named by that sha256, so the next start reads it from disk (a cached block that no longer matches
+its name is fetched again). Its items are those of the local loader (edgetrain.data.InMemoryImages):
+the same normalised float32 image and int label for the same index.
+
+A board's own images (`edgetrain client --local-data DIR`) are edge_client/local_data.py's.
 """
 
 from __future__ import annotations
@@ -31,16 +33,17 @@ from torch.utils.data import Dataset
 from edge_client.connection import CoordinatorConnection, CoordinatorUnreachable
 from edge_client.credentials import trusted_calls
 from edgetrain import transport
-from edgetrain.catalog import DatasetSpec
+from edgetrain.catalog import DatasetSpec, dataset_is_synthetic
 from edgetrain.data import load_dataset, normalize
-from edgetrain.dataset_import import (
-    CIFAR10,
-    CIFAR10_DIR,
+from edgetrain.dataset_import import CIFAR10, CIFAR10_DIR, REQUIRED_FILES
+from edgetrain.datastore import (
+    CIFAR10_CLASSES,
     IMAGE_BYTES,
     IMAGE_SHAPE,
-    REQUIRED_FILES,
+    MANIFEST_FILE,
     Manifest,
     SplitManifest,
+    store_dir,
 )
 from edgetrain.streaming import TransferError
 from protos import data_pb2 as dpb
@@ -49,8 +52,8 @@ from protos import data_pb2_grpc as dpb_grpc
 logger = logging.getLogger(__name__)
 
 CACHE_DIR = "cifar10-blocks"
-"""Where under the board's data directory fetched blocks are kept (one file per block, named by
-its sha256; torchvision never looks there)."""
+"""Where under the board's data directory fetched CIFAR-10 blocks are kept (one file per block,
+named by its sha256); another dataset's go to `<name>-blocks` (cache_dir)."""
 FETCH_TRIES = 4
 """Tries of one block (a bad checksum or a broken stream is fetched again) before giving up."""
 FETCHES = transport.RetryPolicy(budget_s=30.0, max_tries=FETCH_TRIES, max_s=2.0,
@@ -63,24 +66,32 @@ class DatasetFetchError(ConnectionError):
     """A block kept arriving damaged (or the gateway refused it): training on it cannot go on."""
 
 
-def has_local_copy(data_dir: str | Path) -> bool:
-    """Whether `data_dir` holds the CIFAR-10 batch files (the board then loads them itself)."""
+def cache_dir(data_dir: str | Path, dataset: str) -> Path:
+    """Where fetched blocks of `dataset` are cached under the board's data directory."""
+    return Path(data_dir) / (CACHE_DIR if dataset == CIFAR10 else f"{dataset}-blocks")
+
+
+def has_local_copy(data_dir: str | Path, dataset: str = CIFAR10) -> bool:
+    """Whether `data_dir` holds its own copy of `dataset` (the board then loads it itself): the
+    CIFAR-10 batch files, or the store of an imported dataset."""
+    if dataset != CIFAR10:
+        return (store_dir(data_dir, dataset) / MANIFEST_FILE).is_file()
     directory = Path(data_dir) / CIFAR10_DIR
     return all((directory / name).is_file() for name in REQUIRED_FILES)
 
 
 def board_dataset(spec: DatasetSpec, *, train: bool, data_dir: str, download: bool,
                   connection: Callable[[], CoordinatorConnection]) -> Dataset:
-    """The split the board trains on: the local loader's (synthetic data, a local CIFAR-10 copy,
-    or --download), else CIFAR-10 from the coordinator reached through `connection()` (the
-    current connection: it is replaced when the board reconnects)."""
-    if spec.name != CIFAR10 or download or has_local_copy(data_dir):
+    """The split the board trains on: the local loader's (synthetic data, a copy of its own, or
+    CIFAR-10 with --download), else the job's dataset from the coordinator reached through
+    `connection()` (the current connection: it is replaced when the board reconnects)."""
+    if dataset_is_synthetic(spec) or (download and spec.name == CIFAR10) or has_local_copy(data_dir, spec.name):
         return load_dataset(replace(spec, data_dir=data_dir, download=download), train=train)
     fetcher = BlockFetcher(connection)
-    logger.info("[Client.Data] no CIFAR-10 under %s: fetching the samples this board trains on from the "
-                "coordinator at %s (cached under %s)", data_dir, connection().address, Path(data_dir) / CACHE_DIR)
-    return RemoteCIFAR10(fetcher, BlockCache(Path(data_dir) / CACHE_DIR), train=train,
-                         size=spec.split_size(train=train))
+    cache = cache_dir(data_dir, spec.name)
+    logger.info("[Client.Data] no %s under %s: fetching the samples this board trains on from the "
+                "coordinator at %s (cached under %s)", spec.name, data_dir, connection().address, cache)
+    return RemoteDataset(fetcher, BlockCache(cache), train=train, spec=spec)
 
 
 class BlockFetcher:
@@ -131,7 +142,7 @@ class BlockFetcher:
             raise CoordinatorUnreachable(str(e)) from e
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise FileNotFoundError(f"the coordinator at {conn.address} cannot serve CIFAR-10: "
+                raise FileNotFoundError(f"the coordinator at {conn.address} cannot serve {what}: "
                                         f"{e.details()}") from None
             if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 raise DatasetFetchError(f"{what}: {transport.describe(e)}") from None
@@ -148,7 +159,7 @@ class BlockFetcher:
                                         f"in blocks of {reply.block_samples}; this board reads {IMAGE_SHAPE}")
             return Manifest(reply.dataset, reply.block_samples,
                             {s.name: SplitManifest(s.samples, tuple(h.hex() for h in s.block_sha256))
-                             for s in reply.splits})
+                             for s in reply.splits}, classes=tuple(reply.classes) or CIFAR10_CLASSES)
 
         return self._call(attempt, f"description of {dataset}")
 
@@ -218,21 +229,28 @@ class BlockCache:
         partial.replace(path)
 
 
-class RemoteCIFAR10(Dataset):
-    """The first `size` samples of a CIFAR-10 split as the coordinator serves them, each block
-    fetched (or read from the cache) when one of its samples is first asked for. Items are
-    ``(float32 (3, 32, 32) normalised image, int label)``, as the local loader's."""
+class RemoteDataset(Dataset):
+    """The first samples of a split of the job's dataset as the coordinator serves them (as many
+    as `spec` asks for, or `size`), each block fetched (or read from the cache) when one of its
+    samples is first asked for. Items are ``(float32 (3, 32, 32) normalised image, int label)``,
+    as the local loader's; `classes` names the labels."""
 
-    def __init__(self, fetcher: BlockFetcher, cache: BlockCache, *, train: bool, size: int) -> None:
+    def __init__(self, fetcher: BlockFetcher, cache: BlockCache, *, train: bool, size: int | None = None,
+                 spec: DatasetSpec | None = None) -> None:
         self.fetcher = fetcher
         self.cache = cache
         self.split = "train" if train else "test"
-        self.manifest = fetcher.describe(CIFAR10)
+        name = spec.name if spec is not None else CIFAR10
+        what = "CIFAR-10" if name == CIFAR10 else repr(name)
+        self.manifest = fetcher.describe(name)
+        self.classes = self.manifest.classes
         if self.split not in self.manifest.splits:
-            raise DatasetFetchError(f"the coordinator's CIFAR-10 has no {self.split} split")
+            raise DatasetFetchError(f"the coordinator's {what} has no {self.split} split")
         available = self.manifest.splits[self.split].samples
+        if size is None:
+            size = spec.split_size(train=train, available=available) if spec is not None else available
         if size > available:
-            raise ValueError(f"requested {size} samples but the CIFAR-10 {self.split} split has {available} "
+            raise ValueError(f"requested {size} samples but the {what} {self.split} split has {available} "
                              "(on the gateway)")
         self.size = size
         self._lock = threading.Lock()
@@ -266,8 +284,9 @@ class RemoteCIFAR10(Dataset):
             started = time.perf_counter()
             payload = self.fetcher.fetch(self.manifest, self.split, block)
             self.cache.write(sha256, payload)
-            logger.info("[Client.Data] fetched block %d of the CIFAR-10 %s split (%d samples, %.1f MB) in %.2f s",
-                        block, self.split, count, len(payload) / 1e6, time.perf_counter() - started)
+            logger.info("[Client.Data] fetched block %d of the %s %s split (%d samples, %.1f MB) in %.2f s",
+                        block, self.manifest.dataset, self.split, count, len(payload) / 1e6,
+                        time.perf_counter() - started)
         array = np.frombuffer(payload, dtype=np.uint8)
         images = torch.from_numpy(array[:count * IMAGE_BYTES].copy()).view(count, *IMAGE_SHAPE)
         labels = torch.from_numpy(array[count * IMAGE_BYTES:].astype(np.int64))

@@ -18,6 +18,7 @@ import edgetrain
 from edge_client.connection import CoordinatorConnection, CoordinatorUnreachable
 from edge_client.credentials import BoardCredentials, trusted_calls
 from edge_client.emulation import BoardEmulation
+from edge_client.local_data import LocalData
 from edge_client.telemetry import LinkMeter, probe_link
 from edge_client.worker import BATTERY_EMPTY, ClientOptions, EdgeWorker
 from edgetrain import transport
@@ -40,9 +41,12 @@ class Lobby:
     """The board's side of the job server."""
 
     def __init__(self, address: str, options: ClientOptions, limiter: CpuLimiter, emulation: BoardEmulation,
-                 link: LinkMeter, credentials: BoardCredentials | None = None) -> None:
+                 link: LinkMeter, credentials: BoardCredentials | None = None, *,
+                 local: LocalData | None = None) -> None:
         self.address, self.options, self.limiter, self.emulation, self.link = address, options, limiter, emulation, link
         self.credentials = credentials
+        self.local = local
+        """The board's own images, if it trains on those (every job it works for)."""
         self._security = credentials.gateway() if credentials else transport.INSECURE
         self._generation = self._security.generation
         self._channel = transport.open_channel(address, self._security)
@@ -117,7 +121,7 @@ class Lobby:
                         offer.port)
             conn = CoordinatorConnection(f"{host}:{offer.port}", shaper=self.emulation.shaper, link=self.link,
                                          retry=JOB_RETRY, credentials=self.credentials)
-            worker = EdgeWorker(conn, self.options, self.limiter, self.emulation)
+            worker = EdgeWorker(conn, self.options, self.limiter, self.emulation, self.local)
             try:
                 reason = worker.run()
                 logger.info("[Client] job %s ended: %s", offer.job_name, reason)

@@ -12,6 +12,7 @@ from edge_client.connection import CALLS, CoordinatorConnection, CoordinatorUnre
 from edge_client.credentials import BoardCredentials, obtain, trusted_calls
 from edge_client.emulation import BoardEmulation
 from edge_client.lobby import Lobby
+from edge_client.local_data import LocalData
 from edge_client.profiler import set_threads, torch_threads_for
 from edge_client.telemetry import LinkMeter
 from edge_client.worker import BATTERY_EMPTY, ClientOptions, EdgeWorker
@@ -127,10 +128,16 @@ def run_client(address: str | None, options: ClientOptions, *, threads: int | No
     given), so one that came back on another address is found. The board then registers again
     with its own credentials and gets work. Returns the coordinator's reason for finishing, or
     BATTERY_EMPTY when an emulated battery ran flat.
+
+    With `options.local_data` the board trains on its own images only, decoded once before it
+    looks for a coordinator (edge_client.local_data: LocalDataError, one line, when they cannot be
+    used, and when they are gone mid-job).
     """
     emulation = BoardEmulation.from_file(options.board_file, options.power_w, speed=options.emulated_speed)
     if emulation.board:
-        options = replace(options, emulated_speed=emulation.board.speed)
+        options = replace(options, emulated_speed=emulation.board.speed,
+                          local_data=options.local_data or emulation.board.local_data)
+    local = LocalData(options.local_data, options.data_dir).prepare() if options.local_data else None
     set_threads(threads or torch_threads_for(options.emulated_speed))
     link = LinkMeter()
     browse = address is None or bool(interfaces)
@@ -163,14 +170,14 @@ def run_client(address: str | None, options: ClientOptions, *, threads: int | No
                     credentials.start_renewal()
                 try:
                     if jobs:
-                        lobby = Lobby(found, options, limiter, emulation, link, credentials)
+                        lobby = Lobby(found, options, limiter, emulation, link, credentials, local=local)
                         try:
                             return lobby.serve()
                         finally:
                             lobby.close()
                     conn = CoordinatorConnection(found, shaper=emulation.shaper, link=link, credentials=credentials)
                     if worker is None:
-                        worker = EdgeWorker(conn, options, limiter, emulation)
+                        worker = EdgeWorker(conn, options, limiter, emulation, local)
                     worker.conn = conn
                     try:
                         return worker.run()

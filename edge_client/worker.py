@@ -24,6 +24,7 @@ from edge_client.connection import CoordinatorConnection, CoordinatorUnreachable
 from edge_client.dataset import board_dataset
 from edge_client.emulation import BoardEmulation
 from edge_client.endpoint import StageEndpoint, StageFailure
+from edge_client.local_data import LocalData, LocalDataError, LocalDataGone
 from edge_client.profiler import profile_device
 from edge_client.shard import ShardRunner, Update
 from edge_client.stage import StageRunner
@@ -32,7 +33,7 @@ from edge_client.telemetry import TelemetryCollector, probe_link
 from edgetrain import transport, trust
 from edgetrain.config import ConfigError
 from edgetrain.emulator.throttle import CpuLimiter
-from edgetrain.errors import Refusal
+from edgetrain.errors import FailureKind, Refusal
 from edgetrain.models import build_model
 from edgetrain.streaming import TransferError, UploadAbandoned
 from edgetrain.training import freeze_heap, resolve_device
@@ -75,6 +76,9 @@ class ClientOptions:
     """Where the gateway pairs boards (None: the port after the coordinator's)."""
     give_up_after_s: float | None = None
     """How long to keep trying to reach a coordinator that went away (None: until it answers)."""
+    local_data: str | None = None
+    """An image folder on the board that it trains on alone; its images never leave it
+    (edge_client.local_data)."""
 
 
 class BatteryEmpty(Exception):
@@ -116,9 +120,11 @@ class EdgeWorker:
     until the coordinator says it is finished."""
 
     def __init__(self, conn: CoordinatorConnection, options: ClientOptions, limiter: CpuLimiter,
-                 emulation: BoardEmulation) -> None:
+                 emulation: BoardEmulation, local: LocalData | None = None) -> None:
         self.conn = conn
         self.options = options
+        self.local = local
+        """The board's own images, decoded (None: it trains on the job's dataset)."""
         self.limiter = limiter
         self.emulation = emulation
         self.telemetry = TelemetryCollector(link=conn.link, emulated_speed=options.emulated_speed,
@@ -196,7 +202,12 @@ class EdgeWorker:
         """Set up the job's model and data (once per job), profile, and report the profile."""
         if self._job != job:
             self._setup(job)
-        _rejoin_if_forgotten(lambda: self.conn.report_profile(self.device_id, self._profile))
+        try:
+            _rejoin_if_forgotten(lambda: self.conn.report_profile(self.device_id, self._profile))
+        except grpc.RpcError as e:
+            if self.local is not None and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise LocalDataError(f"the coordinator refused this board's own data: {e.details()}") from None
+            raise
         self._step_energy()  # the first step's energy counts from here
         logger.info("[Client] %s joined job %s (%s); profile %s", self.device_id, job.job_id, job.model,
                     ", ".join(f"b={b}: {s * 1000:.0f} ms" for b, s in self._profile.timings))
@@ -204,18 +215,26 @@ class EdgeWorker:
     def _setup(self, job: BoardJob) -> None:
         self._job = job
         self.endpoint.reset()
-        dataset = board_dataset(job.dataset, train=True, data_dir=self.options.data_dir,  # fetched when not local
-                                download=self.options.download, connection=lambda: self.conn)
+        if self.local is not None:  # its own images, labelled with the job's classes (or refused here)
+            dataset = self.local.for_job(job.class_names)
+        else:  # the job's dataset: fetched from the coordinator when the board has no copy
+            dataset = board_dataset(job.dataset, train=True, data_dir=self.options.data_dir,
+                                    download=self.options.download, connection=lambda: self.conn)
         try:  # the job's device: profiled there like any other, so the split follows
             device = resolve_device(job.device)
         except ValueError as e:
             raise ConfigError(f"job {job.job_id}: {e}") from None
-        model = build_model(job.model, num_classes=job.num_classes).to(device)
+        model = build_model(job.model, num_classes=job.num_classes or 10).to(device)
         if device.type != "cpu":
             logger.info("[Client] %s trains on %s (job device %s)", self.options.name, device, job.device)
         self._profile = profile_device(model, dataset, list(job.profile_batch_sizes), self.limiter,
                                        max_forward_batch=job.max_forward_batch,
                                        memory=self.emulation.memory.reading)
+        if self.local is not None:  # what leaves the board about its data: the count (and per class)
+            counts = self.local.class_counts(job.class_names) if job.share_class_counts else ()
+            self._profile = replace(self._profile, local_samples=self.local.samples, local_class_counts=counts)
+            logger.info("[Client] %s trains on its own %d images (%s); they stay on this board", self.options.name,
+                        self.local.samples, "class counts shared" if counts else "class counts not shared")
         self._shards = ShardRunner(model, dataset, job, self.limiter)
         self._stages = StageRunner(model, dataset, job, self.endpoint, self.limiter)
         self.endpoint.state.attach(model, job.job_id)
@@ -292,7 +311,16 @@ class EdgeWorker:
         return max(0.0, energy - mark[0])
 
     def _do_step(self, work: Assignment) -> None:
-        """One assignment; a refusal (stale version, closed step) only abandons this step."""
+        """One assignment; a refusal (stale version, closed step) only abandons this step. A board
+        whose own data is gone says so and leaves the job (LocalDataGone)."""
+        if self.local is not None:
+            try:
+                self.local.check()
+            except LocalDataGone as e:
+                logger.error("[Client] %s: %s; leaving the job", self.options.name, e)
+                with contextlib.suppress(grpc.RpcError, CoordinatorUnreachable):
+                    self.conn.report_failure(self.device_id, work.step, work.attempt, FailureKind.LOCAL_DATA, str(e))
+                raise
         try:
             self.endpoint.expect(work)
             with self.emulation.energy.busy():

@@ -9,13 +9,17 @@ never imports torch. The modules that build what is named here need torch and us
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 MODEL_NAMES: tuple[str, ...] = ("resnet18", "mobilenet_v2", "small_cnn")
 """Names accepted by ``edgetrain.models.build_model``."""
 
 DATASET_NAMES: tuple[str, ...] = ("synthetic", "synthetic-hard", "cifar10")
-"""Names accepted by ``DatasetSpec.name``."""
+"""The built-in datasets. ``DatasetSpec.name`` also takes the name of a dataset imported on the
+gateway (`edgetrain data import cifar|imagefolder ... --name NAME`)."""
+IMPORTED_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+"""What the name of an imported dataset looks like (edgetrain.datastore checks it at import)."""
 
 SYNTHETIC_DATASET_NAMES: tuple[str, ...] = ("synthetic", "synthetic-hard")
 """The generated datasets: everything printed or plotted from them must say "synthetic"."""
@@ -53,35 +57,46 @@ class DatasetSpec:
 
     name: str
     """``"synthetic"`` or ``"synthetic-hard"`` (generated on the fly, nothing on disk; the hard tier
-    separates training methods, see docs/calibration.md) or ``"cifar10"``."""
+    separates training methods, see docs/calibration.md), ``"cifar10"``, or the name of a dataset
+    imported on the gateway (`edgetrain data import imagefolder|cifar PATH --name NAME`)."""
     data_dir: str = "data"
-    """Directory holding (or receiving) the CIFAR-10 python batches."""
+    """Directory holding the imported datasets (and CIFAR-10's python batches)."""
     download: bool = False
     """Download CIFAR-10 into ``data_dir`` when it is missing (needs network access)."""
     seed: int = 0
     """Seed of the synthetic dataset; every process with the same seed sees the same images."""
     train_size: int | None = None
-    """Training samples to use: the first N (None: 50000)."""
+    """Training samples to use: the first N (None: the whole split; 50000 for generated data)."""
     test_size: int | None = None
-    """Test samples to use: the first N (None: 10000)."""
+    """Test samples to use: the first N (None: the whole split; 10000 for generated data)."""
     augment: bool = True
     """Random crop (4-pixel zero padding) and horizontal flip on training batches."""
 
     def __post_init__(self) -> None:
-        if self.name not in DATASET_NAMES:
+        if self.name not in DATASET_NAMES and not (isinstance(self.name, str) and IMPORTED_NAME.fullmatch(self.name)):
             raise ValueError(
-                f"unknown dataset {self.name!r}; valid names: {', '.join(DATASET_NAMES)}"
+                f"unknown dataset {self.name!r}; valid names: {', '.join(DATASET_NAMES)}, or the name of a "
+                "dataset imported on the gateway (lower-case letters, digits, '.', '_', '-')"
             )
         for field in ("train_size", "test_size"):
             size = getattr(self, field)
             if size is not None and size <= 0:
                 raise ValueError(f"{field} must be > 0 (or None for the full split), got {size}")
 
-    def split_size(self, *, train: bool) -> int:
-        """Number of samples to use from the training or test split."""
-        if train:
-            return FULL_TRAIN_SIZE if self.train_size is None else self.train_size
-        return FULL_TEST_SIZE if self.test_size is None else self.test_size
+    @property
+    def imported(self) -> bool:
+        """Whether the dataset was imported on the gateway under a name of its own (not built in)."""
+        return self.name not in DATASET_NAMES
+
+    def split_size(self, *, train: bool, available: int | None = None) -> int:
+        """Number of samples to use from the training or test split (`available`: the split's size,
+        what an unset size means; generated data has 50000 and 10000)."""
+        size = self.train_size if train else self.test_size
+        if size is not None:
+            return size
+        if available is not None:
+            return available
+        return FULL_TRAIN_SIZE if train else FULL_TEST_SIZE
 
 
 def dataset_is_synthetic(spec: DatasetSpec) -> bool:

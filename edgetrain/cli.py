@@ -11,6 +11,7 @@
   edgetrain submit JOB.yaml | jobs | cancel ID its jobs: queue one, list them, cancel one
   edgetrain init                               make the fleet authority on the gateway (CA, first token)
   edgetrain data import cifar10 ARCHIVE        place CIFAR-10 on the gateway; boards fetch what they need
+  edgetrain data import imagefolder DIR --name N   your own images (one folder per class), decoded once
   edgetrain token new | list | revoke ID       join tokens for boards
   edgetrain boards list | revoke NAME          paired boards; a revoked board is refused from its next call
   edgetrain operator add NAME --out FILE       an operator credential for another machine
@@ -140,8 +141,11 @@ def _parser() -> argparse.ArgumentParser:
     client.add_argument("--speed", type=float, default=None,
                         help="emulate a board with this fraction of one core (cgroup quota as root)")
     client.add_argument("--threads", type=int, default=None, help="torch threads (default: all, or per --speed)")
-    client.add_argument("--data-dir", default="data", help="dataset directory")
+    client.add_argument("--data-dir", default="data", help="dataset directory (and the board's caches)")
     client.add_argument("--download", action="store_true", help="download CIFAR-10 if missing (needs internet)")
+    client.add_argument("--local-data", metavar="DIR", default=None,
+                        help="train only on this board's own images: a folder with one sub-folder of images per "
+                             "class, decoded once; the images never leave the board")
     client.add_argument("--join", metavar="TOKEN", default=os.environ.get("EDGETRAIN_JOIN_TOKEN"),
                         help="pair with the gateway using this join token (or @FILE, or $EDGETRAIN_JOIN_TOKEN); "
                              "needed once, later starts use the stored certificate")
@@ -179,7 +183,8 @@ def _parser() -> argparse.ArgumentParser:
 
     init = sub.add_parser("init", help="make the fleet authority on the gateway: CA, certificates, a join token")
     init.add_argument("--fleet", default="edgetrain", help="fleet name (in the CA's name)")
-    add_data_arguments(sub.add_parser("data", help="datasets on the gateway: import CIFAR-10 for the boards"))
+    add_data_arguments(sub.add_parser("data", help="datasets on the gateway: import CIFAR-10, CIFAR-format sets or "
+                                                   "image folders for the boards"))
     token = sub.add_parser("token", help="join tokens: new, list, revoke")
     token_sub = token.add_subparsers(dest="token_command", required=True)
     token_new = token_sub.add_parser("new", help="a join token (printed once; only its hash is kept)")
@@ -361,7 +366,8 @@ def _client(args: argparse.Namespace) -> int:
                             download=args.download, emulated_speed=args.speed,
                             board_file=str(args.emulate) if args.emulate else None,
                             probe_interval_s=args.probe_interval, stage_bind=args.stage_bind,
-                            power_w=tuple(args.power_watts) if args.power_watts else None)
+                            power_w=tuple(args.power_watts) if args.power_watts else None,
+                            local_data=args.local_data)
     reason = run_client(args.coordinator, options, threads=args.threads, cluster=args.cluster,
                         interfaces=args.interface)
     return 3 if reason == BATTERY_EMPTY else 0

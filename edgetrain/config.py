@@ -515,6 +515,16 @@ class ScheduleConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class PrivacyConfig:
+    """What a board that trains on its own images (`edgetrain client --local-data`) tells the
+    gateway besides its model updates (docs/design.md, "Data that stays on the board")."""
+
+    class_counts: bool = True
+    """Report how many of its images it holds per class (shown in the dashboard and report, and
+    logged); false: only its sample count leaves the board."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class JobConfig:
     """One training job: model, data, training loop and optimizer."""
 
@@ -529,7 +539,8 @@ class JobConfig:
     (a board without CUDA cannot work for the job). Boards profile on that device, so the split
     follows. Data-parallel and federated training only: pipeline stages run on CPU."""
     dataset: DatasetSpec = field(default_factory=lambda: DatasetSpec(name="synthetic"))
-    """Training and test data; every client holds it locally."""
+    """Training and test data: the coordinator evaluates on its test split and serves boards the
+    training samples they need; a board with its own images (--local-data) trains on those."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
     """Training loop settings."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -546,6 +557,8 @@ class JobConfig:
     """Hybrid mode: stages and DP shards planned from the live fleet, re-planned as it changes."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """What the job asks of a fleet shared with other jobs (edgetrain submit)."""
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    """What boards training on their own images report about them."""
 
     def __post_init__(self) -> None:
         _require(self.model in MODEL_NAMES, "model", self.model, f"must be one of {MODEL_NAMES}")

@@ -1,4 +1,5 @@
-"""CIFAR-10 and two tiers of synthetic CIFAR-shaped data, plus deterministic batch assembly.
+"""The datasets a job trains on — two tiers of synthetic CIFAR-shaped data, CIFAR-10 and the
+datasets imported on the gateway (edgetrain.datastore) — plus deterministic batch assembly.
 
 Every process that builds the batch for the same ``(indices, step)`` gets identical tensors:
 synthetic items are a pure function of ``(seed, split, index)`` computed in integer arithmetic,
@@ -12,12 +13,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from edgetrain.catalog import DatasetSpec, dataset_is_synthetic
+from edgetrain.dataset_import import CIFAR10, CIFAR10_DIR, import_command, read_split
+from edgetrain.datastore import (
+    CIFAR10_CLASSES,
+    DatasetImportError,
+    read_manifest,
+    read_store_split,
+    store_dir,
+    verify_blocks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +39,9 @@ CIFAR10_STD: tuple[float, float, float] = (0.2470, 0.2435, 0.2616)
 """Per-channel standard deviation of the CIFAR-10 training images (pixels scaled to [0, 1])."""
 
 NUM_CLASSES = 10
+"""Classes of the generated datasets (and of CIFAR-10)."""
+SYNTHETIC_CLASSES: tuple[str, ...] = tuple(f"class{i}" for i in range(NUM_CLASSES))
+"""The generated datasets' class names."""
 IMAGE_SIZE = 32
 CROP_PADDING = 4
 
@@ -103,6 +118,8 @@ class _GeneratedImages(Dataset):
     """What both synthetic tiers share: ``size`` items of one split, each a pure function of
     ``(seed, split, index)``, every class once in each aligned block of 10 indices. A tier
     supplies ``pixels(index)`` and ``label(index)``."""
+
+    classes: tuple[str, ...] = SYNTHETIC_CLASSES
 
     def __init__(self, *, train: bool, size: int, seed: int) -> None:
         if size <= 0:
@@ -314,9 +331,10 @@ class SyntheticHardCIFAR10(_GeneratedImages):
 
 
 class InMemoryImages(Dataset):
-    """Images held as one uint8 (N, 3, 32, 32) tensor, normalised when an item is fetched."""
+    """Images held as one uint8 (N, 3, 32, 32) tensor, normalised when an item is fetched;
+    `classes` names the labels."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, classes: tuple[str, ...] = CIFAR10_CLASSES) -> None:
         if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != 3:
             raise ValueError(
                 f"images must be uint8 (N, 3, H, W), got {images.dtype} {images.shape}"
@@ -325,6 +343,7 @@ class InMemoryImages(Dataset):
             raise ValueError(f"need one label per image, got {labels.shape} for {images.shape}")
         self.images = images
         self.labels = labels.to(torch.int64)
+        self.classes = tuple(classes)
 
     def __len__(self) -> int:
         return self.images.shape[0]
@@ -334,13 +353,28 @@ class InMemoryImages(Dataset):
 
 
 def load_dataset(spec: DatasetSpec, *, train: bool) -> Dataset:
-    """The training or test split named by ``spec``, cut to the requested size."""
-    size = spec.split_size(train=train)
+    """The training or test split named by ``spec``, cut to the requested size. Every dataset has
+    ``classes``, the names of its labels."""
     if spec.name == "synthetic-hard":
-        return SyntheticHardCIFAR10(train=train, size=size, seed=spec.seed)
+        return SyntheticHardCIFAR10(train=train, size=spec.split_size(train=train), seed=spec.seed)
     if dataset_is_synthetic(spec):
-        return SyntheticCIFAR10(train=train, size=size, seed=spec.seed)
-    return _load_cifar10(spec, train=train, size=size)
+        return SyntheticCIFAR10(train=train, size=spec.split_size(train=train), seed=spec.seed)
+    if spec.imported:
+        return _load_stored(spec, train=train)
+    return _load_cifar10(spec, train=train)
+
+
+def dataset_classes(spec: DatasetSpec) -> tuple[str, ...]:
+    """The class names of the dataset ``spec`` names, in label order, without loading its images."""
+    if dataset_is_synthetic(spec):
+        return SYNTHETIC_CLASSES
+    directory = Path(spec.data_dir) / (spec.name if spec.imported else CIFAR10_DIR)
+    manifest = read_manifest(directory)
+    if manifest is None:
+        if spec.imported:
+            raise FileNotFoundError(_not_imported(spec))
+        return CIFAR10_CLASSES
+    return manifest.classes
 
 
 def dataset_labels(dataset: Dataset) -> list[int]:
@@ -352,25 +386,72 @@ def dataset_labels(dataset: Dataset) -> list[int]:
     return [int(dataset[i][1]) for i in range(len(dataset))]
 
 
-def _load_cifar10(spec: DatasetSpec, *, train: bool, size: int) -> InMemoryImages:
-    """Real CIFAR-10 from ``spec.data_dir`` (downloaded first if ``spec.download``)."""
-    try:
-        from torchvision import datasets  # imported on use: it adds ~1 s to start-up
+def _not_imported(spec: DatasetSpec) -> str:
+    return (f"dataset {spec.name!r} is not imported under {spec.data_dir!r}; on the gateway run "
+            f"`edgetrain data import imagefolder DIR --name {spec.name} --data-dir {spec.data_dir}` (or `cifar "
+            "PATH`), or serve with the --data-dir it was imported into")
 
-        source = datasets.CIFAR10(root=spec.data_dir, train=train, download=spec.download)
-    except RuntimeError as e:
-        raise FileNotFoundError(
-            f"CIFAR-10 not found under {spec.data_dir!r}; run with download enabled when online "
-            f"(edgetrain ... --download) or use dataset name 'synthetic'"
-        ) from e
-    if size > len(source):
+
+def _cut(images, labels, spec: DatasetSpec, *, train: bool, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first split_size samples, as tensors (ValueError when the split has fewer)."""
+    size = spec.split_size(train=train, available=len(labels))
+    if size > len(labels):
         split = "train" if train else "test"
-        raise ValueError(
-            f"requested {size} samples but the CIFAR-10 {split} split has {len(source)}"
-        )
-    images = torch.from_numpy(source.data[:size]).permute(0, 3, 1, 2).contiguous()
-    logger.info("[Data] loaded CIFAR-10 %s split: %d images", "train" if train else "test", size)
-    return InMemoryImages(images, torch.tensor(source.targets[:size]))
+        raise ValueError(f"requested {size} samples but the {what} {split} split has {len(labels)}")
+    pixels = torch.from_numpy(np.ascontiguousarray(images[:size])).view(size, 3, IMAGE_SIZE, IMAGE_SIZE)
+    return pixels, torch.from_numpy(labels[:size].astype(np.int64))
+
+
+def _load_stored(spec: DatasetSpec, *, train: bool) -> InMemoryImages:
+    """A dataset imported under its own name, read from its store and checked block by block."""
+    directory = store_dir(spec.data_dir, spec.name)
+    try:
+        manifest = read_manifest(directory)
+        if manifest is None:
+            raise FileNotFoundError(_not_imported(spec))
+        split = "train" if train else "test"
+        images, labels = read_store_split(directory, manifest, split)
+    except DatasetImportError as e:
+        raise FileNotFoundError(str(e)) from None
+    pixels, targets = _cut(images, labels, spec, train=train, what=repr(spec.name))
+    logger.info("[Data] loaded %r %s split: %d images of %d classes", spec.name, split, len(targets),
+                len(manifest.classes))
+    return InMemoryImages(pixels, targets, manifest.classes)
+
+
+def _load_cifar10(spec: DatasetSpec, *, train: bool) -> InMemoryImages:
+    """CIFAR-10 from ``spec.data_dir``: read with EdgeTrain's reader and checked against the
+    manifest its import wrote; without one (a copy placed by torchvision, or ``spec.download``),
+    torchvision's loader, which checks the official release's md5 sums."""
+    directory = Path(spec.data_dir) / CIFAR10_DIR
+    try:
+        manifest = read_manifest(directory)
+    except DatasetImportError as e:
+        raise FileNotFoundError(str(e)) from None
+    split = "train" if train else "test"
+    if manifest is not None:
+        try:
+            images, labels = read_split(directory, split)
+            verify_blocks(manifest, split, images, labels, where=directory)
+        except DatasetImportError as e:
+            raise FileNotFoundError(f"{e}; run `{import_command(CIFAR10, spec.data_dir)}` again") from None
+        classes = manifest.classes
+    else:
+        try:
+            from torchvision import datasets  # imported on use: it adds ~1 s to start-up
+
+            source = datasets.CIFAR10(root=spec.data_dir, train=train, download=spec.download)
+        except RuntimeError as e:
+            raise FileNotFoundError(
+                f"CIFAR-10 not found under {spec.data_dir!r}; run `{import_command(CIFAR10, spec.data_dir)}`, "
+                "or with download enabled when online (edgetrain ... --download), or use dataset name 'synthetic'"
+            ) from e
+        images, labels = source.data.transpose(0, 3, 1, 2).reshape(len(source.data), -1), np.asarray(source.targets)
+        classes = CIFAR10_CLASSES
+    pixels, targets = _cut(images, labels, spec, train=train, what="CIFAR-10")
+    logger.info("[Data] loaded CIFAR-10 %s split: %d images%s", split, len(targets),
+                "" if manifest is None or manifest.official else " (not the official release's files)")
+    return InMemoryImages(pixels, targets, classes)
 
 
 def make_batch(

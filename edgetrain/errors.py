@@ -57,3 +57,5 @@ class FailureKind(enum.IntEnum):
     INTERNAL = 5
     """Anything else that went wrong on the board (a neighbour's tensor that does not fit the
     stage, a bug); logged there with its traceback."""
+    LOCAL_DATA = 6
+    """The board's own training data (--local-data) is gone or unreadable: it leaves the job."""

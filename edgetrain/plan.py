@@ -141,6 +141,9 @@ class BoardCost:
     """Whether it runs on mains; None when unknown (a battery board is then taken as unplugged)."""
     overhead_s: float = 0.0
     """Fixed cost of one forward+backward call whatever its size: what many micro-batches cost."""
+    own_data: bool = False
+    """It trains only on its own samples (edgetrain client --local-data): a data-parallel shard,
+    never a stage host (a pipeline's first stage needs every sample it trains on)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "a board needs a name")

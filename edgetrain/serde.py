@@ -273,7 +273,8 @@ def board_job_to_proto(job: BoardJob) -> pb.JobSpec:
                       heartbeat_interval_s=job.heartbeat_interval_s, chunk_bytes=job.chunk_bytes,
                       max_forward_batch=job.max_forward_batch, error_feedback=job.error_feedback,
                       board_momentum=job.board_momentum, device=job.device, stream_upload=job.stream_upload,
-                      stream_download=job.stream_download)
+                      stream_download=job.stream_download, class_names=job.class_names,
+                      share_class_counts=job.share_class_counts)
 
 
 def board_job_from_proto(msg: pb.JobSpec) -> BoardJob:
@@ -284,7 +285,8 @@ def board_job_from_proto(msg: pb.JobSpec) -> BoardJob:
                     chunk_bytes=msg.chunk_bytes, max_forward_batch=msg.max_forward_batch,
                     error_feedback=msg.error_feedback, board_momentum=msg.board_momentum, device=msg.device or "cpu",
                     stream_upload=msg.stream_upload if msg.stream_upload in STREAM_MODES else "off",
-                    stream_download=msg.stream_download if msg.stream_download in STREAM_MODES else "off")
+                    stream_download=msg.stream_download if msg.stream_download in STREAM_MODES else "off",
+                    class_names=tuple(msg.class_names), share_class_counts=msg.share_class_counts)
 
 
 def state_request_to_proto(request: StateRequest) -> spb.StateRequest:
@@ -309,10 +311,12 @@ def profile_to_proto(device_id: str, profile: BoardProfile) -> pb.ProfileReport:
                                                           for b, t in profile.timings],
                             memory_total_bytes=profile.memory_total_bytes,
                             memory_available_bytes=profile.memory_available_bytes,
-                            peak_rss_bytes=profile.peak_rss_bytes)
+                            peak_rss_bytes=profile.peak_rss_bytes, local_samples=profile.local_samples,
+                            local_class_counts=profile.local_class_counts)
 
 
 def profile_from_proto(msg: pb.ProfileReport) -> BoardProfile:
     """A board's profile; ValueError for timings that are not positive and finite."""
     return BoardProfile(tuple((t.batch_size, t.seconds) for t in msg.timings), msg.memory_total_bytes,
-                        msg.memory_available_bytes, msg.peak_rss_bytes)
+                        msg.memory_available_bytes, msg.peak_rss_bytes, msg.local_samples,
+                        tuple(msg.local_class_counts))

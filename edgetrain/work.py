@@ -193,6 +193,11 @@ class BoardJob:
     """Run each block of a data-parallel shard's forward pass as soon as its parameters have
     arrived, the download going on meanwhile: "on", "off" or "auto" (while the board's downloads
     wait on its link; job key `training.stream_download`)."""
+    class_names: tuple[str, ...] = ()
+    """The dataset's class names in label order: a board with its own images maps its class
+    folders onto them by name."""
+    share_class_counts: bool = True
+    """A board with its own images reports its samples per class (job key `privacy.class_counts`)."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +212,10 @@ class BoardProfile:
     """Memory available when it profiled."""
     peak_rss_bytes: int
     """Resident memory of the client after profiling."""
+    local_samples: int = 0
+    """Samples of the board's own data, which it trains on alone (0: it trains on the job's dataset)."""
+    local_class_counts: tuple[int, ...] = ()
+    """Its own samples per class of the job's dataset (empty: not shared, or no own data)."""
 
     def __post_init__(self) -> None:
         if not self.timings or any(b <= 0 or not (s > 0 and math.isfinite(s)) for b, s in self.timings):

@@ -16,12 +16,14 @@ class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SUPERSEDED: _ClassVar[FailureKind]
     STAGE_STATE: _ClassVar[FailureKind]
     INTERNAL: _ClassVar[FailureKind]
+    LOCAL_DATA: _ClassVar[FailureKind]
 FAILURE_KIND_UNSPECIFIED: FailureKind
 NEIGHBOUR_TIMEOUT: FailureKind
 NEIGHBOUR_UNREACHABLE: FailureKind
 SUPERSEDED: FailureKind
 STAGE_STATE: FailureKind
 INTERNAL: FailureKind
+LOCAL_DATA: FailureKind
 
 class DeviceInfo(_message.Message):
     __slots__ = ("name", "hostname", "arch", "os", "cpu_count", "memory_total_bytes", "emulated_speed")
@@ -80,7 +82,7 @@ class DatasetSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., seed: _Optional[int] = ..., train_size: _Optional[int] = ..., test_size: _Optional[int] = ..., augment: _Optional[bool] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "model", "num_classes", "dataset", "profile_batch_sizes", "heartbeat_interval_s", "chunk_bytes", "error_feedback", "board_momentum", "max_forward_batch", "device", "stream_upload", "stream_download")
+    __slots__ = ("job_id", "model", "num_classes", "dataset", "profile_batch_sizes", "heartbeat_interval_s", "chunk_bytes", "error_feedback", "board_momentum", "max_forward_batch", "device", "stream_upload", "stream_download", "class_names", "share_class_counts")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +96,8 @@ class JobSpec(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     STREAM_UPLOAD_FIELD_NUMBER: _ClassVar[int]
     STREAM_DOWNLOAD_FIELD_NUMBER: _ClassVar[int]
+    CLASS_NAMES_FIELD_NUMBER: _ClassVar[int]
+    SHARE_CLASS_COUNTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model: str
     num_classes: int
@@ -107,7 +111,9 @@ class JobSpec(_message.Message):
     device: str
     stream_upload: str
     stream_download: str
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., profile_batch_sizes: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., error_feedback: _Optional[bool] = ..., board_momentum: _Optional[float] = ..., max_forward_batch: _Optional[int] = ..., device: _Optional[str] = ..., stream_upload: _Optional[str] = ..., stream_download: _Optional[str] = ...) -> None: ...
+    class_names: _containers.RepeatedScalarFieldContainer[str]
+    share_class_counts: bool
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., dataset: _Optional[_Union[DatasetSpec, _Mapping]] = ..., profile_batch_sizes: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., error_feedback: _Optional[bool] = ..., board_momentum: _Optional[float] = ..., max_forward_batch: _Optional[int] = ..., device: _Optional[str] = ..., stream_upload: _Optional[str] = ..., stream_download: _Optional[str] = ..., class_names: _Optional[_Iterable[str]] = ..., share_class_counts: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("device_id", "job")
@@ -126,18 +132,22 @@ class BatchTiming(_message.Message):
     def __init__(self, batch_size: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ProfileReport(_message.Message):
-    __slots__ = ("device_id", "timings", "memory_total_bytes", "memory_available_bytes", "peak_rss_bytes")
+    __slots__ = ("device_id", "timings", "memory_total_bytes", "memory_available_bytes", "peak_rss_bytes", "local_samples", "local_class_counts")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_CLASS_COUNTS_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     timings: _containers.RepeatedCompositeFieldContainer[BatchTiming]
     memory_total_bytes: int
     memory_available_bytes: int
     peak_rss_bytes: int
-    def __init__(self, device_id: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[BatchTiming, _Mapping]]] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ...) -> None: ...
+    local_samples: int
+    local_class_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, device_id: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[BatchTiming, _Mapping]]] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., local_samples: _Optional[int] = ..., local_class_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProfileAck(_message.Message):
     __slots__ = ()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/data.proto\x12\x0c\x65\x64getrain.v1\"\"\n\x0f\x44\x65scribeRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\"G\n\x10SplitDescription\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07samples\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_sha256\x18\x03 \x03(\x0c\"\x81\x01\n\x12\x44\x61tasetDescription\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x15\n\rblock_samples\x18\x02 \x01(\r\x12\x13\n\x0bimage_shape\x18\x03 \x03(\r\x12.\n\x06splits\x18\x04 \x03(\x0b\x32\x1e.edgetrain.v1.SplitDescription\"=\n\x0c\x42lockRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05split\x18\x02 \x01(\t\x12\r\n\x05\x62lock\x18\x03 \x01(\r\"B\n\nBlockChunk\x12\x14\n\x0c\x66irst_sample\x18\x01 \x01(\r\x12\x0e\n\x06images\x18\x02 \x01(\x0c\x12\x0e\n\x06labels\x18\x03 \x01(\x0c\x32\x9d\x01\n\x08\x44\x61tasets\x12K\n\x08\x44\x65scribe\x12\x1d.edgetrain.v1.DescribeRequest\x1a .edgetrain.v1.DatasetDescription\x12\x44\n\nFetchBlock\x12\x1a.edgetrain.v1.BlockRequest\x1a\x18.edgetrain.v1.BlockChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/data.proto\x12\x0c\x65\x64getrain.v1\"\"\n\x0f\x44\x65scribeRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\"G\n\x10SplitDescription\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07samples\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_sha256\x18\x03 \x03(\x0c\"\x92\x01\n\x12\x44\x61tasetDescription\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x15\n\rblock_samples\x18\x02 \x01(\r\x12\x13\n\x0bimage_shape\x18\x03 \x03(\r\x12.\n\x06splits\x18\x04 \x03(\x0b\x32\x1e.edgetrain.v1.SplitDescription\x12\x0f\n\x07\x63lasses\x18\x05 \x03(\t\"=\n\x0c\x42lockRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05split\x18\x02 \x01(\t\x12\r\n\x05\x62lock\x18\x03 \x01(\r\"B\n\nBlockChunk\x12\x14\n\x0c\x66irst_sample\x18\x01 \x01(\r\x12\x0e\n\x06images\x18\x02 \x01(\x0c\x12\x0e\n\x06labels\x18\x03 \x01(\x0c\x32\x9d\x01\n\x08\x44\x61tasets\x12K\n\x08\x44\x65scribe\x12\x1d.edgetrain.v1.DescribeRequest\x1a .edgetrain.v1.DatasetDescription\x12\x44\n\nFetchBlock\x12\x1a.edgetrain.v1.BlockRequest\x1a\x18.edgetrain.v1.BlockChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,11 +36,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPLITDESCRIPTION']._serialized_start=71
   _globals['_SPLITDESCRIPTION']._serialized_end=142
   _globals['_DATASETDESCRIPTION']._serialized_start=145
-  _globals['_DATASETDESCRIPTION']._serialized_end=274
-  _globals['_BLOCKREQUEST']._serialized_start=276
-  _globals['_BLOCKREQUEST']._serialized_end=337
-  _globals['_BLOCKCHUNK']._serialized_start=339
-  _globals['_BLOCKCHUNK']._serialized_end=405
-  _globals['_DATASETS']._serialized_start=408
-  _globals['_DATASETS']._serialized_end=565
+  _globals['_DATASETDESCRIPTION']._serialized_end=291
+  _globals['_BLOCKREQUEST']._serialized_start=293
+  _globals['_BLOCKREQUEST']._serialized_end=354
+  _globals['_BLOCKCHUNK']._serialized_start=356
+  _globals['_BLOCKCHUNK']._serialized_end=422
+  _globals['_DATASETS']._serialized_start=425
+  _globals['_DATASETS']._serialized_end=582
 # @@protoc_insertion_point(module_scope)

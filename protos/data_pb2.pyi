@@ -23,16 +23,18 @@ class SplitDescription(_message.Message):
     def __init__(self, name: _Optional[str] = ..., samples: _Optional[int] = ..., block_sha256: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DatasetDescription(_message.Message):
-    __slots__ = ("dataset", "block_samples", "image_shape", "splits")
+    __slots__ = ("dataset", "block_samples", "image_shape", "splits", "classes")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     IMAGE_SHAPE_FIELD_NUMBER: _ClassVar[int]
     SPLITS_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     block_samples: int
     image_shape: _containers.RepeatedScalarFieldContainer[int]
     splits: _containers.RepeatedCompositeFieldContainer[SplitDescription]
-    def __init__(self, dataset: _Optional[str] = ..., block_samples: _Optional[int] = ..., image_shape: _Optional[_Iterable[int]] = ..., splits: _Optional[_Iterable[_Union[SplitDescription, _Mapping]]] = ...) -> None: ...
+    classes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, dataset: _Optional[str] = ..., block_samples: _Optional[int] = ..., image_shape: _Optional[_Iterable[int]] = ..., splits: _Optional[_Iterable[_Union[SplitDescription, _Mapping]]] = ..., classes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlockRequest(_message.Message):
     __slots__ = ("dataset", "split", "block")

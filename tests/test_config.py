@@ -94,7 +94,7 @@ def test_job_to_dict_round_trips() -> None:
     pytest.param("optimizer: {lr: -1}\n", ["optimizer", "lr=-1", "must be > 0"], id="negative-lr"),
     pytest.param("optimizer: {momentum: 1.0}\n", ["optimizer", "momentum=1.0", "[0, 1)"],
                  id="momentum-out-of-range"),
-    pytest.param("dataset: {name: imagenet}\n", ["dataset", "'imagenet'", "synthetic"],
+    pytest.param("dataset: {name: ImageNet}\n", ["dataset", "'ImageNet'", "synthetic"],
                  id="unknown-dataset"),
     pytest.param("dataset: {name: synthetic, train_size: 0}\n", ["dataset", "train_size", "got 0"],
                  id="zero-train-size"),

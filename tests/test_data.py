@@ -58,9 +58,11 @@ def test_spec_defaults_to_full_splits():
     assert DatasetSpec(name="synthetic", train_size=64).split_size(train=True) == 64
 
 
-def test_spec_rejects_unknown_name_and_names_the_valid_ones():
-    with pytest.raises(ValueError, match="synthetic.*cifar10"):
-        DatasetSpec(name="imagenet")
+def test_spec_rejects_names_no_dataset_can_have_and_names_the_valid_ones():
+    for name in ("ImageNet", "../etc", "", "a" * 65):
+        with pytest.raises(ValueError, match="synthetic.*cifar10.*imported"):
+            DatasetSpec(name=name)
+    assert DatasetSpec(name="lab-cams").imported and not DatasetSpec(name="cifar10").imported
 
 
 @pytest.mark.parametrize("field", ["train_size", "test_size"])
@@ -172,7 +174,8 @@ def test_cifar10_rejects_more_samples_than_exist(tmp_path, monkeypatch):
     monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *args: True)
 
     with pytest.raises(ValueError, match="has 2"):
-        load_dataset(DatasetSpec(name="cifar10", data_dir=str(tmp_path)), train=False)
+        load_dataset(DatasetSpec(name="cifar10", data_dir=str(tmp_path), test_size=3), train=False)
+    assert len(load_dataset(DatasetSpec(name="cifar10", data_dir=str(tmp_path)), train=False)) == 2  # unset: all
 
 
 def test_make_batch_without_augmentation_stacks_items_in_order():

@@ -29,7 +29,7 @@ from edge_client.dataset import (
     BlockCache,
     BlockFetcher,
     DatasetFetchError,
-    RemoteCIFAR10,
+    RemoteDataset,
     board_dataset,
 )
 from edgetrain import transport, trust
@@ -132,7 +132,7 @@ def test_a_bad_archive_or_batch_is_one_line_naming_the_file(cifar_like, tmp_path
              (truncated, "truncated.tar.gz: truncated"),
              (no_test, "test_batch: missing"),
              (wrong_dtype, "data_batch_3: 'data' must be uint8"),
-             (hostile, "test_batch: not a CIFAR-10 python batch")]
+             (hostile, "test_batch: not a CIFAR python batch")]
     for source, expected in cases:
         code, err = _import(source, tmp_path / "data", capsys)
         assert code == 2, source
@@ -166,7 +166,7 @@ def test_a_board_fetches_checks_and_caches_only_the_blocks_it_needs(cifar_like, 
     board_dir = tmp_path / "board-data"
     spec = DatasetSpec(name="cifar10", train_size=1000)
     fetcher = BlockFetcher(lambda: conn)
-    dataset = RemoteCIFAR10(fetcher, BlockCache(board_dir / CACHE_DIR), train=True, size=1000)
+    dataset = RemoteDataset(fetcher, BlockCache(board_dir / CACHE_DIR), train=True, size=1000)
     reference = _reference(arrays, "train")
     assert len(dataset) == len(reference) == 1000
     wanted = [0, 5, 127, 400, 999]  # blocks 0, 3 and the short last block 7
@@ -180,7 +180,7 @@ def test_a_board_fetches_checks_and_caches_only_the_blocks_it_needs(cifar_like, 
 
     # the next start reads the cache: nothing is fetched again
     cached = board_dataset(spec, train=True, data_dir=str(board_dir), download=False, connection=lambda: conn)
-    assert isinstance(cached, RemoteCIFAR10)
+    assert isinstance(cached, RemoteDataset)
     assert all(torch.equal(cached[i][0], reference[i][0]) for i in wanted)
     again = cached.fetcher
     assert again.fetched == 0
@@ -190,17 +190,17 @@ def test_a_board_fetches_checks_and_caches_only_the_blocks_it_needs(cifar_like, 
     damaged = bytearray(block3.read_bytes())
     damaged[100] ^= 0xFF
     block3.write_bytes(bytes(damaged))
-    repaired = RemoteCIFAR10(again, BlockCache(board_dir / CACHE_DIR), train=True, size=1000)
+    repaired = RemoteDataset(again, BlockCache(board_dir / CACHE_DIR), train=True, size=1000)
     assert torch.equal(repaired[400][0], reference[400][0]) and again.fetched == 1
     assert block3.read_bytes() != bytes(damaged)
 
     # the test split is served too
-    test_set = RemoteCIFAR10(again, BlockCache(board_dir / CACHE_DIR), train=False, size=200)
+    test_set = RemoteDataset(again, BlockCache(board_dir / CACHE_DIR), train=False, size=200)
     assert torch.equal(test_set[199][0], _reference(arrays, "test")[199][0])
 
     # a block that never matches its sha256 is tried FETCH_TRIES times, then a clear error
     quick = BlockFetcher(lambda: conn, retry=replace(FETCHES, initial_s=0.01))
-    wrong = RemoteCIFAR10(quick, BlockCache(tmp_path / "other-cache"), train=True, size=1000)
+    wrong = RemoteDataset(quick, BlockCache(tmp_path / "other-cache"), train=True, size=1000)
     blocks = list(wrong.manifest.splits["train"].blocks)
     blocks[2] = "0" * 64
     wrong.manifest = replace(wrong.manifest, splits={**wrong.manifest.splits, "train": replace(
@@ -208,7 +208,7 @@ def test_a_board_fetches_checks_and_caches_only_the_blocks_it_needs(cifar_like, 
     with pytest.raises(DatasetFetchError, match=f"sha256 does not match.*after {FETCH_TRIES} tries"):
         wrong[300]
     with pytest.raises(ValueError, match="requested 2000 samples but the CIFAR-10 train split has 1000"):
-        RemoteCIFAR10(quick, BlockCache(tmp_path / "other-cache"), train=True, size=2000)
+        RemoteDataset(quick, BlockCache(tmp_path / "other-cache"), train=True, size=2000)
     fetcher.close()
     again.close()
     quick.close()

@@ -56,8 +56,10 @@ class RunView:
     """A live view of one run: `registry` for the boards, `run_dir`/metrics.jsonl for the steps."""
 
     def __init__(self, job_name: str, run_dir: Path, registry: DeviceRegistry, *, synthetic: bool,
-                 ideal_samples_per_s: float | None = None) -> None:
+                 ideal_samples_per_s: float | None = None, classes: tuple[str, ...] = ()) -> None:
         self.job_name = job_name
+        self.classes = classes
+        """The dataset's class names (what a board's shared own-data class counts are counted in)."""
         self.synthetic = synthetic
         self.ideal_samples_per_s = ideal_samples_per_s
         self._registry = registry
@@ -116,7 +118,7 @@ class RunView:
                 "job": self.job_name,
                 "synthetic_data": self.synthetic,
                 "ideal_samples_per_s": self.ideal_samples_per_s or _profiled_sum(records),
-                "boards": [_board(r, last) for r in records],
+                "boards": [_board(r, last, self.classes) for r in records],
                 "plan": _plan_picture(last, self._plans, steps, names, records) if last else None,
                 "curves": [{"step": s.get("step"), "time": s.get("time"), "loss": s.get("loss"),
                             "train_accuracy": s.get("train_accuracy"), "samples_per_s": s.get("samples_per_s"),
@@ -209,8 +211,8 @@ def _step_energy(step: dict) -> float | None:
     return sum(known) if known else None
 
 
-def _board(record, last_step: dict) -> dict:
-    """One board's row: identity, role in the last step, live telemetry, totals."""
+def _board(record, last_step: dict, classes: tuple[str, ...] = ()) -> dict:
+    """One board's row: identity, role in the last step, its data, live telemetry, totals."""
     t = record.latest_telemetry
     shares = last_step.get("shares", {})
     stages = last_step.get("stages", {})
@@ -224,6 +226,7 @@ def _board(record, last_step: dict) -> dict:
         "id": record.device_id, "name": record.name, "state": state, "role": role,
         "left_reason": record.left_reason, "codec": record.codec,
         "share": shares.get(record.device_id),
+        "own_data": record.own_data(classes),
         "emulated_speed": record.info.get("emulated_speed"),
         "samples_per_s": (stats["samples"] / stats["compute_s"]) if stats.get("compute_s") else None,
         "samples": stats.get("samples", 0), "steps": stats.get("steps", 0),

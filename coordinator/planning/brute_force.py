@@ -34,12 +34,12 @@ def brute_force(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int,
     (same cost function as ``plan_optimal``); for tests on up to 6 boards and 8 blocks."""
     prob = Problem(fleet, model, global_batch, objective_weight(objective), microbatches, battery_floor, stage_state,
                    sync_every, replicate, channel_groups)
-    if len(prob.eligible) > 6 or prob.L > 8:
+    if len(prob.stage_hosts) > 6 or prob.L > 8:
         raise ValueError("brute_force is for tiny instances only")
     pure = prob.best([])
     best = ([], pure) if pure is not None else None
-    for size in range(1, len(prob.eligible) + 1):
-        for subset in itertools.combinations(prob.eligible, size):
+    for size in range(1, len(prob.stage_hosts) + 1):
+        for subset in itertools.combinations(prob.stage_hosts, size):
             for groups in _ordered_partitions(subset):
                 for cuts in itertools.combinations(range(1, prob.L), len(groups) - 1):
                     bounds = (0, *cuts, prob.L)

@@ -39,7 +39,7 @@ class _Climb:
 
     def __init__(self, prob: Problem) -> None:
         self.prob = prob
-        self.pools = [[k for (k,) in u.items] for u in board_classes(prob.eligible)]
+        self.pools = [[k for (k,) in u.items] for u in board_classes(prob.stage_hosts)]
         self.sizes = tuple(len(p) for p in self.pools)
         self.index = {k.name: c for c, pool in enumerate(self.pools) for k in pool}
         self.scores: dict[Shape, Point | None] = {}

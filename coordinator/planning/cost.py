@@ -222,6 +222,8 @@ class Problem:
                      if k.battery_percent is not None and k.battery_percent < battery_floor
                      and k.plugged is not True}
         self.eligible = [k for k in fleet if k.name not in self.left]
+        self.stage_hosts = [k for k in self.eligible if not k.own_data]
+        """The boards a stage may be placed on (one with only its own data is a DP shard or nothing)."""
         self.shard_of = {k.name: self._shard(k) for k in fleet}
         self.shards = sorted((self.shard_of[k.name] for k in self.eligible if self.shard_of[k.name].cap > 0),
                              key=lambda s: (s.o, s.board.name))

@@ -184,7 +184,7 @@ def board_from_record(record: DeviceRecord, model: ModelCost) -> BoardCost:
         memory_bytes=float(memory or UNKNOWN_MEMORY_BYTES), mbit_per_s=mbit,
         rtt_s=(t.rtt_ms or 0.0) / 1000 if t else 0.0, idle_w=idle_w, busy_w=max(busy_w, idle_w),
         battery_percent=t.battery_percent if t else None, plugged=plugged,
-        overhead_s=record.speed.overhead_s)
+        overhead_s=record.speed.overhead_s, own_data=bool(record.profile and record.profile.local_samples))
 
 
 def boards_from_fleet(boards: list, model: ModelCost, one_core: SpeedEstimate,
@@ -209,5 +209,6 @@ def boards_from_fleet(boards: list, model: ModelCost, one_core: SpeedEstimate,
             rtt_s=2 * b.link.delay_ms / 1000 if b.link else 0.0,
             idle_w=idle, busy_w=max(busy, idle),
             battery_percent=battery.initial_percent if battery else None,
-            plugged=battery.plugged if battery else True, overhead_s=one_core.overhead_s / b.speed))
+            plugged=battery.plugged if battery else True, overhead_s=one_core.overhead_s / b.speed,
+            own_data=bool(getattr(b, "local_data", None))))
     return out

@@ -140,7 +140,7 @@ def _candidates(prob: Problem, exact_budget: int, energy: bool) -> tuple[list[It
     whether the search is exact. Beyond the exact budget, beams: over every board, bundled to
     fit BEAM_BUDGET, and over the classes of the fastest boards alone, unbundled, with any groups
     and with one-class groups (those that differ)."""
-    units = board_classes(prob.eligible)
+    units = board_classes(prob.stage_hosts)
     exact = transitions(units, prob.L) * (_ENERGY_LABEL_COST if energy else 1) <= exact_budget
     pure = prob.best([])
     head = iter([(None, None, pure)] if pure is not None else [])

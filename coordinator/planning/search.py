@@ -40,7 +40,7 @@ class Unit:
 
 
 def _attributes(k: BoardCost) -> tuple:
-    return (k.flops_per_s, k.memory_bytes, k.mbit_per_s, k.rtt_s, k.idle_w, k.busy_w, k.overhead_s)
+    return (k.flops_per_s, k.memory_bytes, k.mbit_per_s, k.rtt_s, k.idle_w, k.busy_w, k.overhead_s, k.own_data)
 
 
 def board_classes(boards: Sequence[BoardCost]) -> list[Unit]:

@@ -16,6 +16,12 @@ attempt closes at `deadline_factor` x the typical board's predicted time and cou
 edgetrain.partition) are fixed per board name, in order of arrival, and a newcomer takes over the
 partition of a board that left; with `clients_per_round` each round draws that many of the
 partition holders (partial participation).
+
+A board that trains on its own images (`edgetrain client --local-data`) is given indices into
+those (`OwnSamples`): in data parallelism its share of the step, drawn from its own seeded epoch
+permutations instead of the global batch; in federated rounds its own data is its partition. Its
+update is weighted by the samples it used, like every other; with such boards a step is no longer
+the single-process SGD step on the global batch.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from coordinator.training.steps import AttemptOutcome
 from edgetrain.config import AggregationConfig, ConfigError
 from edgetrain.data import dataset_labels, load_dataset
 from edgetrain.partition import class_counts, partition_members, round_indices
+from edgetrain.sampling import board_seed, indices_from
 from edgetrain.split import (
     SpeedEstimate,
     predicted_step_seconds,
@@ -67,12 +74,41 @@ class Deadline:
         return arrived >= self.cfg.min_fraction * wanted
 
 
+class OwnSamples:
+    """Where each board with its own data is in its own sample order: its samples are taken in
+    consecutive runs of its own seeded epoch permutations (edgetrain.sampling), and the run moves
+    on only when a step that used it was applied, so a redone attempt trains on the same ones."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.cursors: dict[str, int] = {}
+        """Board name -> samples of its own order used by applied steps."""
+        self._pending: dict[str, int] = {}
+
+    def take(self, name: str, count: int, size: int) -> tuple[int, ...]:
+        """The next `count` indices into a board's `size` own samples (used by the attempt being built)."""
+        self._pending[name] = count
+        return tuple(indices_from(self.cursors.get(name, 0), count, size, board_seed(self.seed, name)))
+
+    def forget_pending(self) -> None:
+        """A new attempt is being built: only its takes count."""
+        self._pending = {}
+
+    def committed(self) -> None:
+        """The attempt built last was applied: its boards move on."""
+        for name, count in self._pending.items():
+            self.cursors[name] = self.cursors.get(name, 0) + count
+        self._pending = {}
+
+
 class DataParallelRound(RoundPolicy):
     """Shards of the global batch over the available boards (see the module docstring)."""
 
     def __init__(self, ctx: RoundContext, deadline: Deadline | None = None) -> None:
         super().__init__(ctx)
         self.deadline = deadline
+        self.own = OwnSamples(ctx.job.seed)
+        """Boards with their own data: where each is in its own samples."""
         self._shares: dict[str, int] | None = None
         """The shares last assigned (kept while near the best split: see split_sticky)."""
         formats = UpdateFormats(shard_tensor_names(ctx.model))
@@ -87,6 +123,7 @@ class DataParallelRound(RoundPolicy):
     def configure_on(self, step: int, attempt: int, indices: list[int], names: tuple[str, ...] = ()) -> Round:
         """`configure`, on the boards named `names` only (every available board when `names` is empty
         or none of them is available)."""
+        self.own.forget_pending()
         speeds, fleet = self._available(step)
         if names:
             speeds = {d: s for d, s in speeds.items() if fleet.name(d) in names} or speeds
@@ -172,13 +209,29 @@ class DataParallelRound(RoundPolicy):
         self.codecs.retain({d for d, r in fleet.records.items() if r.alive})
         return choices
 
+    def committed(self, round_: Round) -> None:
+        self.own.committed()
+
+    def state_dict(self) -> dict:
+        return {"own_samples": dict(self.own.cursors)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.own.cursors = {str(k): int(v) for k, v in state.get("own_samples", {}).items()}
+
+    def own_indices(self, record, count: int) -> tuple[int, ...]:
+        """`count` indices into the own samples of the board of `record` (its next ones)."""
+        return self.own.take(record.name, count, record.local_samples)
+
     def _assign(self, step: int, attempt: int, indices: list[int], shares: dict[str, int],
                 choices: dict[str, LinkChoice], fleet: Fleet) -> dict[str, Assignment]:
         out, start = {}, 0
         job = self.ctx.job
         for device_id, count in shares.items():
             if count:
-                mine, start = tuple(indices[start: start + count]), start + count
+                if fleet.records[device_id].local_samples:
+                    mine = self.own_indices(fleet.records[device_id], count)
+                else:
+                    mine, start = tuple(indices[start: start + count]), start + count
                 out[device_id] = Assignment(step, attempt, step, mine, job.dataset.augment, job.seed,
                                             codec=choices[device_id].codec,
                                             delta_codec=choices[device_id].delta_codec)
@@ -235,7 +288,9 @@ class FederatedRound(DataParallelRound):
                             len(members), class_counts(labels, members))
 
     def _eligible(self, device_id: str, fleet: Fleet) -> bool:
-        live = {r.name for r in fleet.records.values() if r.alive}
+        if fleet.records[device_id].local_samples:  # its own data is its partition
+            return True
+        live = {r.name for r in fleet.records.values() if r.alive and not r.local_samples}
         return self._partition(fleet.name(device_id), live) is not None
 
     def _waiting(self, busy: set[str]) -> None:
@@ -281,7 +336,11 @@ class FederatedRound(DataParallelRound):
                           prox_mu=fed.prox_mu if job.aggregation.rule == "fedprox" else 0.0)
         out = {}
         for device_id, count in shares.items():
-            mine = tuple(round_indices(self.members[self._partitions[fleet.name(device_id)]], step, count))
+            record = fleet.records[device_id]
+            if record.local_samples:
+                mine = self.own_indices(record, count)
+            else:
+                mine = tuple(round_indices(self.members[self._partitions[record.name]], step, count))
             out[device_id] = Assignment(step, attempt, step, mine, job.dataset.augment, job.seed,
                                         codec=choices[device_id].codec, delta_codec=choices[device_id].delta_codec,
                                         local=local)
@@ -291,9 +350,10 @@ class FederatedRound(DataParallelRound):
         return self.ctx.job.federated.local_steps
 
     def state_dict(self) -> dict:
-        return {"partitions": dict(self._partitions)}
+        return {**super().state_dict(), "partitions": dict(self._partitions)}
 
     def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
         self._partitions = dict(state.get("partitions", {}))
 
 

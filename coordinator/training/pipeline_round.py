@@ -206,6 +206,8 @@ class PipelineRound(RoundPolicy):
         self._committed = (-1, 0)
         """The last committed step and the attempt that counted (hosts owning a stage apply it)."""
         self._dp_shares: dict[str, int] | None = None
+        self._fleet = Fleet({})
+        """The fleet as the plan in force was last checked against."""
         self._missing: list[str] = []
         self._pulls: dict[tuple[int, int], StepPull] = {}
         """Replication: each owned stage's changes in the attempt in flight, being pulled."""
@@ -226,6 +228,11 @@ class PipelineRound(RoundPolicy):
                              data_seed=job.seed, lr=lr, commit=self._committed, previous_shares=self._dp_shares,
                              share_gain=share_change_gain(self.ctx.registry.rate_noise(
                                  hosts[b].device_id for b in plan.dp_boards), len(plan.dp_boards)))
+        self.dp.own.forget_pending()
+        for device_id, a in assignments.items():  # a shard of a board with its own data: its own samples
+            record = self._fleet.records.get(device_id)
+            if a.stage is None and record is not None and record.local_samples:
+                assignments[device_id] = replace(a, indices=self.dp.own_indices(record, len(a.indices)))
         codec = job.compression.uplink
         if codec not in ("none", "adaptive"):  # the job's codec for every upload (owned stages upload nothing)
             assignments = {d: a if a.stage is not None and a.stage.owned else replace(a, codec=codec)
@@ -290,12 +297,19 @@ class PipelineRound(RoundPolicy):
         return Collected(merge_pipelines(fresh), stages)
 
     def committed(self, round_: Round) -> None:
+        self.dp.committed(round_)
         self._committed = (round_.step, round_.attempt)
         if self._changes is not None and self._changes[0] == self._committed:
             _, lr, changes = self._changes
             for blocks, tensors in changes.items():
                 self.owners.apply_step(blocks, tensors, lr, round_.step)
         self._changes, self._pulls = None, {}
+
+    def state_dict(self) -> dict:
+        return self.dp.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dp.load_state_dict(state)
 
     def after_step(self, step: int, saving: bool) -> None:
         if self.owners.owners and (saving or (step + 1) % self.settings.sync_every == 0):
@@ -310,7 +324,7 @@ class PipelineRound(RoundPolicy):
         """The plan in force once every board it names is ready (or a plan without stages)."""
         while True:
             self.plans_from.prepare()
-            fleet = Fleet.snapshot(self.ctx.registry)
+            fleet = self._fleet = Fleet.snapshot(self.ctx.registry)
             plan = self.plans_from.current(step, fleet)
             hosts = {r.name: Host(r.device_id, r.stage_address, r.speed) for r in fleet.records.values() if r.ready}
             missing = missing_boards(plan, hosts) if plan.stages else []

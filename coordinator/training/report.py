@@ -27,9 +27,11 @@ def energy_source(record) -> str:
     return "measured" if sample is not None and sample.energy_measured else "estimated"
 
 
-def summarize(job: JobConfig, final_eval: dict, trainer, devices, *, stopped: str | None = None) -> dict:
+def summarize(job: JobConfig, final_eval: dict, trainer, devices, *, stopped: str | None = None,
+              classes: tuple[str, ...] = ()) -> dict:
     """Plain-data summary of a finished run (`trainer` is a Trainer); `stopped`: why the job
-    stopped before its last step (JobAborted), None when it completed."""
+    stopped before its last step (JobAborted), None when it completed; `classes`: the dataset's
+    class names."""
     total = sum(r.stats["samples"] for r in devices) or 1
     rows = []
     for record in devices:
@@ -50,9 +52,10 @@ def summarize(job: JobConfig, final_eval: dict, trainer, devices, *, stopped: st
             "codec": record.codec or "none", "rejected_updates": len(record.rejections),
             "alive_at_end": record.alive, "left_reason": record.left_reason or None,
             "speed_claim": record.claim_note or None,
+            "own_data": record.own_data(classes),
         })
     return {
-        "job": job.name, "model": job.model, "dataset": job.dataset.name,
+        "job": job.name, "model": job.model, "dataset": job.dataset.name, "classes": len(classes) or 10,
         "synthetic_data": dataset_is_synthetic(job.dataset), "split": job.training.split,
         "global_batch": job.training.global_batch,
         "steps": final_eval["step"] + 1 if "step" in final_eval else trainer.steps_applied,
@@ -85,7 +88,8 @@ def summary_table(summary: dict) -> str:
         *([f"STOPPED: {summary['stopped']}"] if summary.get("stopped") else []),
         *([f"stopped at the time limit ({summary['time_limit_s']:g} s of training)"]
           if summary.get("stop_reason") == "time_limit" else []),
-        f"test accuracy {acc:.3f} (chance 0.100) after {summary['steps']} steps of {summary['global_batch']}"
+        f"test accuracy {acc:.3f} (chance {1 / summary.get('classes', 10):.3f}) after {summary['steps']} steps of "
+        f"{summary['global_batch']}"
         if acc is not None else "no evaluation",
         f"steps applied {summary['steps_applied']} of {summary['steps_attempted']} attempted",
         f"throughput {summary['samples_per_s']:.1f} samples/s ({summary['train_samples']} samples in "
@@ -109,7 +113,8 @@ def summary_table(summary: dict) -> str:
                      f"{row['share']:>8.1%}{row['compute_s']:>11.1f}{row['comm_s']:>9.1f}"
                      f"{_energy_cell(row):>10}"
                      f"{row['download_bytes'] / 1e6:>9.1f}{row['upload_bytes'] / 1e6:>8.1f}  {row['codec']}"
-                     + (f"  (speed claim: {row['speed_claim']})" if row.get("speed_claim") else ""))
+                     + (f"  (speed claim: {row['speed_claim']})" if row.get("speed_claim") else "")
+                     + _own_data_note(row.get("own_data")))
     return "\n".join(lines + _time_split_lines(summary.get("time_split")))
 
 
@@ -129,6 +134,15 @@ def _time_split_lines(split: dict | None) -> list[str]:
         lines.append(f"{device:<18}{cell(t['compute_s']):>9}{cell(t['comm_s']):>9}{cell(t['waiting_s']):>9}"
                      f"{cell(t['idle_s']):>9}")
     return lines
+
+
+def _own_data_note(own: dict | None) -> str:
+    """A board's own data, as it told it: its sample count and, if shared, its samples per class."""
+    if not own:
+        return ""
+    counts = own.get("class_counts")
+    per_class = f": {', '.join(f'{name} {n}' for name, n in counts.items())}" if counts else ""
+    return f"  (own data, {own['samples']} samples{per_class})"
 
 
 def _energy_cell(row: dict) -> str:

@@ -62,6 +62,9 @@ class BoardSpec:
     memory_mb: float | None = None
     """Its memory, MiB (a Pi 3: 1024); None: the host's. Enforced with a cgroup v1 memory group
     when the client runs as root, reported in its telemetry and profile either way."""
+    local_data: str | None = None
+    """An image folder the board trains on alone, as `edgetrain client --local-data` (a path
+    relative to the fleet file's directory); None: it trains on the job's dataset."""
 
     def __post_init__(self) -> None:
         for name in ("idle_w", "busy_w", "radio_nj_per_byte"):
@@ -71,6 +74,8 @@ class BoardSpec:
             raise ValueError(f"memory_mb must be a number >= 64 (MiB), got {self.memory_mb!r}")
         if self.idle_w is not None and self.busy_w is not None and self.busy_w < self.idle_w:
             raise ValueError(f"busy_w ({self.busy_w}) must be >= idle_w ({self.idle_w})")
+        if self.local_data is not None and (not isinstance(self.local_data, str) or not self.local_data):
+            raise ValueError(f"local_data must be the path of an image folder, got {self.local_data!r}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -149,7 +154,7 @@ def _make(cls: type, data: Any, where: str):
         raise ConfigError(f"{where}: {e}") from None
 
 
-def _boards(entries: Any, where: str) -> list[BoardSpec]:
+def _boards(entries: Any, where: str, base: Path = Path(".")) -> list[BoardSpec]:
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f"{where}: expected a non-empty list of boards")
     boards = []
@@ -165,9 +170,11 @@ def _boards(entries: Any, where: str) -> list[BoardSpec]:
         speed = entry.get("speed")
         if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not (math.isfinite(speed) and speed > 0):
             raise ConfigError(f"{where}[{i}].speed: expected a number > 0 (fraction of a core), got {speed!r}")
-        base = entry.get("name", f"board{i}")
+        if isinstance(entry.get("local_data"), str):
+            entry["local_data"] = str((base / entry["local_data"]).resolve())
+        stem = entry.get("name", f"board{i}")
         for k in range(count):
-            named = {**entry, "name": f"{base}-{k + 1}" if count > 1 else base}
+            named = {**entry, "name": f"{stem}-{k + 1}" if count > 1 else stem}
             boards.append(_make(BoardSpec, named, f"{where}[{i}]"))
     names = [b.name for b in boards]
     if len(set(names)) != len(names):
@@ -211,7 +218,7 @@ def load_fleet(path: str | Path) -> FleetSpec:
     network = data.get("network", "auto")
     if network not in NETWORK_MODES:
         raise ConfigError(f"{path}: network: {network!r} is not one of {NETWORK_MODES}")
-    boards = _boards(data.get("boards"), f"{path}: boards")
+    boards = _boards(data.get("boards"), f"{path}: boards", path.parent)
     events = _events(data.get("events"), {b.name for b in boards}, f"{path}: events")
     name = str(data.get("name", path.stem))
     probe = data.get("probe_interval_s", 30.0)

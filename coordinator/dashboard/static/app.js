@@ -24,6 +24,7 @@ function renderBoards(boards) {
     cell(tr, b.state, "state " + b.state);
     cell(tr, b.role || "–", "role");
     cell(tr, b.share ?? "–");
+    cell(tr, ownData(b.own_data), "data");
     cell(tr, fmt(b.samples_per_s));
     cell(tr, fmt(b.cpu_percent, 0));
     cell(tr, b.memory_used_bytes ? (b.memory_used_bytes / 2 ** 20).toFixed(0) + " MiB" : "–");
@@ -34,6 +35,15 @@ function renderBoards(boards) {
     cell(tr, b.codec || "–", "codec");
     body.appendChild(tr);
   }
+}
+
+// a board's own images (never shown): their count, and per class when the board shared that
+function ownData(own) {
+  if (!own) return "served";
+  const classes = own.class_counts
+    ? " (" + Object.entries(own.class_counts).map(([name, n]) => `${name} ${n}`).join(", ") + ")"
+    : "";
+  return `own: ${own.samples}${classes}`;
 }
 
 const clock = (t) => (t ? new Date(t * 1000).toLocaleTimeString() : "–");
