@@ -43,6 +43,7 @@ from edgetrain.datastore import (
     MANIFEST_FILE,
     Manifest,
     SplitManifest,
+    read_manifest,
     store_dir,
 )
 from edgetrain.streaming import TransferError
@@ -85,9 +86,16 @@ def board_dataset(spec: DatasetSpec, *, train: bool, data_dir: str, download: bo
     """The split the board trains on: the local loader's (synthetic data, a copy of its own, or
     CIFAR-10 with --download), else the job's dataset from the coordinator reached through
     `connection()` (the current connection: it is replaced when the board reconnects)."""
-    if dataset_is_synthetic(spec) or (download and spec.name == CIFAR10) or has_local_copy(data_dir, spec.name):
+    if dataset_is_synthetic(spec) or (download and spec.name == CIFAR10) or (
+            spec.name == CIFAR10 and has_local_copy(data_dir)):
         return load_dataset(replace(spec, data_dir=data_dir, download=download), train=train)
     fetcher = BlockFetcher(connection)
+    if has_local_copy(data_dir, spec.name):  # a copy of an imported dataset: used when it is the gateway's
+        if read_manifest(store_dir(data_dir, spec.name)).splits == fetcher.describe(spec.name).splits:
+            fetcher.close()
+            return load_dataset(replace(spec, data_dir=data_dir), train=train)
+        logger.warning("[Client.Data] the copy of %s under %s is not the coordinator's: fetching its blocks instead",
+                       spec.name, data_dir)
     cache = cache_dir(data_dir, spec.name)
     logger.info("[Client.Data] no %s under %s: fetching the samples this board trains on from the "
                 "coordinator at %s (cached under %s)", spec.name, data_dir, connection().address, cache)

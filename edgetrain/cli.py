@@ -32,6 +32,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 # gRPC's C core logs informational lines (e.g. every refused TLS handshake) to stderr by default;
@@ -253,6 +254,9 @@ def _parser() -> argparse.ArgumentParser:
         local.add_argument("--speeds", type=_speeds, default=DEMO_SPEEDS,
                            help="emulated board speeds, comma-separated (default 0.5,0.3,0.2,0.1)")
         local.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="job override")
+        local.add_argument("--dataset", metavar="NAME", default=None,
+                           help="train on this imported dataset (`edgetrain data import ... --name NAME`), all of "
+                                "its samples, instead of the job's")
         local.add_argument("--data-dir", type=Path, default=Path("data"), help="dataset directory")
         local.add_argument("--runs-dir", type=Path, default=Path("runs"), help="results directory")
         local.add_argument("--dashboard", default="127.0.0.1:0", metavar="HOST:PORT", type=_dashboard,
@@ -393,8 +397,15 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 def _local(args: argparse.Namespace) -> int:
     job_file = getattr(args, "config", DEMO_JOB)
-    job = load_job(job_file, dict(parse_override(o) for o in args.set))
-    run = LocalRun(job_file=job_file, speeds=args.speeds, overrides=tuple(args.set), runs_dir=args.runs_dir,
+    overrides = list(args.set)
+    if args.dataset:  # an imported dataset: all of it (the job's sizes were for its own dataset)
+        overrides = [f"dataset.name={args.dataset}", "dataset.train_size=null", "dataset.test_size=null", *overrides]
+    job = load_job(job_file, dict(parse_override(o) for o in overrides))
+    if args.dataset:
+        from edgetrain.data import dataset_classes
+
+        dataset_classes(replace(job.dataset, data_dir=str(args.data_dir)))  # FileNotFoundError: says which import
+    run = LocalRun(job_file=job_file, speeds=args.speeds, overrides=tuple(overrides), runs_dir=args.runs_dir,
                    data_dir=args.data_dir, insecure=args.insecure,
                    dashboard=None if args.dashboard == "none" else args.dashboard)
     with _sigterm_as_interrupt():

@@ -49,6 +49,7 @@ from edgetrain.datastore import (
     block_sums,
     check_classes,
     check_dataset_name,
+    make_data_dir,
     read_manifest,
     store_dir,
     stored_datasets,
@@ -285,9 +286,8 @@ def import_cifar10(source: Path | None, data_dir: str | Path, *, download: bool 
     torchvision) under `data_dir`, check it and write its manifest. An earlier copy there is
     replaced only once the new one passed every check."""
     started = time.perf_counter()
-    data_dir = Path(data_dir)
+    data_dir = make_data_dir(data_dir)
     target = data_dir / CIFAR10_DIR
-    data_dir.mkdir(parents=True, exist_ok=True)
     if (source is None) == (not download):
         raise DatasetImportError("give the path of cifar-10-python.tar.gz (or of its extracted "
                                  f"{CIFAR10_DIR} directory), or --download, not both")
@@ -336,17 +336,20 @@ def import_cifar_format(source: Path, data_dir: str | Path, name: str, *,
     source = Path(source)
     if not source.exists():
         raise DatasetImportError(f"{source}: no such file or directory")
-    Path(data_dir).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".cifar-read-", dir=data_dir) as staging:
+    with tempfile.TemporaryDirectory(prefix=".cifar-read-", dir=make_data_dir(data_dir)) as staging:
         directory = Path(staging)
         if source.is_dir():
             directory = source
         else:
             _extract(source, directory, top=None)
-        classes = read_classes(directory)
-        batches = training_batches(directory)
-        splits = {"train": read_split(directory, "train", len(classes), batches),
-                  "test": read_split(directory, "test", len(classes), ("test_batch",))}
+        try:
+            classes = read_classes(directory)
+            batches = training_batches(directory)
+            splits = {"train": read_split(directory, "train", len(classes), batches),
+                      "test": read_split(directory, "test", len(classes), ("test_batch",))}
+        except DatasetImportError as e:  # name the file in the archive, not where it was unpacked
+            raise DatasetImportError(str(e).replace(f"{staging}/", f"{source}: ").replace(staging, str(source))) \
+                from None
     manifest = write_store(store_dir(data_dir, name), name, splits, classes, block_samples=block_samples,
                            extra={"kind": "cifar", "source": str(source.resolve())})
     note = f"{len(batches)} training batch files ({', '.join(batches)}) and test_batch, read with EdgeTrain's reader"

@@ -174,6 +174,18 @@ def store_dir(data_dir: str | Path, name: str) -> Path:
     return Path(data_dir) / name
 
 
+def make_data_dir(path: str | Path) -> Path:
+    """`path`, created if missing (DatasetImportError, one line, when it cannot be a directory)."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise DatasetImportError(f"{path}: not a directory (the data directory must be one)") from None
+    except OSError as e:
+        raise DatasetImportError(f"{path}: cannot make the data directory there ({e.strerror})") from None
+    return path
+
+
 def write_store(directory: Path, name: str, splits: dict, classes, *, block_samples: int = DEFAULT_BLOCK_SAMPLES,
                 extra: dict | None = None, min_classes: int = MIN_CLASSES) -> Manifest:
     """Store `splits` ({split: (uint8 (N, 3072) images, uint8 (N,) labels)}) with `classes` as the
@@ -184,8 +196,8 @@ def write_store(directory: Path, name: str, splits: dict, classes, *, block_samp
         raise DatasetImportError(f"block size must be > 0 samples, got {block_samples}")
     classes = check_classes(classes, name, min_classes=min_classes)
     directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-import-", dir=directory.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-import-", dir=make_data_dir(directory.parent)))
+    staging.chmod(0o755)  # as a directory made by mkdir: a coordinator run by another user reads it
     try:
         entries = {}
         for split, (images, labels) in splits.items():

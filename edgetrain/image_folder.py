@@ -115,6 +115,8 @@ def decode_image(path: Path):
 
     with Image.open(path) as image:
         image.draft("RGB", (SIDE, SIDE))  # a JPEG decodes at 1/2-1/8 scale when that still covers 32x32
+        if image.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):  # 16-bit grey: Pillow's convert clips it
+            image = Image.fromarray((np.asarray(image).astype(np.uint32) >> 8).clip(0, 255).astype(np.uint8))
         image = ImageOps.fit(image.convert("RGB"), (SIDE, SIDE), Image.Resampling.BILINEAR)
         pixels = np.asarray(image, dtype=np.uint8)
     return pixels.transpose(2, 0, 1).reshape(IMAGE_BYTES)
@@ -124,7 +126,7 @@ def decode_files(files: tuple[tuple[Path, int], ...], *, skip_bad: bool = False)
     """(uint8 (N, 3072) images, uint8 (N,) labels, bad files) of `files`. A file that cannot be
     decoded is left out when `skip_bad`, else UnreadableImages names every such file."""
     import numpy as np
-    from PIL import UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError
 
     images = np.empty((len(files), IMAGE_BYTES), dtype=np.uint8)
     labels = np.empty(len(files), dtype=np.uint8)
@@ -135,6 +137,9 @@ def decode_files(files: tuple[tuple[Path, int], ...], *, skip_bad: bool = False)
             images[count] = decode_image(path)
         except UnidentifiedImageError:
             bad.append(BadImage(path, "not an image Pillow can read"))
+            continue
+        except Image.DecompressionBombError as e:  # a header claiming far more pixels than a photo has
+            bad.append(BadImage(path, f"refused: {e}"))
             continue
         except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt data, unreadable file
             bad.append(BadImage(path, f"cannot decode it ({type(e).__name__}: {e})"))

@@ -37,7 +37,12 @@ class LocalRun:
     runs_dir: Path = Path("runs")
     """Where results go (runs/<job name>/)."""
     data_dir: Path = Path("data")
-    """Dataset directory shared by the coordinator and the boards."""
+    """Dataset directory of the coordinator, and of the boards unless `board_data_dir` is given."""
+    board_data_dir: Path | None = None
+    """Where the boards keep their data, each in a directory of its own, board_data_dir/<board
+    name>/ (blocks fetched from the gateway, its own images decoded), as real boards do; None: they
+    share `data_dir` with the coordinator (and so read a dataset imported there instead of
+    fetching it)."""
     board_files: tuple[Path, ...] = ()
     """Board files (speed, link, battery) to emulate; when given they replace `speeds`."""
     client_args: tuple[str, ...] = ()
@@ -165,9 +170,13 @@ def run_local(run: LocalRun, *, job_name: str) -> int:
             (f"board{i}-{speed:g}", ("--speed", f"{speed:g}")) for i, speed in enumerate(run.speeds)]
         for name, emulation in boards:
             credentials, env = trust.board(name)
+            data_dir = run.data_dir
+            if run.board_data_dir is not None:
+                data_dir = run.board_data_dir / name
+                data_dir.mkdir(parents=True, exist_ok=True)
             with (log_dir / f"{name}.log").open("w") as log:
                 clients.append(subprocess.Popen(edgetrain_command(
-                    "client", "--coordinator", address, "--name", name, *emulation, "--data-dir", str(run.data_dir),
+                    "client", "--coordinator", address, "--name", name, *emulation, "--data-dir", str(data_dir),
                     *credentials, *run.client_args), stdout=log, stderr=subprocess.STDOUT, env=env))
         logger.info("started %d emulated boards (%s); their logs are in %s", len(clients),
                     ", ".join(name for name, _ in boards), log_dir)

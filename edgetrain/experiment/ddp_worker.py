@@ -110,7 +110,7 @@ def train(spec: dict, rank: int) -> None:
         test_set = load_dataset(job.dataset, train=False) if rank == 0 else None
         log.write({"kind": "setup", "what": "data_load", "seconds": round(time.perf_counter() - started, 4)})
         started = time.perf_counter()
-        model = build_model(job.model, seed=job.seed)
+        model = build_model(job.model, num_classes=len(train_set.classes), seed=job.seed)
         optimizer = make_optimizer(model, job.optimizer)  # its first use imports torch._dynamo: seconds
         log.write({"kind": "setup", "what": "model", "seconds": round(time.perf_counter() - started, 4)})
         net: nn.Module = model
