@@ -27,7 +27,7 @@ from coordinator.training.trainer import Trainer
 from edgetrain import transport, trust
 from edgetrain.channels import split_parameters
 from edgetrain.config import JobConfig, job_to_dict
-from edgetrain.data import dataset_is_synthetic, load_dataset
+from edgetrain.data import dataset_classes, dataset_is_synthetic, load_dataset
 from edgetrain.models import build_model
 from edgetrain.training import freeze_heap, shard_tensor_names
 from edgetrain.updates import UpdateFormats
@@ -43,8 +43,10 @@ def profile_batch_sizes(global_batch: int) -> list[int]:
     return sorted({max(2, min(global_batch // 8, 16)), max(4, min(global_batch // 2, 64))})
 
 
-def board_job(job: JobConfig, aggregator: Aggregator, classes: tuple[str, ...]) -> BoardJob:
-    """The job as boards get it when they register (`classes`: the dataset's class names)."""
+def board_job(job: JobConfig, aggregator: Aggregator, classes: tuple[str, ...] | None = None) -> BoardJob:
+    """The job as boards get it when they register (`classes`: the dataset's class names; by
+    default read from its manifest)."""
+    classes = classes or dataset_classes(job.dataset)
     return BoardJob(job_id=job.name, model=job.model, num_classes=len(classes), dataset=job.dataset,
                     profile_batch_sizes=tuple(profile_batch_sizes(job.training.global_batch)),
                     heartbeat_interval_s=job.training.heartbeat_interval_s, chunk_bytes=job.training.chunk_bytes,

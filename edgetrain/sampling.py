@@ -29,8 +29,10 @@ def batch_indices(step: int, batch_size: int, dataset_size: int, seed: int) -> l
 
 def indices_from(start: int, count: int, dataset_size: int, seed: int) -> list[int]:
     """`count` indices from position `start` of the concatenated epoch permutations."""
-    if count < 0 or dataset_size <= 0:
-        raise ValueError(f"count must be >= 0 and dataset_size > 0, got {count}, {dataset_size}")
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    if dataset_size <= 0:
+        raise ValueError(f"dataset_size must be > 0, got {dataset_size}")
     out: list[int] = []
     while len(out) < count:
         epoch, offset = divmod(start + len(out), dataset_size)
