@@ -29,16 +29,19 @@ figure is a real dataset's. Three parts
   disk (`local_data:` in its board file): partition_members(train labels of the imported store, 4,
   dirichlet, alpha 0.3, seed) — the coordinator's own partitions — each written as an image folder
   of HARD LINKS (os.link) to the very JPEG files the gateway imported (checked: every file decodes
-  to its store row), so both arms train on identical pixels. Per seed: each arm's final test
-  accuracy and samples/s (summary.json), `accuracy_gap_pp` = |served - local| x 100 (target <= 1)
-  and `samples_per_s_ratio` = local / served (target >= 0.95); the top-level figures of
-  `local_vs_served` are the MEANS of those over the seeds.
+  to its store row), so both arms train on identical pixels — but not in the same order (the
+  coordinator reads a partition it deals in a fixed cyclic order, a board its own data in seeded
+  epoch permutations), so two arms of one seed differ as two sample orders do. Per seed: each
+  arm's final test accuracy and samples/s (summary.json), the signed gap served - local in points,
+  and `samples_per_s_ratio` = local / served. Top level: `accuracy_gap_pp` = |mean over seeds of
+  the signed gaps| (target <= 1) with their standard deviation and standard error (the noise of
+  one sample order against another), and the mean `samples_per_s_ratio` (target >= 0.95).
 
     python scripts/bench_data.py [--parts import,train,local] [--images 10000] [--side 64]
                                  [--import-repeats 2] [--train-steps 30] [--warmup 5] [--pairs 2]
-                                 [--train-model mobilenet_v2] [--rounds 40] [--fed-model small_cnn]
+                                 [--train-model mobilenet_v2] [--rounds 80] [--fed-model small_cnn]
                                  [--local-steps 5] [--train-size 5000] [--test-size 1000]
-                                 [--seeds 0,1] [--workdir DIR] [--keep] [--smoke]
+                                 [--seeds 0,1,2,3] [--workdir DIR] [--keep] [--smoke]
 
 `--smoke` makes every part tiny (200 images of 32 px, 1 import, small_cnn for 2 steps with no
 warm-up and 1 pair, 2 federated rounds of 1 local step on 200/40 images, seed 0). The work
@@ -84,8 +87,8 @@ FED_DATASET = "bench-fed"
 PARTITIONS = 4
 DIRICHLET_ALPHA = 0.3
 DEFAULTS = {"images": 10000, "side": 64, "import_repeats": 2, "train_steps": 30, "warmup": 5, "pairs": 2,
-            "train_model": "mobilenet_v2", "rounds": 40, "fed_model": "small_cnn", "local_steps": 5,
-            "train_size": 5000, "test_size": 1000, "seeds": (0, 1)}
+            "train_model": "mobilenet_v2", "rounds": 80, "fed_model": "small_cnn", "local_steps": 5,
+            "train_size": 5000, "test_size": 1000, "seeds": (0, 1, 2, 3)}
 SMOKE = {"images": 200, "side": 32, "import_repeats": 1, "train_steps": 2, "warmup": 0, "pairs": 1,
          "train_model": "small_cnn", "rounds": 2, "fed_model": "small_cnn", "local_steps": 1,
          "train_size": 200, "test_size": 40, "seeds": (0,)}
@@ -381,15 +384,22 @@ def bench_local(args: argparse.Namespace, workdir: Path) -> dict:
                          "wall_s": round(time.perf_counter() - began, 1)}
             say(f"local seed {seed} {arm}: test accuracy {summary['test_accuracy']:.4f}, "
                 f"{summary['samples_per_s']:.1f} samples/s; {time.perf_counter() - began:.0f} s")
-        gap = abs(arms["served"]["test_accuracy"] - arms["local"]["test_accuracy"]) * 100
+        gap = (arms["served"]["test_accuracy"] - arms["local"]["test_accuracy"]) * 100  # signed: served - local
         ratio = arms["local"]["samples_per_s"] / arms["served"]["samples_per_s"]
         per_seed[str(seed)] = {**arms, "accuracy_gap_pp": round(gap, 3), "samples_per_s_ratio": round(ratio, 4),
                                "partition_sizes": [len(m) for m in members]}
-        say(f"local seed {seed}: accuracy gap {gap:.2f} pp (target <= 1), samples/s local/served {ratio:.3f} "
-            "(target >= 0.95)")
-    mean_gap = statistics.mean(s["accuracy_gap_pp"] for s in per_seed.values())
+        say(f"local seed {seed}: served - local accuracy {gap:+.2f} pp, samples/s local/served {ratio:.3f}")
+    gaps = [s["accuracy_gap_pp"] for s in per_seed.values()]
     mean_ratio = statistics.mean(s["samples_per_s_ratio"] for s in per_seed.values())
-    return {"accuracy_gap_pp": round(mean_gap, 3), "samples_per_s_ratio": round(mean_ratio, 4), "means_over_seeds": True,
+    spread = statistics.stdev(gaps) if len(gaps) > 1 else None
+    error = spread / len(gaps) ** 0.5 if spread is not None else None
+    say(f"local: accuracy gap |mean(served - local)| {abs(statistics.mean(gaps)):.2f} pp over {len(gaps)} seeds "
+        f"(target <= 1; per-seed sd {spread if spread is None else round(spread, 2)} pp, standard error "
+        f"{error if error is None else round(error, 2)} pp), samples/s local/served {mean_ratio:.3f} (target >= 0.95)")
+    return {"accuracy_gap_pp": round(abs(statistics.mean(gaps)), 3),
+            "accuracy_gap_sd_pp": None if spread is None else round(spread, 3),
+            "accuracy_gap_se_pp": None if error is None else round(error, 3),
+            "samples_per_s_ratio": round(mean_ratio, 4), "means_over_seeds": True,
             "seeds": list(args.seeds), "per_seed": per_seed, "model": args.fed_model, "rounds": args.rounds,
             "local_steps": args.local_steps, "local_batch": 16, "partitions": PARTITIONS,
             "dirichlet_alpha": DIRICHLET_ALPHA, "train_size": args.train_size, "test_size": args.test_size,
@@ -449,12 +459,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=_nonnegative, help="train steps left out of samples/s (default 5)")
     parser.add_argument("--pairs", type=_positive, help="folder/cifar pairs of train runs (default 2)")
     parser.add_argument("--train-model", choices=MODEL_NAMES, help="model of the train part (default mobilenet_v2)")
-    parser.add_argument("--rounds", type=_positive, help="federated rounds of the local part (default 40)")
+    parser.add_argument("--rounds", type=_positive, help="federated rounds of the local part (default 80)")
     parser.add_argument("--fed-model", choices=MODEL_NAMES, help="model of the local part (default small_cnn)")
     parser.add_argument("--local-steps", type=_positive, help="local steps per federated round (default 5)")
     parser.add_argument("--train-size", type=_positive, help="training images of the local part (default 5000)")
     parser.add_argument("--test-size", type=_positive, help="test images of the local part (default 1000)")
-    parser.add_argument("--seeds", type=_seeds, help="job seeds of the local part (default 0,1)")
+    parser.add_argument("--seeds", type=_seeds, help="job seeds of the local part (default 0,1,2,3)")
     parser.add_argument("--workdir", type=Path, help="work here (kept) instead of in a temporary directory")
     parser.add_argument("--keep", action="store_true", help="keep the temporary work directory")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes everywhere (a check that it runs)")

@@ -76,8 +76,9 @@ def test_the_smoke_size_runs_every_part_and_ends_with_the_figures():
         assert seed[arm]["samples_per_s"] > 0
     assert sum(seed["partition_sizes"]) == 200 and len(seed["partition_sizes"]) == 4
     assert seed["accuracy_gap_pp"] == pytest.approx(
-        abs(seed["served"]["test_accuracy"] - seed["local"]["test_accuracy"]) * 100, abs=1e-3)
-    assert local["accuracy_gap_pp"] == pytest.approx(seed["accuracy_gap_pp"]) and 0 <= local["accuracy_gap_pp"] <= 100
+        (seed["served"]["test_accuracy"] - seed["local"]["test_accuracy"]) * 100, abs=1e-3)  # signed
+    assert local["accuracy_gap_pp"] == pytest.approx(abs(seed["accuracy_gap_pp"])) and local["accuracy_gap_pp"] <= 100
+    assert local["accuracy_gap_sd_pp"] is None and local["accuracy_gap_se_pp"] is None  # one seed: no spread
     assert local["samples_per_s_ratio"] == pytest.approx(seed["samples_per_s_ratio"]) and local["samples_per_s_ratio"] > 0
 
 
