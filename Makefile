@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_chaos.py
 	$(PY) scripts/bench_fleet_load.py --repeat 3
 	$(PY) scripts/bench_time_to_accuracy.py --keep results/bench-time-to-accuracy
+	$(PY) scripts/bench_data.py
 
 protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto
