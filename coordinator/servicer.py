@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import grpc
+import torch
 
 import edgetrain
 from coordinator.registry import DeviceRecord, DeviceRegistry, UnknownDevice
@@ -27,12 +28,15 @@ from edgetrain import serde, transport
 from edgetrain.config import JobConfig
 from edgetrain.errors import FailureKind, Refusal
 from edgetrain.streaming import TransferError, iter_chunks
+from edgetrain.versions import mixed_note, torch_refusal
 from edgetrain.work import BoardJob, BoardProfile, StepReport
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
+OWN_TORCH = torch.__version__
+"""The coordinator's torch: boards on another release are told apart in the log."""
 _CODES = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
     "data_loss": grpc.StatusCode.DATA_LOSS,
@@ -127,9 +131,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                    "under the name in its certificate", Refusal.NOT_PERMITTED)
         info = {**{f.name: v for f, v in request.device.ListFields()}, "name": name}
         versions = {f.name: v for f, v in request.versions.ListFields()}
+        refusal = torch_refusal(versions.get("torch", ""))
+        if refusal:
+            _abort(context, "Register", grpc.StatusCode.FAILED_PRECONDITION, f"board {name}: {refusal}",
+                   Refusal.SOFTWARE_UNSUPPORTED)
         record = self._registry.register(name, info, versions, request.stage_address)
-        logger.info("[Coordinator.Register] %s joined (%s, %s cores, speed %s)", record.device_id,
-                    info.get("arch", "?"), info.get("cpu_count", "?"), info.get("emulated_speed", "native"))
+        logger.info("[Coordinator.Register] %s joined (%s, %s cores, speed %s, torch %s)", record.device_id,
+                    info.get("arch", "?"), info.get("cpu_count", "?"), info.get("emulated_speed", "native"),
+                    versions.get("torch") or "?")
+        note = mixed_note(name, versions.get("torch", ""), OWN_TORCH)
+        if note:
+            logger.warning("[Coordinator.Register] %s", note)
         return pb.RegisterReply(device_id=record.device_id, job=self._job_spec)
 
     @_guarded("ReportProfile")

@@ -32,7 +32,9 @@ import edgetrain
 from edge_client.credentials import BoardCredentials, trusted_calls
 from edge_client.telemetry import LinkMeter
 from edgetrain import serde, transport
+from edgetrain.config import ConfigError
 from edgetrain.emulator.shaping import LinkShaper
+from edgetrain.errors import Refusal
 from edgetrain.streaming import RawChunk, TensorMeta, TransferError, UploadAbandoned, iter_chunks
 from edgetrain.telemetry import TelemetrySample
 from edgetrain.work import Assignment, BoardJob, BoardProfile, Finished, StepReport
@@ -54,6 +56,11 @@ CALLS = transport.RetryPolicy(budget_s=10.0, max_s=2.0)
 """A board's call is retried this long on UNAVAILABLE (at most 2 s apart); then the client's outage loop takes over
 (edge_client.main.Outage: it keeps trying, and looks over mDNS), so a restarted coordinator is
 found again however long it was away."""
+
+
+class RegistrationRefused(ConfigError):
+    """The coordinator refused this board for what it runs (another protocol version, a torch
+    older than EdgeTrain supports): one line saying which."""
 
 
 class CoordinatorConnection:
@@ -143,7 +150,13 @@ class CoordinatorConnection:
     def register(self, name: str, emulated_speed: float | None, stage_address: str) -> tuple[str, BoardJob]:
         """Join the coordinator's job as board `name`; returns the device id and the job."""
         request = registration(name, emulated_speed, stage_address)
-        reply = self._retrying(lambda: self._stub.Register(request, timeout=30), "Register")
+        try:
+            reply = self._retrying(lambda: self._stub.Register(request, timeout=30), "Register")
+        except grpc.RpcError as e:
+            if transport.error_reason(e) in (Refusal.PROTOCOL_MISMATCH, Refusal.SOFTWARE_UNSUPPORTED):
+                raise RegistrationRefused(f"the coordinator at {self.address} refused this board: {e.details()}") \
+                    from None
+            raise
         if self.credentials is not None and self.credentials.pair_started is not None:
             logger.info("[Client] %s registered with the coordinator %.2f s after it started pairing", name,
                         time.perf_counter() - self.credentials.pair_started)

@@ -36,7 +36,7 @@ from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.errors import FailureKind, Refusal
 from edgetrain.models import build_model
 from edgetrain.streaming import TransferError, UploadAbandoned
-from edgetrain.training import freeze_heap, resolve_device
+from edgetrain.training import freeze_heap, resolve_device, runtime
 from edgetrain.work import Assignment, BoardJob, BoardProfile, Finished
 
 logger = logging.getLogger(__name__)
@@ -225,8 +225,8 @@ class EdgeWorker:
         except ValueError as e:
             raise ConfigError(f"job {job.job_id}: {e}") from None
         model = build_model(job.model, num_classes=job.num_classes or 10).to(device)
-        if device.type != "cpu":
-            logger.info("[Client] %s trains on %s (job device %s)", self.options.name, device, job.device)
+        logger.info("[Client] %s trains job %s with %s (job device %s)", self.options.name, job.job_id, runtime(device),
+                    job.device)
         self._profile = profile_device(model, dataset, list(job.profile_batch_sizes), self.limiter,
                                        max_forward_batch=job.max_forward_batch,
                                        memory=self.emulation.memory.reading)

@@ -11,8 +11,14 @@
 - ``discovery.py`` mDNS browsing: find coordinators and job servers without an address.
 - ``models.py``    CIFAR ResNet-18 / MobileNetV2 / a BN-free small CNN as ordered block lists,
                    with per-block parameter count, FLOPs and activation size.
-- ``data.py``      CIFAR-10 loader and a deterministic, learnable synthetic CIFAR-shaped dataset;
+- ``cifar_nets.py`` ResNet-18 and MobileNetV2 for 32x32 images, as torchvision defines them
+                   (a board needs no torchvision).
+- ``data.py``      the datasets a job trains on (synthetic, CIFAR-10, imported ones);
                    deterministic batch assembly and augmentation.
+- ``datastore.py`` imported datasets as stored: uint8 blocks with a manifest of sha256 sums.
+- ``dataset_import.py`` `edgetrain data import|list`: CIFAR-10, CIFAR-format sets, image folders.
+- ``image_folder.py`` image folders (one sub-folder per class) decoded once into 32x32 arrays.
+- ``versions.py``  which torch a board may train with, and what mixed versions mean.
 - ``split.py``     how a global batch is divided across devices (proportional / equal).
 - ``training.py``  the gradient computation (and a federated round's local training) both roles
                    and the reference tests share.
@@ -31,6 +37,10 @@ __version__ = "0.1.0"
 
 PROTOCOL_VERSION = 3
 """Wire protocol version; the coordinator refuses clients that speak another."""
+
+TORCH_FLOOR = "2.5.0a0"
+"""The oldest torch a board may train with: JetPack 6.1's NVIDIA build (2.5.0a0+...nv24.08) and
+every later release (edgetrain.versions; pyproject.toml asks for the same floor)."""
 
 SERVICE_TYPE = "_edgetrain._tcp.local."
 """The DNS-SD (mDNS) service type a coordinator advertises and boards browse for."""

@@ -441,6 +441,10 @@ def _load_cifar10(spec: DatasetSpec, *, train: bool) -> InMemoryImages:
             from torchvision import datasets  # imported on use: it adds ~1 s to start-up
 
             source = datasets.CIFAR10(root=spec.data_dir, train=train, download=spec.download)
+        except ImportError:
+            raise FileNotFoundError(f"CIFAR-10 under {spec.data_dir!r} has no manifest, and reading it without one "
+                                    f"needs torchvision (pip install 'edgetrain[gateway]'): run "
+                                    f"`{import_command(CIFAR10, spec.data_dir)}` instead") from None
         except RuntimeError as e:
             raise FileNotFoundError(
                 f"CIFAR-10 not found under {spec.data_dir!r}; run `{import_command(CIFAR10, spec.data_dir)}`, "

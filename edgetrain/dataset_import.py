@@ -292,8 +292,11 @@ def import_cifar10(source: Path | None, data_dir: str | Path, *, download: bool 
         raise DatasetImportError("give the path of cifar-10-python.tar.gz (or of its extracted "
                                  f"{CIFAR10_DIR} directory), or --download, not both")
     if download:
-        from torchvision.datasets import CIFAR10 as TorchCIFAR10  # imported on use: seconds
-
+        try:
+            from torchvision.datasets import CIFAR10 as TorchCIFAR10  # imported on use: seconds
+        except ImportError:
+            raise DatasetImportError("--download needs torchvision, which only the gateway installs: "
+                                     "pip install 'edgetrain[gateway]' (or import a downloaded archive)") from None
         try:  # torchvision checks the archive's md5 sum and unpacks it into data_dir
             TorchCIFAR10(root=str(data_dir), train=True, download=True)
         except Exception as e:  # noqa: BLE001 - offline, refused, or a damaged download: one line

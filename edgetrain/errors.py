@@ -39,6 +39,8 @@ class Refusal(enum.IntEnum):
     """The caller is authenticated but may not do this (wrong role, or another member's name)."""
     TOKEN_REFUSED = 13
     """The join token is unknown, wrong, used up or expired."""
+    SOFTWARE_UNSUPPORTED = 14
+    """The board's software cannot train here (a torch older than EdgeTrain supports)."""
 
 
 class FailureKind(enum.IntEnum):

@@ -2,9 +2,9 @@
 
 A block is the unit a pipeline partition cuts at: a stage that owns blocks ``[start, stop)`` runs
 ``model.run_blocks(x, start, stop)``, and the planner prices a cut from ``block_costs``. The
-ResNet-18 and MobileNetV2 blocks are torchvision's own modules (CIFAR stems), so their weights and
-semantics are torchvision's; ``small_cnn`` has no BatchNorm or dropout, so a pipeline or
-data-parallel run can be compared exactly with single-process training.
+ResNet-18 and MobileNetV2 blocks (CIFAR stems) are defined in ``edgetrain.cifar_nets`` as
+torchvision defines them, so a board needs no torchvision; ``small_cnn`` has no BatchNorm or
+dropout, so a pipeline or data-parallel run can be compared exactly with single-process training.
 """
 
 from __future__ import annotations
@@ -19,14 +19,12 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from edgetrain.catalog import MODEL_NAMES
+from edgetrain.cifar_nets import NamedBlocks, mobilenet_v2_blocks, resnet18_blocks
 
 logger = logging.getLogger(__name__)
 
 _FLOAT32_BYTES = 4
 _BATCHNORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
-NamedBlocks = list[tuple[str, nn.Module]]
-
 
 class BlockModel(nn.Module):
     """A network held as an ordered list of named blocks, so it can be cut between any two.
@@ -97,32 +95,6 @@ def _lay_out(memory_format: torch.memory_format, _block: nn.Module, args: tuple)
     return None
 
 
-def _resnet18_blocks(num_classes: int) -> NamedBlocks:
-    """torchvision ResNet-18 with the CIFAR stem (3x3 stride-1 conv, no max-pool)."""
-    from torchvision import models as tv_models  # imported on use: it adds ~1 s to start-up
-
-    net = tv_models.resnet18(num_classes=num_classes)
-    net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-    nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")
-    blocks: NamedBlocks = [("stem", nn.Sequential(net.conv1, net.bn1, net.relu))]
-    for layer_name in ("layer1", "layer2", "layer3", "layer4"):
-        layer = getattr(net, layer_name)
-        blocks += [(f"{layer_name}.{i}", block) for i, block in enumerate(layer)]
-    blocks.append(("head", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), net.fc)))
-    return blocks
-
-
-def _mobilenet_v2_blocks(num_classes: int) -> NamedBlocks:
-    """torchvision MobileNetV2 with a stride-1 stem conv, so 32x32 inputs keep enough resolution."""
-    from torchvision import models as tv_models
-
-    net = tv_models.mobilenet_v2(num_classes=num_classes)
-    net.features[0][0].stride = (1, 1)
-    blocks: NamedBlocks = [(f"features.{i}", feature) for i, feature in enumerate(net.features)]
-    blocks.append(("head", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), net.classifier)))
-    return blocks
-
-
 def _small_cnn_blocks(num_classes: int) -> NamedBlocks:
     """A three-conv network without BatchNorm or dropout: fast on CPU and exactly reproducible.
 
@@ -149,8 +121,8 @@ def _small_cnn_blocks(num_classes: int) -> NamedBlocks:
 
 
 _BUILDERS: dict[str, Callable[[int], NamedBlocks]] = {
-    "resnet18": _resnet18_blocks,
-    "mobilenet_v2": _mobilenet_v2_blocks,
+    "resnet18": resnet18_blocks,
+    "mobilenet_v2": mobilenet_v2_blocks,
     "small_cnn": _small_cnn_blocks,
 }
 

@@ -68,6 +68,23 @@ def resolve_device(choice: str) -> torch.device:
     raise ValueError(f"device must be cpu, auto or cuda, got {choice!r}")
 
 
+def runtime(device: torch.device | None = None) -> str:
+    """One line naming torch, the training device and its CUDA: what a board says when it starts
+    (`device` None: what it could train on)."""
+    cuda = torch.version.cuda
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        kind = "shares the board's memory" if props.is_integrated else f"{props.total_memory / 2**30:.1f} GiB"
+        where = f"device {device} ({props.name}, {kind}), CUDA {cuda}"
+    elif cuda:
+        where = f"device {device}, CUDA {cuda} built in but {'not used' if torch.cuda.is_available() else 'no GPU found'}"
+    else:
+        where = f"device {device}, a CPU-only torch (no CUDA)"
+    return f"torch {torch.__version__}, {where}"
+
+
 def model_device(model: nn.Module) -> torch.device:
     """The device the model's parameters are on."""
     return next(model.parameters()).device

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/errors.proto\x12\x0c\x65\x64getrain.v1\"8\n\x0b\x45rrorDetail\x12)\n\x06reason\x18\x01 \x01(\x0e\x32\x19.edgetrain.v1.ErrorReason*\xbd\x02\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x12\n\x0eUNKNOWN_DEVICE\x10\x01\x12\x10\n\x0cUNKNOWN_STEP\x10\x02\x12\x0f\n\x0bSTEP_CLOSED\x10\x03\x12\x10\n\x0cNOT_ASSIGNED\x10\x04\x12\x14\n\x10\x41LREADY_ANSWERED\x10\x05\x12\x16\n\x12VERSION_NOT_SERVED\x10\x06\x12\x13\n\x0f\x44\x45LTAS_NOT_KEPT\x10\x07\x12\x15\n\x11PROTOCOL_MISMATCH\x10\x08\x12\x18\n\x14STAGE_STATE_MISMATCH\x10\t\x12\x15\n\x11NOT_AUTHENTICATED\x10\n\x12\x16\n\x12\x43REDENTIAL_REVOKED\x10\x0b\x12\x11\n\rNOT_PERMITTED\x10\x0c\x12\x11\n\rTOKEN_REFUSED\x10\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/errors.proto\x12\x0c\x65\x64getrain.v1\"8\n\x0b\x45rrorDetail\x12)\n\x06reason\x18\x01 \x01(\x0e\x32\x19.edgetrain.v1.ErrorReason*\xd7\x02\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x12\n\x0eUNKNOWN_DEVICE\x10\x01\x12\x10\n\x0cUNKNOWN_STEP\x10\x02\x12\x0f\n\x0bSTEP_CLOSED\x10\x03\x12\x10\n\x0cNOT_ASSIGNED\x10\x04\x12\x14\n\x10\x41LREADY_ANSWERED\x10\x05\x12\x16\n\x12VERSION_NOT_SERVED\x10\x06\x12\x13\n\x0f\x44\x45LTAS_NOT_KEPT\x10\x07\x12\x15\n\x11PROTOCOL_MISMATCH\x10\x08\x12\x18\n\x14STAGE_STATE_MISMATCH\x10\t\x12\x15\n\x11NOT_AUTHENTICATED\x10\n\x12\x16\n\x12\x43REDENTIAL_REVOKED\x10\x0b\x12\x11\n\rNOT_PERMITTED\x10\x0c\x12\x11\n\rTOKEN_REFUSED\x10\r\x12\x18\n\x14SOFTWARE_UNSUPPORTED\x10\x0e\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,7 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.errors_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ERRORREASON']._serialized_start=96
-  _globals['_ERRORREASON']._serialized_end=413
+  _globals['_ERRORREASON']._serialized_end=439
   _globals['_ERRORDETAIL']._serialized_start=37
   _globals['_ERRORDETAIL']._serialized_end=93
 # @@protoc_insertion_point(module_scope)

@@ -21,6 +21,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CREDENTIAL_REVOKED: _ClassVar[ErrorReason]
     NOT_PERMITTED: _ClassVar[ErrorReason]
     TOKEN_REFUSED: _ClassVar[ErrorReason]
+    SOFTWARE_UNSUPPORTED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 UNKNOWN_DEVICE: ErrorReason
 UNKNOWN_STEP: ErrorReason
@@ -35,6 +36,7 @@ NOT_AUTHENTICATED: ErrorReason
 CREDENTIAL_REVOKED: ErrorReason
 NOT_PERMITTED: ErrorReason
 TOKEN_REFUSED: ErrorReason
+SOFTWARE_UNSUPPORTED: ErrorReason
 
 class ErrorDetail(_message.Message):
     __slots__ = ("reason",)

@@ -242,3 +242,62 @@ def test_block_cost_validation():
         BlockCost(
             name="x", params=-1, param_bytes=0, forward_flops=0, output_shape=(1,), output_bytes=4
         )
+
+
+def _torchvision_blocks(name: str, num_classes: int) -> list[tuple[str, nn.Module]]:
+    """The blocks as torchvision builds these networks (with the CIFAR stems)."""
+    from torchvision import models as tv
+
+    if name == "resnet18":
+        net = tv.resnet18(num_classes=num_classes)
+        net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        blocks = [("stem", nn.Sequential(net.conv1, net.bn1, net.relu))]
+        for layer in ("layer1", "layer2", "layer3", "layer4"):
+            blocks += [(f"{layer}.{i}", b) for i, b in enumerate(getattr(net, layer))]
+        return blocks + [("head", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), net.fc))]
+    net = tv.mobilenet_v2(num_classes=num_classes)
+    net.features[0][0].stride = (1, 1)
+    return [(f"features.{i}", f) for i, f in enumerate(net.features)] + [
+        ("head", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), net.classifier))]
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
+def test_the_networks_are_torchvisions_without_needing_it(name):
+    # Prepare: our network with random weights and running statistics, and torchvision's
+    pytest.importorskip("torchvision")
+    from edgetrain.models import BlockModel
+
+    ours = build_model(name, num_classes=7, seed=3)
+    theirs = BlockModel(_torchvision_blocks(name, 7), image_format=ours.image_format)
+    with torch.no_grad():
+        for buffer in ours.buffers():
+            if buffer.is_floating_point():
+                buffer.uniform_(0.5, 1.5)
+
+    # Execute: the same state in both
+    missing, unexpected = theirs.load_state_dict(ours.state_dict(), strict=True)
+
+    # Assert: the same names, shapes and arithmetic, in training and in evaluation
+    assert not missing and not unexpected
+    assert [(n, p.shape) for n, p in ours.named_parameters()] == [(n, p.shape) for n, p in theirs.named_parameters()]
+    x = torch.randn(4, 3, 32, 32)
+    for train in (False, True):
+        ours.train(train)
+        theirs.train(train)
+        torch.manual_seed(0)
+        a = ours(x)
+        torch.manual_seed(0)
+        b = theirs(x)
+        assert torch.allclose(a, b, atol=1e-5), (train, (a - b).abs().max())
+
+
+def test_a_board_builds_every_model_without_torchvision():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torchvision'] = None\n"  # importing it now fails
+            "from edgetrain.models import build_model\n"
+            "for name in ('resnet18', 'mobilenet_v2', 'small_cnn'): build_model(name, seed=0)\n"
+            "print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
