@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench protos lint clean
+.PHONY: install demo test test-fast test-floor bench protos lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,22 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q --timeout=600
+
+# The oldest torch EdgeTrain supports (a Jetson's JetPack 6.1 ships 2.5.0a0): the unit tests of the
+# code that touches torch, and one multi-process exactness test, in a venv of its own
+FLOOR_TORCH ?= 2.5.0
+FLOOR_VENV  ?= .venv-floor
+FLOOR_TESTS := tests/test_models.py tests/test_training.py tests/test_compression.py tests/test_tensors.py \
+	tests/test_stage_state.py tests/test_channels.py tests/test_data.py tests/test_sampling.py tests/test_versions.py \
+	tests/test_allocator.py tests/test_arriving_parameters.py tests/test_streamed_upload.py tests/test_worker.py \
+	tests/test_dp_integration.py::test_three_client_dp_equals_single_process_sgd
+
+test-floor:
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(FLOOR_VENV)/bin/python -m pip install --quiet -e '.[test]' 'torch==$(FLOOR_TORCH)'
+	$(FLOOR_VENV)/bin/python -c "import torch; print('floor torch', torch.__version__)"
+	$(FLOOR_VENV)/bin/python -m pytest -n 2 -q --timeout=600 -p no:cacheprovider $(FLOOR_TESTS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -n 2 -q -m "not slow"
@@ -45,4 +61,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) runs .pytest_cache

@@ -24,7 +24,7 @@ from edgetrain.discovery import (
     serves_jobs,
 )
 from edgetrain.emulator.throttle import limit_cpu, limit_memory
-from edgetrain.training import runtime
+from edgetrain.training import exact_arithmetic, runtime
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,10 @@ def run_client(address: str | None, options: ClientOptions, *, threads: int | No
                           local_data=options.local_data or emulation.board.local_data)
     local = LocalData(options.local_data, options.data_dir).prepare() if options.local_data else None
     set_threads(threads or torch_threads_for(options.emulated_speed))
-    logger.info("[Client] %s: %s", options.name, runtime())
+    if options.deterministic:
+        exact_arithmetic()
+    logger.info("[Client] %s: %s%s", options.name, runtime(), ", TF32 off, deterministic kernels"
+                if options.deterministic else "")
     link = LinkMeter()
     browse = address is None or bool(interfaces)
     where = " or ".join(filter(None, (address, "over mDNS" if browse else "")))

@@ -1,4 +1,5 @@
-"""Join-time profile: how fast this board trains the job's model, and how much memory it has."""
+"""Join-time profile: how fast this board trains the job's model on the device it trains on, what a
+byte costs to move to that device and back, and how much memory it has."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from edgetrain.data import make_batch
 from edgetrain.emulator.throttle import CpuLimiter
-from edgetrain.training import compute_shard
+from edgetrain.training import DeviceCopies, compute_shard, model_device
 from edgetrain.work import BoardProfile
 
 
@@ -46,7 +47,31 @@ def profile_device(model: nn.Module, dataset, batch_sizes: Sequence[int], limite
     else:  # an emulated board's cap
         total, available = memory()
     rss = psutil.Process(os.getpid()).memory_info().rss
-    return BoardProfile(timings, total, available, rss)
+    device = model_device(model)
+    if device.type != "cuda":
+        return BoardProfile(timings, total, available, rss)
+    props = torch.cuda.get_device_properties(device)
+    free = 0 if props.is_integrated else int(torch.cuda.mem_get_info(device)[0])  # a Jetson's is the board's
+    return BoardProfile(timings, total, available, rss, device=f"{device} {props.name}" + (
+        " (shares memory)" if props.is_integrated else ""), device_memory_bytes=free,
+        copy_s_per_byte=time_copies(device))
+
+
+COPY_BYTES = 8 << 20
+"""What the copy timing moves: a few activations' worth, large enough that the per-call cost fades."""
+
+
+def time_copies(device: torch.device, repeats: int = 3) -> float:
+    """Fastest seconds per byte of a tensor's trip to `device` and back, as a stage's activations
+    and gradients make it (through DeviceCopies)."""
+    copies = DeviceCopies(device)
+    tensor = torch.empty(COPY_BYTES // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        copies.to_host(copies.to_device(tensor))  # the copy back synchronises
+        best = min(best, time.perf_counter() - started)
+    return best / COPY_BYTES
 
 
 def torch_threads_for(speed: float | None) -> int | None:

@@ -51,9 +51,11 @@ from edgetrain.tensors import pack, unpack
 from edgetrain.training import (
     BUFFER_PREFIX,
     GRAD_PREFIX,
+    DeviceCopies,
     ShardResult,
     chunk_bounds,
     load_state_tensors,
+    model_device,
     shard_tensor_names,
 )
 from edgetrain.updates import UpdateFormats
@@ -217,6 +219,7 @@ def _run_stage(model: nn.Module, work: Assignment, dataset, endpoint: StageEndpo
     group = st.hosts
     starts = [sum(st.microbatch_sizes[:m]) for m in range(m_count)]
     working = limiter.working if limiter is not None else contextlib.nullcontext
+    copies = DeviceCopies(model_device(model))
     blocks = model.block_modules(st.first_block, st.end_block)
     for block in blocks:
         for p in block.parameters():
@@ -228,6 +231,7 @@ def _run_stage(model: nn.Module, work: Assignment, dataset, endpoint: StageEndpo
     if (first or last) and any(e > b for _, b, e in rows):  # inputs and labels from the board's own data
         idx = [int(st.indices[starts[m] + r]) for m, b, e in rows for r in range(b, e)]
         local_x, local_y = make_batch(dataset, idx, augment=work.augment, seed=work.data_seed, step=work.step)
+        local_x, local_y = copies.to_device(local_x), copies.to_device(local_y)
         at = 0
         for m, b, e in rows:
             offsets[m] = (at, at + e - b)
@@ -260,10 +264,11 @@ def _run_stage(model: nn.Module, work: Assignment, dataset, endpoint: StageEndpo
                     f"stage {key.from_stage} host {peer.device_id}")
             pieces.append((begin, endpoint.mailbox.take(key, st.timeout_s, what, check_sends)))
         pieces.sort(key=lambda piece: piece[0])
-        return torch.cat([t for _, t in pieces]) if len(pieces) > 1 else pieces[0][1]
+        return copies.to_device(torch.cat([t for _, t in pieces]) if len(pieces) > 1 else pieces[0][1])
 
     def ship(m: int, backward: bool, tensor: torch.Tensor, peers) -> None:
         my_begin, _ = _rows(mine, m)
+        tensor = copies.to_host(tensor)
         for sender, receiver, begin, end in routes_between(group, peers, m):
             if sender != me:
                 continue
@@ -274,7 +279,7 @@ def _run_stage(model: nn.Module, work: Assignment, dataset, endpoint: StageEndpo
 
     split = None
     if mine.channels is not None:
-        exchange = _GroupExchange(endpoint, work, job_id, device_id, me, sends, shipped, check_sends)
+        exchange = _GroupExchange(endpoint, work, job_id, device_id, me, sends, shipped, check_sends, copies)
         split = ChannelSplit(blocks, [h.channels for h in group], mine.channels, exchange)
 
     saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -294,7 +299,7 @@ def _run_stage(model: nn.Module, work: Assignment, dataset, endpoint: StageEndpo
                     bounds = chunk_bounds(*offsets[m], max_forward_batch)
                     with working():
                         for c_lo, c_hi in zip(bounds, bounds[1:]):
-                            out = _forward(blocks, local_x[c_lo:c_hi], split, _seed(work, m, c_lo))
+                            out = _forward(blocks, local_x[c_lo:c_hi], split, _seed(work, m, c_lo), copies.device)
                             y = local_y[c_lo:c_hi]
                             loss = nn.functional.cross_entropy(out, y, reduction="sum") / st.pipeline_samples
                             loss.backward()
@@ -312,7 +317,7 @@ def _run_stage(model: nn.Module, work: Assignment, dataset, endpoint: StageEndpo
                         inp = receive(m, False, st.prev_hosts).requires_grad_()
                         wait_s += time.perf_counter() - started
                     with working():
-                        out = _forward(blocks, inp, split, _seed(work, m, 0))
+                        out = _forward(blocks, inp, split, _seed(work, m, 0), copies.device)
                         if last:
                             lo, hi = offsets[m]
                             y = local_y[lo:hi]
@@ -370,10 +375,10 @@ def _run_stage(model: nn.Module, work: Assignment, dataset, endpoint: StageEndpo
     tensors = {}
     for name, p in model.named_parameters():
         if name.startswith(prefixes):
-            tensors[GRAD_PREFIX + name] = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+            tensors[GRAD_PREFIX + name] = copies.to_host(p.grad.detach() if p.grad is not None else torch.zeros_like(p))
     for name, buf in model.named_buffers():
         if name.startswith(prefixes) and buf.is_floating_point():
-            tensors[BUFFER_PREFIX + name] = buf.detach()
+            tensors[BUFFER_PREFIX + name] = copies.to_host(buf.detach())
     samples = sum(e - b for _, b, e in rows)
     shard = ShardResult(loss=loss_sum / rows_done if rows_done else 0.0, correct=correct, samples=samples,
                         tensors=tensors)
@@ -389,8 +394,9 @@ class _GroupExchange:
     endpoints: each message goes to every other member, keyed by the split-layer call it belongs to."""
 
     def __init__(self, endpoint: StageEndpoint, work: Assignment, job_id: str, device_id: str, me: int,
-                 sends: list, shipped: list, check_sends) -> None:
+                 sends: list, shipped: list, check_sends, copies: DeviceCopies) -> None:
         self.endpoint, self.work, self.job_id, self.device_id, self.me = endpoint, work, job_id, device_id, me
+        self.copies = copies
         self.group = work.stage.hosts
         self.sends, self.shipped, self.check_sends = sends, shipped, check_sends
         self.wait_s = 0.0
@@ -402,6 +408,7 @@ class _GroupExchange:
 
     def _send(self, m: int, tag: int, backward: bool, tensor: torch.Tensor, to: list[int]) -> None:
         key = self._key(m, tag, backward, tensor.shape[0], self.device_id)
+        tensor = self.copies.to_host(tensor)
         for j in to:
             self.shipped[0] += tensor.numel() * tensor.element_size()
             self.sends.append(self.endpoint.send(self.group[j].address, self.job_id, key, tensor,
@@ -413,8 +420,8 @@ class _GroupExchange:
         what = (f"{'input gradient' if backward else 'output channels'} of split layer {tag} of micro-batch {m} "
                 f"from channel group member {host.name or host.device_id}")
         try:
-            return self.endpoint.mailbox.take(self._key(m, tag, backward, rows, host.device_id),
-                                              self.work.stage.timeout_s, what, self.check_sends)
+            return self.copies.to_device(self.endpoint.mailbox.take(self._key(m, tag, backward, rows, host.device_id),
+                                                                    self.work.stage.timeout_s, what, self.check_sends))
         finally:
             self.wait_s += time.perf_counter() - started
 
@@ -450,14 +457,15 @@ class _GroupExchange:
         return total
 
 
-def _forward(blocks, x: torch.Tensor, split: ChannelSplit | None = None, seed: int = 0) -> torch.Tensor:
+def _forward(blocks, x: torch.Tensor, split: ChannelSplit | None = None, seed: int = 0,
+             device: torch.device | None = None) -> torch.Tensor:
     """The blocks' forward; in a channel group with the same random numbers on every member (the
-    replicated layers' dropout must agree)."""
+    replicated layers' dropout must agree, on whichever device each runs)."""
     if split is None:
         for block in blocks:
             x = block(x)
         return x
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []):
         torch.manual_seed(seed)
         for block in blocks:
             x = block(x)

@@ -122,7 +122,7 @@ class StageState:
             for name, p in params.items():
                 momentum = tensors.get(MOMENTUM_PREFIX + name)
                 if momentum is not None:
-                    self._optimizer.state[p]["momentum_buffer"] = momentum.clone()
+                    self._optimizer.state[p]["momentum_buffer"] = momentum.to(p.device, copy=True)
             self._params, self._buffers = params, buffers
             self.blocks, self.version, self._pending = (request.first_block, request.end_block), request.version, None
             self._save_buffers()

@@ -79,6 +79,8 @@ class ClientOptions:
     local_data: str | None = None
     """An image folder on the board that it trains on alone; its images never leave it
     (edge_client.local_data)."""
+    deterministic: bool = False
+    """A GPU board computes without TF32 and with deterministic kernels (edgetrain.training.exact_arithmetic)."""
 
 
 class BatteryEmpty(Exception):

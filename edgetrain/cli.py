@@ -144,6 +144,8 @@ def _parser() -> argparse.ArgumentParser:
     client.add_argument("--threads", type=int, default=None, help="torch threads (default: all, or per --speed)")
     client.add_argument("--data-dir", default="data", help="dataset directory (and the board's caches)")
     client.add_argument("--download", action="store_true", help="download CIFAR-10 if missing (needs internet)")
+    client.add_argument("--deterministic", action="store_true",
+                        help="on a GPU: no TF32, deterministic kernels (slower; to check it against a CPU)")
     client.add_argument("--local-data", metavar="DIR", default=None,
                         help="train only on this board's own images: a folder with one sub-folder of images per "
                              "class, decoded once; the images never leave the board")
@@ -371,7 +373,7 @@ def _client(args: argparse.Namespace) -> int:
                             board_file=str(args.emulate) if args.emulate else None,
                             probe_interval_s=args.probe_interval, stage_bind=args.stage_bind,
                             power_w=tuple(args.power_watts) if args.power_watts else None,
-                            local_data=args.local_data)
+                            local_data=args.local_data, deterministic=args.deterministic)
     reason = run_client(args.coordinator, options, threads=args.threads, cluster=args.cluster,
                         interfaces=args.interface)
     return 3 if reason == BATTERY_EMPTY else 0

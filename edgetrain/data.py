@@ -436,22 +436,24 @@ def _load_cifar10(spec: DatasetSpec, *, train: bool) -> InMemoryImages:
         except DatasetImportError as e:
             raise FileNotFoundError(f"{e}; run `{import_command(CIFAR10, spec.data_dir)}` again") from None
         classes = manifest.classes
-    else:
+    elif spec.download or (directory / "data_batch_1").is_file():  # placed by torchvision: its md5-checked loader
         try:
             from torchvision import datasets  # imported on use: it adds ~1 s to start-up
-
-            source = datasets.CIFAR10(root=spec.data_dir, train=train, download=spec.download)
         except ImportError:
             raise FileNotFoundError(f"CIFAR-10 under {spec.data_dir!r} has no manifest, and reading it without one "
                                     f"needs torchvision (pip install 'edgetrain[gateway]'): run "
                                     f"`{import_command(CIFAR10, spec.data_dir)}` instead") from None
+        try:
+            source = datasets.CIFAR10(root=spec.data_dir, train=train, download=spec.download)
         except RuntimeError as e:
-            raise FileNotFoundError(
-                f"CIFAR-10 not found under {spec.data_dir!r}; run `{import_command(CIFAR10, spec.data_dir)}`, "
-                "or with download enabled when online (edgetrain ... --download), or use dataset name 'synthetic'"
-            ) from e
+            raise FileNotFoundError(f"CIFAR-10 under {spec.data_dir!r} is not the official release ({e}); run "
+                                    f"`{import_command(CIFAR10, spec.data_dir)}`") from e
         images, labels = source.data.transpose(0, 3, 1, 2).reshape(len(source.data), -1), np.asarray(source.targets)
         classes = CIFAR10_CLASSES
+    else:
+        raise FileNotFoundError(
+            f"CIFAR-10 not found under {spec.data_dir!r}; run `{import_command(CIFAR10, spec.data_dir)}`, or with "
+            "download enabled when online (edgetrain ... --download), or use dataset name 'synthetic'")
     pixels, targets = _cut(images, labels, spec, train=train, what="CIFAR-10")
     logger.info("[Data] loaded CIFAR-10 %s split: %d images%s", split, len(targets),
                 "" if manifest is None or manifest.official else " (not the official release's files)")

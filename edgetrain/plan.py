@@ -144,6 +144,8 @@ class BoardCost:
     own_data: bool = False
     """It trains only on its own samples (edgetrain client --local-data): a data-parallel shard,
     never a stage host (a pipeline's first stage needs every sample it trains on)."""
+    device: str = "cpu"
+    """Where it trains (a label: its speed, memory and link already say what the device does)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "a board needs a name")
@@ -262,8 +264,9 @@ class Plan:
         shards = f"; DP shards {'+'.join(self.dp_boards)} ({self.dp_share:.0%})" if self.dp_boards else ""
         return f"{stages}; {self.microbatches} micro-batches, {self.schedule}{shards}"
 
-    def explain(self) -> str:
-        """A table: board -> role, blocks, batch share, predicted time, memory; then the totals."""
+    def explain(self, devices: Mapping[str, str] | None = None) -> str:
+        """A table: board -> role, blocks, batch share, predicted time, memory (and its device, when
+        `devices` names them); then the totals."""
         p = self.prediction
         _check(p is not None, "explain needs a plan with a prediction (from the planner)")
         single = len(self.stages) == 1 and len(self.stages[0].boards) == 1 and not self.dp_boards
@@ -281,6 +284,8 @@ class Plan:
         rows += [(b, "dp", "all", f"{p.share[b]:.1%}", f"{p.time_s[b]:.3f}", f"{p.memory_bytes[b] / 1e6:.1f}")
                  for b in (tuple(p.share) if every else self.dp_boards)]
         rows += [(b, "left out", "-", "-", "-", why) for b, why in self.left_out]
+        if devices:
+            rows = [rows[0] + ("device",)] + [r + (devices.get(r[0], "?"),) for r in rows[1:]]
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = [f"plan: {head}"] + ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         lines.append(f"predicted: step {p.step_s:.3f} s, {p.samples_per_s:.1f} samples/s, "

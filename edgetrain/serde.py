@@ -312,11 +312,13 @@ def profile_to_proto(device_id: str, profile: BoardProfile) -> pb.ProfileReport:
                             memory_total_bytes=profile.memory_total_bytes,
                             memory_available_bytes=profile.memory_available_bytes,
                             peak_rss_bytes=profile.peak_rss_bytes, local_samples=profile.local_samples,
-                            local_class_counts=profile.local_class_counts)
+                            local_class_counts=profile.local_class_counts, device=profile.device,
+                            device_memory_bytes=profile.device_memory_bytes, copy_s_per_byte=profile.copy_s_per_byte)
 
 
 def profile_from_proto(msg: pb.ProfileReport) -> BoardProfile:
     """A board's profile; ValueError for timings that are not positive and finite."""
     return BoardProfile(tuple((t.batch_size, t.seconds) for t in msg.timings), msg.memory_total_bytes,
                         msg.memory_available_bytes, msg.peak_rss_bytes, msg.local_samples,
-                        tuple(msg.local_class_counts))
+                        tuple(msg.local_class_counts), msg.device or "cpu", msg.device_memory_bytes,
+                        msg.copy_s_per_byte if math.isfinite(msg.copy_s_per_byte) and msg.copy_s_per_byte > 0 else 0.0)

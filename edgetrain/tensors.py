@@ -38,11 +38,15 @@ def bundle_metas(tensors: Mapping[str, torch.Tensor]) -> list[TensorMeta]:
 
 
 def pack(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorMeta], memoryview]:
-    """Header and payload (raw bytes of all tensors, in order) for `tensors`: one copy."""
+    """Header and payload (raw bytes of all tensors, in order) for `tensors`: one copy, made on
+    the tensors' device (a GPU's come back to the host in one transfer)."""
     metas = bundle_metas(tensors)
     if not metas:
         return metas, memoryview(bytearray())
-    flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()])
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
+    if len({p.device for p in parts}) > 1:
+        parts = [p.cpu() for p in parts]
+    flat = torch.cat(parts).cpu()  # no copy when it is on the host already
     return metas, memoryview(flat.numpy()).cast("B")
 
 

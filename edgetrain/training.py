@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -83,6 +84,42 @@ def runtime(device: torch.device | None = None) -> str:
     else:
         where = f"device {device}, a CPU-only torch (no CUDA)"
     return f"torch {torch.__version__}, {where}"
+
+
+def exact_arithmetic() -> None:
+    """Make a GPU compute what a CPU does, up to float32 rounding: no TF32 (Ampere and Orin use it
+    for convolutions by default) and deterministic kernels. Slower: for checking a GPU board
+    against single-process training, not for everyday jobs."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+class DeviceCopies:
+    """How tensors cross between the host (where the wire and the data are) and the device a board
+    trains on. On the CPU nothing is copied. A discrete GPU gets received tensors through pinned
+    host memory with a non-blocking copy, so the transfer runs while the host goes on; a GPU that
+    shares the board's memory (a Jetson: `is_integrated`) gets a plain copy, since staging would
+    only add one. Results come back to the host in one (synchronising) copy."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.discrete = device.type == "cuda" and not torch.cuda.get_device_properties(device).is_integrated
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` on the training device."""
+        if tensor.device == self.device or self.device.type == "cpu" and tensor.device.type == "cpu":
+            return tensor
+        if self.discrete and tensor.device.type == "cpu":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor.to(self.device)
+
+    @staticmethod
+    def to_host(tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` in host memory (what the wire packs)."""
+        return tensor if tensor.device.type == "cpu" else tensor.cpu()
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -277,3 +314,25 @@ def evaluate_dataset(model: nn.Module, test_set) -> tuple[float, float, int]:
         loss_sum, correct, seen = loss_sum + batch_loss, correct + batch_correct, seen + len(idx)
     return loss_sum / seen, correct / seen, seen
 
+
+
+def single_process_sgd(job, steps: int | None = None) -> dict[str, torch.Tensor]:
+    """The model state after `steps` (default: all) steps of `job` (a JobConfig) trained in one
+    process on the CPU, on the same global batches a distributed run takes: the ground truth that
+    exact data parallelism and pipelines are compared with."""
+    from edgetrain.data import dataset_classes, load_dataset
+    from edgetrain.models import build_model
+    from edgetrain.sampling import batch_indices
+
+    model = build_model(job.model, num_classes=len(dataset_classes(job.dataset)), seed=job.seed)
+    optimizer = make_optimizer(model, job.optimizer)
+    dataset = load_dataset(job.dataset, train=True)
+    model.train()
+    for step in range(job.training.steps if steps is None else steps):
+        indices = batch_indices(step, job.training.global_batch, len(dataset), job.seed)
+        x, y = make_batch(dataset, indices, augment=job.dataset.augment, seed=job.seed, step=step)
+        set_learning_rate(optimizer, step, job.training.steps, job.optimizer)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}

@@ -216,6 +216,14 @@ class BoardProfile:
     """Samples of the board's own data, which it trains on alone (0: it trains on the job's dataset)."""
     local_class_counts: tuple[int, ...] = ()
     """Its own samples per class of the job's dataset (empty: not shared, or no own data)."""
+    device: str = "cpu"
+    """Where it trains and profiled (e.g. "cuda:0 Orin (shares memory)"); `timings` are there."""
+    device_memory_bytes: int = 0
+    """Free memory of a GPU with memory of its own when it profiled (0: it trains in the board's
+    memory, `memory_available_bytes`)."""
+    copy_s_per_byte: float = 0.0
+    """Seconds per byte to move a tensor to its device and back (0 on a CPU): what every byte it
+    sends or receives costs it besides its link."""
 
     def __post_init__(self) -> None:
         if not self.timings or any(b <= 0 or not (s > 0 and math.isfinite(s)) for b, s in self.timings):

@@ -132,7 +132,7 @@ class BatchTiming(_message.Message):
     def __init__(self, batch_size: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ProfileReport(_message.Message):
-    __slots__ = ("device_id", "timings", "memory_total_bytes", "memory_available_bytes", "peak_rss_bytes", "local_samples", "local_class_counts")
+    __slots__ = ("device_id", "timings", "memory_total_bytes", "memory_available_bytes", "peak_rss_bytes", "local_samples", "local_class_counts", "device", "device_memory_bytes", "copy_s_per_byte")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,9 @@ class ProfileReport(_message.Message):
     PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_CLASS_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COPY_S_PER_BYTE_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     timings: _containers.RepeatedCompositeFieldContainer[BatchTiming]
     memory_total_bytes: int
@@ -147,7 +150,10 @@ class ProfileReport(_message.Message):
     peak_rss_bytes: int
     local_samples: int
     local_class_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, device_id: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[BatchTiming, _Mapping]]] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., local_samples: _Optional[int] = ..., local_class_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    device: str
+    device_memory_bytes: int
+    copy_s_per_byte: float
+    def __init__(self, device_id: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[BatchTiming, _Mapping]]] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., local_samples: _Optional[int] = ..., local_class_counts: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., copy_s_per_byte: _Optional[float] = ...) -> None: ...
 
 class ProfileAck(_message.Message):
     __slots__ = ()

@@ -227,6 +227,7 @@ def _board(record, last_step: dict, classes: tuple[str, ...] = ()) -> dict:
         "left_reason": record.left_reason, "codec": record.codec,
         "share": shares.get(record.device_id),
         "own_data": record.own_data(classes),
+        "device": record.profile.device if record.profile else None,
         "emulated_speed": record.info.get("emulated_speed"),
         "samples_per_s": (stats["samples"] / stats["compute_s"]) if stats.get("compute_s") else None,
         "samples": stats.get("samples", 0), "steps": stats.get("steps", 0),

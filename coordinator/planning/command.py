@@ -90,6 +90,7 @@ def plan_report(fleet_file: str | Path, *, model: str | None = None, objective: 
             "from_cache": costs.from_cache, "measurement_cache": str(cache_path()),
             "ideal_samples_per_s": round(ideal, 2),
             "proportional_dp_samples_per_s": round(dp_pred.samples_per_s, 3),
+            "devices": {b.name: b.device for b in boards},
             "plans": [{**p.to_pipeline_section(), "kind": p.kind, "left_out": dict(p.left_out),
                        "predicted_step_s": round(p.prediction.step_s, 4),
                        "predicted_samples_per_s": round(p.prediction.samples_per_s, 3),
@@ -112,7 +113,7 @@ def plan_report(fleet_file: str | Path, *, model: str | None = None, objective: 
     for i in shown:
         if len(plans) > 1:
             lines.append(f"\n-- Pareto plan {i + 1} of {len(plans)}")
-        lines.append(plans[i].explain())
+        lines.append(plans[i].explain({b.name: b.device for b in boards}))
     best = plans[0].prediction
     lines.append(f"\nfleet ideal {ideal:.1f} samples/s; proportional DP on every board {dp_pred.samples_per_s:.2f} "
                  f"samples/s ({dp_pred.energy_per_sample_j:.3f} J/sample); this plan {best.samples_per_s:.2f} "

@@ -168,7 +168,8 @@ def board_from_record(record: DeviceRecord, model: ModelCost) -> BoardCost:
     if record.speed is None:
         raise ValueError(f"{record.device_id} has no speed estimate yet (not profiled)")
     t = record.latest_telemetry
-    memory = record.profile.memory_available_bytes if record.profile else 0
+    profile = record.profile
+    memory = (profile.device_memory_bytes or profile.memory_available_bytes) if profile else 0
     idle_w = t.idle_w if t and t.idle_w is not None else 0.0
     busy_w = t.busy_w if t and t.busy_w is not None else idle_w
     plugged = t.plugged if t else None
@@ -179,12 +180,15 @@ def board_from_record(record: DeviceRecord, model: ModelCost) -> BoardCost:
     if moved >= MIN_OBSERVED_BYTES and record.stats["comm_s"] > 0:
         # what its transfers really took: a slow board also spends CPU on every byte it moves
         mbit = min(mbit, moved * 8 / record.stats["comm_s"] / 1e6)
+    if profile and profile.copy_s_per_byte:  # a GPU board moves every byte to its device and back too
+        mbit = 8e-6 / (8e-6 / mbit + profile.copy_s_per_byte)
     return BoardCost(
         name=record.name, flops_per_s=record.speed.samples_per_s * train_flops_per_sample(model),
         memory_bytes=float(memory or UNKNOWN_MEMORY_BYTES), mbit_per_s=mbit,
         rtt_s=(t.rtt_ms or 0.0) / 1000 if t else 0.0, idle_w=idle_w, busy_w=max(busy_w, idle_w),
         battery_percent=t.battery_percent if t else None, plugged=plugged,
-        overhead_s=record.speed.overhead_s, own_data=bool(record.profile and record.profile.local_samples))
+        overhead_s=record.speed.overhead_s, own_data=bool(profile and profile.local_samples),
+        device=profile.device if profile else "cpu")
 
 
 def boards_from_fleet(boards: list, model: ModelCost, one_core: SpeedEstimate,

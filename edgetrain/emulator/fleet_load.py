@@ -29,7 +29,7 @@ import psutil
 import yaml
 
 from edgetrain import trust
-from edgetrain.emulator.launch import _wait_for_address, edgetrain_command
+from edgetrain.emulator.launch import edgetrain_command, wait_for_address
 
 SYNTHETIC_NOTE = "light boards: SYNTHETIC profiles and telemetry; real gRPC, mutual TLS and coordinator"
 
@@ -202,7 +202,7 @@ def run_fleet_load(boards: int = 256, processes: int = 8, seconds: float = 20.0,
                 "--runs-dir", str(workdir / "runs"), "--data-dir", str(workdir / "data"), "--no-advertise",
                 "--authority", str(authority.directory)), stdout=out, stderr=subprocess.STDOUT, env=env)
         started.append(coordinator)
-        address = _wait_for_address(port_file, coordinator, timeout_s=120)
+        address = wait_for_address(port_file, coordinator, timeout_s=120)
         began = time.perf_counter()
         fleet = _start_boards(address, identities, [names[i::processes] for i in range(processes)], env, log,
                               idle_calls, board_nice)

@@ -103,7 +103,8 @@ def edgetrain_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "edgetrain", *args]
 
 
-def _wait_for_address(port_file: Path, coordinator: subprocess.Popen, timeout_s: float = 300) -> str:
+def wait_for_address(port_file: Path, coordinator: subprocess.Popen, timeout_s: float = 300) -> str:
+    """The address a coordinator wrote to `port_file` once it serves (RuntimeError if it exited first)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if port_file.exists() and port_file.read_text().strip():
@@ -165,7 +166,7 @@ def run_local(run: LocalRun, *, job_name: str) -> int:
         *trust.gateway_args(), *(("--dashboard", run.dashboard) if run.dashboard else ())))
     clients: list[subprocess.Popen] = []
     try:
-        address = _wait_for_address(port_file, coordinator)
+        address = wait_for_address(port_file, coordinator)
         boards = [(path.stem, ("--emulate", str(path))) for path in run.board_files] or [
             (f"board{i}-{speed:g}", ("--speed", f"{speed:g}")) for i, speed in enumerate(run.speeds)]
         for name, emulation in boards:

@@ -23,6 +23,7 @@ function renderBoards(boards) {
     cell(tr, b.name);
     cell(tr, b.state, "state " + b.state);
     cell(tr, b.role || "–", "role");
+    cell(tr, b.device || "–", "device");
     cell(tr, b.share ?? "–");
     cell(tr, ownData(b.own_data), "data");
     cell(tr, fmt(b.samples_per_s));
