@@ -193,7 +193,6 @@ def test_summary_and_devices_say_estimated() -> None:
     ("training: {start_grace_s: 0.5}", "start_grace_s"),
     ("training: {start_grace_s: .inf}", "start_grace_s"),
     ("device: gpu", "device"),
-    ("device: auto\nplanner: {enabled: true}", "device"),
 ])
 def test_bad_job_keys_are_rejected_naming_the_key(tmp_path: Path, text: str, key: str) -> None:
     path = tmp_path / "job.yaml"
@@ -246,3 +245,10 @@ def test_the_real_boards_preset_is_a_valid_job() -> None:
     job = load_job(Path(__file__).parent.parent / "edgetrain" / "presets" / "real-boards.yaml")
     assert (job.device, job.dataset.name) == ("auto", "cifar10")
     assert job.training.start_grace_s >= 1 and job.training.min_clients > 1
+
+
+def test_a_gpu_device_is_accepted_with_pipelines_and_the_planner(tmp_path: Path) -> None:
+    # stages run on the board's device too (edge_client.stage, scripts/check_cuda.py)
+    path = tmp_path / "job.yaml"
+    path.write_text("model: small_cnn\ndevice: auto\nplanner: {enabled: true}\n")
+    assert load_job(path).device == "auto"
