@@ -43,7 +43,8 @@ figure is a real dataset's. Three parts
                                  [--local-steps 5] [--train-size 5000] [--test-size 1000]
                                  [--seeds 0,1,2,3] [--workdir DIR] [--keep] [--smoke]
 
-`--smoke` makes every part tiny (200 images of 32 px, 1 import, small_cnn for 2 steps with no
+`--smoke` makes every part tiny (boards at 0.5 of a core at least, 200 images of 32 px, 1 import,
+small_cnn for 2 steps with no
 warm-up and 1 pair, 2 federated rounds of 1 local step on 200/40 images, seed 0). The work
 directory is a temporary one, removed at the end unless `--keep` (a `--workdir` is kept). SIGTERM
 ends the benchmark as Ctrl-C does: every coordinator and board it started is stopped.
@@ -88,10 +89,10 @@ PARTITIONS = 4
 DIRICHLET_ALPHA = 0.3
 DEFAULTS = {"images": 10000, "side": 64, "import_repeats": 2, "train_steps": 30, "warmup": 5, "pairs": 2,
             "train_model": "mobilenet_v2", "rounds": 80, "fed_model": "small_cnn", "local_steps": 5,
-            "train_size": 5000, "test_size": 1000, "seeds": (0, 1, 2, 3)}
+            "train_size": 5000, "test_size": 1000, "seeds": (0, 1, 2, 3), "speed_floor": 0.0}
 SMOKE = {"images": 200, "side": 32, "import_repeats": 1, "train_steps": 2, "warmup": 0, "pairs": 1,
          "train_model": "small_cnn", "rounds": 2, "fed_model": "small_cnn", "local_steps": 1,
-         "train_size": 200, "test_size": 40, "seeds": (0,)}
+         "train_size": 200, "test_size": 40, "seeds": (0,), "speed_floor": 0.5}
 
 
 def say(line: str) -> None:
@@ -199,11 +200,17 @@ def write_cifar_dir(directory: Path, splits: dict, classes: tuple[str, ...]) -> 
     (directory / "batches.meta").write_bytes(pickle.dumps(meta, protocol=2))
 
 
+def speeds(args: argparse.Namespace, fleet_speeds) -> tuple[float, ...]:
+    """The boards' speeds (the smoke size raises the slow ones: a board at 0.1 of a core takes
+    tens of seconds to start and profile)."""
+    return tuple(max(speed, args.speed_floor) for speed in fleet_speeds)
+
+
 def train_job(name: str, dataset: str, args: argparse.Namespace) -> dict:
     job = yaml.safe_load(DEMO_JOB.read_text())
     job.update(name=name, model=args.train_model)
     job["dataset"] = {"name": dataset, "augment": job["dataset"].get("augment", True)}  # the whole imported set
-    job["training"].update(steps=args.train_steps, eval_every=0, min_clients=len(DEMO_SPEEDS),
+    job["training"].update(steps=args.train_steps, eval_every=0, min_clients=len(speeds(args, DEMO_SPEEDS)),
                            log_every=max(1, min(10, args.train_steps)))
     return job
 
@@ -252,7 +259,7 @@ def bench_train(args: argparse.Namespace, workdir: Path) -> dict:
     say(f"# train: {manifest.splits['train'].samples} training images imported as {FOLDER_DATASET!r} in "
         f"{imported.seconds:.1f} s and as CIFAR-10 python files ({official}) in {cifar.seconds:.1f} s, with "
         "identical blocks; "
-        f"{args.train_model}, {args.train_steps} steps of 64, boards {'/'.join(f'{s:g}' for s in DEMO_SPEEDS)} of a "
+        f"{args.train_model}, {args.train_steps} steps of 64, boards {'/'.join(f'{s:g}' for s in speeds(args, DEMO_SPEEDS))} of a "
         "core on loopback, SYNTHETIC data")
     datasets = {"folder": FOLDER_DATASET, "cifar": CIFAR10}
     runs, figures = [], {"folder": [], "cifar": []}
@@ -263,7 +270,7 @@ def bench_train(args: argparse.Namespace, workdir: Path) -> dict:
             job_file.write_text(yaml.safe_dump(train_job(name, datasets[arm], args)))
             boards = base / f"boards-{name}"
             started = time.perf_counter()
-            run_dir = launch(LocalRun(job_file=job_file, speeds=DEMO_SPEEDS, runs_dir=base / "runs",
+            run_dir = launch(LocalRun(job_file=job_file, speeds=speeds(args, DEMO_SPEEDS), runs_dir=base / "runs",
                                       data_dir=gateways[arm], board_data_dir=boards), name)
             rate = samples_per_s(run_dir, args.warmup)
             blocks = blocks_fetched(boards, datasets[arm])
@@ -278,7 +285,7 @@ def bench_train(args: argparse.Namespace, workdir: Path) -> dict:
     say(f"train: median folder {statistics.median(figures['folder']):.1f} / cifar "
         f"{statistics.median(figures['cifar']):.1f} samples/s = {ratio:.3f} (target >= 0.95)")
     return {"ratio": ratio, "model": args.train_model, "steps": args.train_steps, "warmup": args.warmup,
-            "global_batch": 64, "speeds": list(DEMO_SPEEDS), "train_images": manifest.splits["train"].samples,
+            "global_batch": 64, "speeds": list(speeds(args, DEMO_SPEEDS)), "train_images": manifest.splits["train"].samples,
             "identical_blocks": identical, "runs": runs,
             "folder_samples_per_s": [round(x, 2) for x in figures["folder"]],
             "cifar_samples_per_s": [round(x, 2) for x in figures["cifar"]], "target_ratio": 0.95}
@@ -359,7 +366,7 @@ def bench_local(args: argparse.Namespace, workdir: Path) -> dict:
             run_base = base / name
             board_files = []
             for p, board in enumerate(fleet):
-                entry = {"name": board["name"], "speed": board["speed"]}
+                entry = {"name": board["name"], "speed": speeds(args, [board["speed"]])[0]}
                 if arm == "local":
                     own = run_base / "own" / board["name"]
                     link_partition(own, members[p], files)
@@ -403,7 +410,7 @@ def bench_local(args: argparse.Namespace, workdir: Path) -> dict:
             "seeds": list(args.seeds), "per_seed": per_seed, "model": args.fed_model, "rounds": args.rounds,
             "local_steps": args.local_steps, "local_batch": 16, "partitions": PARTITIONS,
             "dirichlet_alpha": DIRICHLET_ALPHA, "train_size": args.train_size, "test_size": args.test_size,
-            "side": args.side, "speeds": [b["speed"] for b in fleet],
+            "side": args.side, "speeds": list(speeds(args, [b["speed"] for b in fleet])),
             "target_accuracy_gap_pp": 1.0, "target_samples_per_s_ratio": 0.95}
 
 
@@ -470,7 +477,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes everywhere (a check that it runs)")
     args = parser.parse_args(argv)
     for key, value in (SMOKE if args.smoke else DEFAULTS).items():
-        if getattr(args, key) is None:
+        if getattr(args, key, None) is None:
             setattr(args, key, value)
     if "train" in args.parts and args.warmup >= args.train_steps:
         parser.error(f"--warmup ({args.warmup}) must be below --train-steps ({args.train_steps})")
