@@ -86,6 +86,12 @@ class DeviceRecord:
     """(samples, compute seconds) of its latest measured steps."""
     step_times: deque = field(default_factory=lambda: deque(maxlen=STEP_TIMES_KEPT))
     """(step, samples, compute seconds) of its latest measured data-parallel steps (the split's noise)."""
+    out_of_memory: bool = False
+    """Its device ran out of memory for the stage it was given, and the planner has not yet taken
+    it into account (see memory_cap_bytes)."""
+    memory_cap_bytes: int | None = None
+    """The most memory the planner may count on for it, below what its stage needed when its
+    device ran out (None: what its profile says)."""
     claim_note: str = ""
     """Set when its measured speed was far off its claim: what it claimed and what was measured."""
 
@@ -349,6 +355,19 @@ class DeviceRegistry:
                 record.stats["energy_steps"] += 1
             for key, value in (("samples", samples), ("compute_s", compute_s), ("comm_s", comm_s), ("steps", 1)):
                 record.stats[key] += value
+
+    def note_out_of_memory(self, device_id: str) -> None:
+        """The board's device ran out of memory for its stage: the planner plans with less for it."""
+        with self._lock:
+            self._live(device_id).out_of_memory = True
+            self.changed.notify_all()
+
+    def cap_memory(self, device_id: str, cap_bytes: int) -> None:
+        """The planner counts on at most `cap_bytes` of memory for the board from now on (its
+        out-of-memory report is taken into account)."""
+        with self._lock:
+            record = self._devices[device_id]
+            record.memory_cap_bytes, record.out_of_memory = cap_bytes, False
 
     def drop(self, device_id: str, reason: str) -> None:
         """Consider the device gone (it must register again to get work)."""

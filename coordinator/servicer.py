@@ -245,6 +245,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if not request.reason:
             raise ValueError("a failure report needs a reason")
         kind = serde.failure_kind_from_proto(request.kind)
+        if kind == FailureKind.OUT_OF_MEMORY:
+            self._registry.note_out_of_memory(request.device_id)
         if kind == FailureKind.LOCAL_DATA:  # the board leaves the job: the others go on without it
             self._registry.drop(request.device_id, f"its own data is gone: {request.reason[:500]}")
             self._board.wake()

@@ -204,6 +204,13 @@ def run_stage(model: nn.Module, work: Assignment, dataset, endpoint: StageEndpoi
         return _run_stage(model, work, dataset, endpoint, device_id, job_id, limiter, max_forward_batch)
     except StageFailure:
         raise
+    except torch.cuda.OutOfMemoryError as e:  # the GPU's memory: the board stays, the planner re-plans
+        for p in model.parameters():
+            p.grad = None
+        torch.cuda.empty_cache()
+        st = work.stage
+        raise StageFailure(FailureKind.OUT_OF_MEMORY, f"blocks [{st.first_block}, {st.end_block}) do not fit the "
+                           f"memory of {model_device(model)}: {str(e).splitlines()[0][:300]}") from None
     except Exception as e:  # a peer's tensor that does not fit, or a bug: the board must survive it
         logger.exception("[Client.Stage] step %d failed", work.step)
         raise StageFailure(FailureKind.INTERNAL, f"{type(e).__name__}: {e}") from e

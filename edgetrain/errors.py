@@ -61,3 +61,6 @@ class FailureKind(enum.IntEnum):
     stage, a bug); logged there with its traceback."""
     LOCAL_DATA = 6
     """The board's own training data (--local-data) is gone or unreadable: it leaves the job."""
+    OUT_OF_MEMORY = 7
+    """The stage did not fit the memory of the board's device: the planner plans again with less
+    memory for that board."""

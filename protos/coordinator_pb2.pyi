@@ -17,6 +17,7 @@ class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STAGE_STATE: _ClassVar[FailureKind]
     INTERNAL: _ClassVar[FailureKind]
     LOCAL_DATA: _ClassVar[FailureKind]
+    OUT_OF_MEMORY: _ClassVar[FailureKind]
 FAILURE_KIND_UNSPECIFIED: FailureKind
 NEIGHBOUR_TIMEOUT: FailureKind
 NEIGHBOUR_UNREACHABLE: FailureKind
@@ -24,6 +25,7 @@ SUPERSEDED: FailureKind
 STAGE_STATE: FailureKind
 INTERNAL: FailureKind
 LOCAL_DATA: FailureKind
+OUT_OF_MEMORY: FailureKind
 
 class DeviceInfo(_message.Message):
     __slots__ = ("name", "hostname", "arch", "os", "cpu_count", "memory_total_bytes", "emulated_speed")

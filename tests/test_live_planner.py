@@ -264,3 +264,20 @@ def test_an_overrun_whose_candidate_is_the_plan_in_force_keeps_it_and_is_not_pla
 def test_overrun_must_be_positive():
     with pytest.raises(ValueError, match="overrun"):
         PlannerConfig(enabled=True, overrun=0.0)
+
+
+def test_a_board_whose_device_ran_out_of_memory_is_planned_with_less_and_its_stage_moves():
+    # Prepare: 20 MB boards host a pipeline [0, 3) [3, 4) (the whole model does not fit one)
+    fleet = [replace(b, memory_bytes=2e7, mbit_per_s=20.0) for b in _fleet()[:3]]
+    live = _planner(min_gain=0.9)  # a huge hysteresis does not keep a plan that no longer fits
+    first = live.decide(0, fleet).plan
+    host = next(n for s in first.stages for n in s.boards if first.prediction.memory_bytes[n] > 5e6)
+
+    # Execute: its device ran out of memory: the coordinator counts on 90% of what the stage needed
+    cap = 0.9 * first.prediction.memory_bytes[host]
+    decision = live.decide(4, [replace(b, memory_bytes=cap) if b.name == host else b for b in fleet])
+
+    # Assert: planned again, and the new plan fits every board, that one included
+    assert decision is not None and decision.switched
+    assert any(r.startswith(f"{host} memory") for r in decision.reasons)
+    assert decision.plan.prediction.fits and decision.plan.prediction.memory_bytes.get(host, 0.0) <= cap

@@ -4,6 +4,7 @@ board's claimed speed checked against its measured steps."""
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -196,3 +197,24 @@ def test_rate_noise_is_how_boards_step_times_scatter_against_each_others() -> No
     assert 0.05 < registry.rate_noise(boards) < 0.2  # the +-10% boards; the common factor (0.7-2x) is not noise
     assert registry.rate_noise([unstepped]) == 0.0
     assert registry.rate_noise(list(boards)[:1]) == 0.0  # one board: nothing to compare it with
+
+
+def test_the_planner_counts_a_gpu_boards_own_memory_its_copies_and_a_cap_after_it_ran_out():
+    from coordinator.planning.inputs import board_from_record
+    from edgetrain.plan import BlockCost, ModelCost
+
+    model = ModelCost((BlockCost(name="b0", param_bytes=1e6, activation_bytes=1e4, forward_flops=1e8),))
+    registry = DeviceRegistry()
+    gpu = registry.register("orin", {}, {}).device_id
+    registry.set_profile(gpu, BoardProfile(((4, 0.01), (16, 0.02)), 2**33, 2**32, 2**28, device="cuda:0 X",
+                                           device_memory_bytes=2**30, copy_s_per_byte=1e-9))
+    board = board_from_record(registry.get(gpu), model)
+    # its GPU's own memory, not the board's; every byte also crosses to the device and back (1 ns):
+    # at the assumed link rate that is less than the link alone
+    assert board.memory_bytes == 2**30 and board.device == "cuda:0 X"
+    plain = board_from_record(replace(registry.get(gpu), profile=replace(registry.get(gpu).profile,
+                                                                         copy_s_per_byte=0.0)), model)
+    assert board.mbit_per_s < plain.mbit_per_s
+    registry.note_out_of_memory(gpu)
+    registry.cap_memory(gpu, 2**28)
+    assert board_from_record(registry.get(gpu), model).memory_bytes == 2**28

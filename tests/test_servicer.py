@@ -336,3 +336,22 @@ def test_an_update_with_a_report_nothing_can_use_is_refused_as_the_tickets_answe
     # Assert: refused precisely, and counted as the board's refused answer, not as a board gone missing
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "loss must be finite" in error.details()
     assert outcome.missing == [] and "bad step report" in outcome.rejected[board.device_id]
+
+
+def test_an_out_of_memory_report_asks_the_planner_for_less_memory_on_that_board(coordinator, board):
+    # Prepare
+    coordinator.open({board.device_id: assignment()})
+    work = next_step(board)
+
+    # Execute: the board's device ran out of memory for its part of the step
+    board.stub.ReportFailure(pb.FailureReport(device_id=board.device_id, step=work.step, attempt=work.attempt,
+                                              kind=FailureKind.OUT_OF_MEMORY, reason="blocks [2, 5) do not fit"),
+                             timeout=RPC_TIMEOUT_S)
+    outcome = coordinator.wait(work.step, work.attempt)
+
+    # Assert: the attempt has its answer, and the board stays, marked for the planner
+    assert outcome.rejected == {board.device_id: "failed (out_of_memory): blocks [2, 5) do not fit"}
+    record = coordinator.registry.get(board.device_id)
+    assert record.alive and record.out_of_memory
+    coordinator.registry.cap_memory(board.device_id, 10**7)
+    assert not coordinator.registry.get(board.device_id).out_of_memory

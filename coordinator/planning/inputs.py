@@ -170,6 +170,8 @@ def board_from_record(record: DeviceRecord, model: ModelCost) -> BoardCost:
     t = record.latest_telemetry
     profile = record.profile
     memory = (profile.device_memory_bytes or profile.memory_available_bytes) if profile else 0
+    if record.memory_cap_bytes is not None:  # its device ran out at a placement that needed more
+        memory = min(memory or record.memory_cap_bytes, record.memory_cap_bytes)
     idle_w = t.idle_w if t and t.idle_w is not None else 0.0
     busy_w = t.busy_w if t and t.busy_w is not None else idle_w
     plugged = t.plugged if t else None

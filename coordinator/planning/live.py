@@ -103,7 +103,7 @@ class LivePlanner:
         current_cost = None
         if self.current is not None and self._runnable(self.current, boards):
             now = predict(self.current, list(boards), self.model, self.global_batch, **self.stage_options)
-            current_cost = objective_cost(now, boards, self.cfg.weight)
+            current_cost = objective_cost(now, boards, self.cfg.weight) if now.fits else None
             if measured_step_s and self.current.prediction is not None:
                 # the measurement may keep the plan in force, never condemn it: a cost model that
                 # under-predicts this plan under-predicts the candidates alike
@@ -137,6 +137,8 @@ class LivePlanner:
             change = abs(b.mbit_per_s - a.mbit_per_s) / a.mbit_per_s
             if change > self.cfg.bandwidth_change:
                 out.append(f"{name} link {a.mbit_per_s:.1f} -> {b.mbit_per_s:.1f} Mbit/s")
+            if b.memory_bytes < 0.95 * a.memory_bytes:
+                out.append(f"{name} memory {a.memory_bytes / 1e6:.0f} -> {b.memory_bytes / 1e6:.0f} MB")
             if self._low(a) != self._low(b):
                 out.append(f"{name} battery {b.battery_percent:.0f}% "
                            f"{'plugged' if b.plugged else 'unplugged'}")

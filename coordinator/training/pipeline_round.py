@@ -130,11 +130,26 @@ class LivePlans:
             self._wait_for_links()
 
     def current(self, step: int, fleet: Fleet) -> Plan:
+        for record in fleet.records.values():
+            if record.out_of_memory:
+                self._cap_memory(record)
         boards = [board_from_record(r, self.model_cost) for r in fleet.records.values() if r.ready and not r.quarantined]
         decision = self.planner.decide(step, boards, self._measured_step_s()) if boards else None
         if decision is not None:
             self._record(step, decision)
         return self.planner.current or Plan(dp_share=1.0)  # nobody to plan for yet: DP waits for boards
+
+    def _cap_memory(self, record) -> None:
+        """A board's device ran out of memory for its stage: from now on the planner counts on at
+        most 90% of what the plan in force predicted that stage needs there (half its memory when
+        there is no such prediction), so it plans without that placement."""
+        plan = self.planner.current
+        needed = plan.prediction.memory_bytes.get(record.name) if plan and plan.prediction else None
+        had = board_from_record(record, self.model_cost).memory_bytes
+        record.memory_cap_bytes, record.out_of_memory = int(0.9 * needed if needed else 0.5 * had), False
+        self.ctx.registry.cap_memory(record.device_id, record.memory_cap_bytes)
+        logger.warning("[Coordinator.Planner] %s ran out of device memory for its stage: planning with at most "
+                       "%.0f MB for it (it had %.0f)", record.name, record.memory_cap_bytes / 1e6, had / 1e6)
 
     def work_fraction(self, first_block: int, end_block: int) -> float:
         """Blocks [first_block, end_block)'s share of the model's training work (what the planner
