@@ -332,9 +332,22 @@ class FederatedConfig:
     """fedprox: weight mu of the proximal term (mu / 2) * ||w - w_round||^2."""
     server_lr: float = 1.0
     """The coordinator moves the model by server_lr times the averaged update (1: plain FedAvg)."""
+    server_momentum: float = 0.0
+    """Outer momentum (Nesterov) on the averaged update, as DiLoCo applies it (0: none; DiLoCo
+    uses 0.9 with server_lr 0.7)."""
+    local_time_s: float = 0.0
+    """Each round every board trains for this many seconds at its own measured speed: a fast board
+    takes more local steps than a slow one (at least 1; local_steps is then unused). 0: every board
+    takes local_steps."""
+    normalize: bool = False
+    """FedNova: each board's update is divided by its local steps and the average is scaled by the
+    data-weighted mean of the steps, so boards that took more steps do not pull the model towards
+    their own data (needed when boards take unequal local steps, as with local_time_s)."""
 
     def __post_init__(self) -> None:
         _require(self.local_steps >= 1, "local_steps", self.local_steps, "must be >= 1")
+        _require(0 <= self.server_momentum < 1, "server_momentum", self.server_momentum, "must be in [0, 1)")
+        _require(self.local_time_s >= 0, "local_time_s", self.local_time_s, "must be >= 0 (0: local_steps)")
         _require(self.local_batch >= 1, "local_batch", self.local_batch, "must be >= 1")
         _require(self.partitions >= 0, "partitions", self.partitions, "must be >= 0")
         _require(self.partitioning in ("iid", "dirichlet", "classes"), "partitioning", self.partitioning,

@@ -109,6 +109,20 @@ def screen(contributions: Sequence[Contribution], *, clip_norm: float = 0.0,
     return Screening(kept, rejected, clipped)
 
 
+def normalized_factors(steps: Mapping[str, int], data: Mapping[str, float],
+                       samples: Mapping[str, int]) -> dict[str, float]:
+    """FedNova's weights as `combine` factors (Wang et al. 2020): board i took `steps[i]` local
+    steps over `samples[i]` samples and holds `data[i]` samples of data; its change d_i enters as
+    p_i * tau_eff / tau_i * d_i, with p_i = data_i / sum(data) and tau_eff = sum_i p_i tau_i, instead
+    of samples_i / sum(samples) * d_i. The average then moves towards the minimum of
+    sum_i p_i f_i whatever the steps each board took; plain averaging over-weights the boards
+    that took more."""
+    total_data, total_samples = sum(data.values()), sum(samples.values())
+    p = {d: data[d] / total_data for d in steps}
+    tau_eff = sum(p[d] * steps[d] for d in steps)
+    return {d: p[d] * tau_eff / steps[d] * total_samples / samples[d] for d in steps}
+
+
 def combine(contributions: Sequence[Contribution | Weighted]) -> dict[str, torch.Tensor]:
     """Sample- and staleness-weighted average of every uploaded tensor (see the module docstring)."""
     if not contributions:
@@ -178,8 +192,10 @@ class Aggregator:
         self.boards_keep_momentum = job.compression.boards_keep_momentum and not self.federated and not pipelined
         """Momentum correction: boards accumulate the momentum and send it; the server applies plain
         SGD (pipeline stages send plain gradients, so pipelined jobs keep the momentum here)."""
-        if self.federated:
-            server = OptimizerConfig(lr=job.federated.server_lr, momentum=0.0, weight_decay=0.0, schedule="constant")
+        if self.federated:  # the outer step on the averaged update (with momentum: DiLoCo's outer Nesterov)
+            fed = job.federated
+            server = OptimizerConfig(lr=fed.server_lr, momentum=fed.server_momentum, nesterov=fed.server_momentum > 0,
+                                     weight_decay=0.0, schedule="constant")
         elif self.boards_keep_momentum:
             server = replace(job.optimizer, momentum=0.0, nesterov=False)
         else:
@@ -212,10 +228,12 @@ class Aggregator:
             self._late += late
             self._late_rejected.update(rejected)
 
-    def apply(self, step: int, board: StepBoard, fresh: Sequence[Contribution], refused: Mapping[str, str]) -> Aggregate:
+    def apply(self, step: int, board: StepBoard, fresh: Sequence[Contribution], refused: Mapping[str, str],
+              factors: Mapping[str, float] | None = None) -> Aggregate:
         """Combine this step's updates (and late ones) and take one optimizer step. When none is
         usable, nothing is applied (`used` is empty, the parameters and optimizer state stay as
-        they were) and the step loop redoes the step; refusals still count towards quarantine."""
+        they were) and the step loop redoes the step; refusals still count towards quarantine.
+        `factors` (device -> multiplier of its weight) is the round's own weighting: FedNova's."""
         self.collect_late(board, step)
         late, self._late = self._late, []
         rejected = {**refused, **self._late_rejected}
@@ -231,8 +249,8 @@ class Aggregator:
         screening = screen(usable, clip_norm=self.cfg.clip_norm, outlier_factor=self.cfg.outlier_factor) if usable \
             else Screening([], {}, {})
         rejected.update(screening.rejected)
-        used = [Weighted(c, step - c.param_version, staleness_weight(step - c.param_version, self.cfg.staleness_exponent))
-                for c in screening.kept]
+        used = [Weighted(c, step - c.param_version, staleness_weight(step - c.param_version, self.cfg.staleness_exponent)
+                         * (factors or {}).get(c.device_id, 1.0)) for c in screening.kept]
         if self.federated:
             self.lr = self.step_lr(step)
         else:

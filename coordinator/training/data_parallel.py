@@ -30,11 +30,13 @@ import logging
 import random
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
+from coordinator.training.aggregator import normalized_factors
 from coordinator.training.codec_policy import CodecPolicy, LinkChoice
-from coordinator.training.rounds import Fleet, Round, RoundContext, RoundPolicy
+from coordinator.training.rounds import Collected, Fleet, Round, RoundContext, RoundPolicy
 from coordinator.training.steps import AttemptOutcome
 from edgetrain.config import AggregationConfig, ConfigError
 from edgetrain.data import dataset_labels, load_dataset
@@ -270,6 +272,10 @@ class FederatedRound(DataParallelRound):
     def __init__(self, ctx: RoundContext, deadline: Deadline | None = None) -> None:
         super().__init__(ctx, deadline)
         fed, job = ctx.job.federated, ctx.job
+        self._steps: dict[str, int] = {}
+        """Device -> its local steps in the round being built."""
+        self._data: dict[str, int] = {}
+        """Device -> the samples of data it trains on (its partition, or its own data)."""
         self.partition_count = fed.partitions or job.training.min_clients
         self._partitions: dict[str, int] = {}
         """Board name -> its data partition."""
@@ -326,7 +332,8 @@ class FederatedRound(DataParallelRound):
 
     def _split(self, total: int, speeds: dict[str, SpeedEstimate]) -> dict[str, int]:
         fed = self.ctx.job.federated
-        return dict.fromkeys(speeds, fed.local_steps * fed.local_batch)
+        self._steps = {d: local_steps(fed, s) for d, s in speeds.items()}
+        return {d: steps * fed.local_batch for d, steps in self._steps.items()}
 
     def _assign(self, step: int, attempt: int, indices: list[int], shares: dict[str, int],
                 choices: dict[str, LinkChoice], fleet: Fleet) -> dict[str, Assignment]:
@@ -334,20 +341,33 @@ class FederatedRound(DataParallelRound):
         local = LocalWork(steps=fed.local_steps, batch_size=fed.local_batch, lr=self.ctx.aggregator.step_lr(step),
                           momentum=opt.momentum, weight_decay=opt.weight_decay,
                           prox_mu=fed.prox_mu if job.aggregation.rule == "fedprox" else 0.0)
+        self._data = {}
         out = {}
         for device_id, count in shares.items():
             record = fleet.records[device_id]
             if record.local_samples:
                 mine = self.own_indices(record, count)
+                self._data[device_id] = record.local_samples
             else:
-                mine = tuple(round_indices(self.members[self._partitions[record.name]], step, count))
+                members = self.members[self._partitions[record.name]]
+                mine = tuple(round_indices(members, step, count))
+                self._data[device_id] = len(members)
             out[device_id] = Assignment(step, attempt, step, mine, job.dataset.augment, job.seed,
                                         codec=choices[device_id].codec, delta_codec=choices[device_id].delta_codec,
-                                        local=local)
+                                        local=replace(local, steps=self._steps[device_id]))
         return out
 
+    def collect(self, round_: Round, outcome: AttemptOutcome) -> Collected:
+        collected = super().collect(round_, outcome)
+        if self.ctx.job.federated.normalize and collected.contributions:
+            done = {c.device_id: c for c in collected.contributions}
+            collected.factors = normalized_factors(
+                {d: round_.assignments[d].local.steps for d in done}, {d: self._data[d] for d in done},
+                {d: c.samples for d, c in done.items()})
+        return collected
+
     def _calls(self) -> int:
-        return self.ctx.job.federated.local_steps
+        return max(self._steps.values(), default=self.ctx.job.federated.local_steps)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "partitions": dict(self._partitions)}
@@ -355,6 +375,15 @@ class FederatedRound(DataParallelRound):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self._partitions = dict(state.get("partitions", {}))
+
+
+def local_steps(fed, speed: SpeedEstimate) -> int:
+    """A board's local steps in a round: `local_steps`, or with a time budget (`local_time_s`) as
+    many steps of `local_batch` as its measured speed fits in it, at least one."""
+    if not fed.local_time_s:
+        return fed.local_steps
+    per_step = speed.overhead_s + fed.local_batch / speed.samples_per_s
+    return max(1, int(fed.local_time_s / per_step))
 
 
 def _delta_bytes(state: dict[str, torch.Tensor], downlink: str) -> int:

@@ -77,6 +77,8 @@ class Collected:
     """The updates to aggregate (a pipeline's hosts merged into one)."""
     stages: dict[str, dict] = field(default_factory=dict)
     """Pipeline hosts: stage, compute and wait seconds, peak activation bytes."""
+    factors: dict[str, float] = field(default_factory=dict)
+    """Device -> multiplier of its update's weight (federated rounds normalised by work: FedNova)."""
 
 
 @dataclass(frozen=True)

@@ -248,7 +248,8 @@ class Trainer:
             if self.policy.complete(round_, outcome, time.monotonic() - opened):
                 aggregating = time.monotonic()
                 collected = self.policy.collect(round_, outcome)
-                result = self.aggregator.apply(step, self.board, collected.contributions, outcome.rejected)
+                result = self.aggregator.apply(step, self.board, collected.contributions, outcome.rejected,
+                                               collected.factors)
                 coordinator["aggregate_s"] += time.monotonic() - aggregating
                 quarantined += result.quarantined
                 if result.used:
