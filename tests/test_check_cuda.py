@@ -23,6 +23,10 @@ def test_the_device_board_matches_single_process_sgd_on_the_cpu(tmp_path):
     assert set(result["runs"]) == {"dp", "pipeline"}
     for run in result["runs"].values():
         assert run["passed"] and run["max_abs_difference"] < run["tolerance"] == 2e-5 and run["device_board"] == "cpu"
+    # the data-parallel run's shards also estimate the gradient noise scale, step by step
+    dp = [json.loads(line) for line in (tmp_path / "runs" / "check-dp" / "metrics.jsonl").read_text().splitlines()]
+    noise = [r["noise_scale"] for r in dp if r["kind"] == "train"]
+    assert all(v is None or v >= 0 for v in noise) and any(v for v in noise), noise
     # the pipeline run did run as two stages, the heavier one (blocks 1-3) on the device board
     records = [json.loads(line) for line in (tmp_path / "runs" / "check-pipeline" / "metrics.jsonl").read_text()
                .splitlines()]

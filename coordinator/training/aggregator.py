@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from coordinator.registry import DeviceRegistry
+from coordinator.training.noise_scale import NoiseScale
 from coordinator.training.steps import Contribution, StepBoard
 from edgetrain.config import JobConfig, OptimizerConfig
 from edgetrain.training import (
@@ -175,6 +176,9 @@ class Aggregate:
     """Device -> update norm before clipping."""
     quarantined: list[str]
     """Boards quarantined because of this step's refusals."""
+    noise_scale: float | None = None
+    """The run's gradient noise scale after this step (coordinator.training.noise_scale; None
+    while it cannot be estimated)."""
 
 
 class Aggregator:
@@ -205,6 +209,9 @@ class Aggregator:
         """The learning rate of the last step (a federated round's: the boards' local one)."""
         self._late: list[Contribution] = []
         self._late_rejected: dict[str, str] = {}
+        self.noise = NoiseScale()
+        """The gradient noise scale, from the data-parallel steps whose shard gradients arrive as
+        the boards computed them."""
 
     @property
     def board_momentum(self) -> float:
@@ -256,7 +263,9 @@ class Aggregator:
         else:
             self.lr = set_learning_rate(self.optimizer, step, self.job.training.steps, self.job.optimizer)
         if used:
-            apply_update(self.model, self.optimizer, combine(used))
+            combined = combine(used)
+            self._observe_noise(used, combined)
+            apply_update(self.model, self.optimizer, combined)
         else:
             logger.warning("[Coordinator.Aggregator] step %d: no usable update; nothing applied", step)
         for item in used:
@@ -264,7 +273,17 @@ class Aggregator:
             self.registry.observe_step(c.device_id, c.samples, c.compute_s, c.comm_s, c.energy_j,
                                        turnaround_s=c.turnaround_s, step=c.step)
         misbehaved = {d: r for d, r in rejected.items() if r is not stale.get(d)}  # slowness is not misbehaviour
-        return Aggregate(used, rejected, screening.clipped, self._quarantine(step, misbehaved))
+        return Aggregate(used, rejected, screening.clipped, self._quarantine(step, misbehaved), self.noise.value)
+
+    def _observe_noise(self, used: Sequence[Weighted], combined: Mapping[str, torch.Tensor]) -> None:
+        """Feed the noise-scale estimate with a step of fresh, uncompressed shard gradients."""
+        if self.federated or self.boards_keep_momentum or len(used) < 2 or any(
+                w.staleness or w.contribution.stage is not None or w.contribution.codec != "none" for w in used):
+            return
+        total_sq = sum(float(torch.linalg.vector_norm(t.float())) ** 2 for n, t in combined.items()
+                       if n.startswith(GRAD_PREFIX))
+        self.noise.observe([(w.contribution.samples, update_norm(w.contribution) ** 2) for w in used],
+                           (sum(w.contribution.samples for w in used), total_sq))
 
     def _quarantine(self, step: int, rejected: Mapping[str, str]) -> list[str]:
         quarantined = []

@@ -155,6 +155,7 @@ class MetricsLog:
             "attempt_log": record.attempt_log,
             "coordinator": {k: round(v, 4) for k, v in record.coordinator.items()},
             "predicted_step_s": None if record.predicted_s is None else round(record.predicted_s, 4),
+            "noise_scale": None if record.noise_scale is None else round(record.noise_scale, 2),
             **({"stages": record.stages} if record.stages else {}),
             **({"failures": record.failures} if record.failures else {})}
         self.write(entry)

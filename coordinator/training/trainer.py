@@ -85,6 +85,8 @@ class StepRecord:
     coordinator: dict[str, float] = field(default_factory=dict)
     """The coordinator's own part of the step, seconds: publishing the parameters, configuring
     the attempts, and aggregating + applying the update (the boards wait through all three)."""
+    noise_scale: float | None = None
+    """The run's gradient noise scale after this step (None: not estimated yet)."""
 
     @property
     def lost(self) -> list[str]:
@@ -271,6 +273,7 @@ class Trainer:
         return StepRecord(step, attempt + 1, time.monotonic() - started, outcome,
                           shares={d: len(a.indices) for d, a in round_.assignments.items()},
                           used=result.used, rejected={**refused, **result.rejected}, clipped=result.clipped,
+                          noise_scale=result.noise_scale,
                           codecs={d: a.codec for d, a in round_.assignments.items()},
                           quarantined=quarantined, stages=collected.stages, failures=failures,
                           attempt_log=attempt_log, coordinator=coordinator, predicted_s=predicted)
