@@ -281,3 +281,18 @@ def test_a_board_whose_device_ran_out_of_memory_is_planned_with_less_and_its_sta
     assert decision is not None and decision.switched
     assert any(r.startswith(f"{host} memory") for r in decision.reasons)
     assert decision.plan.prediction.fits and decision.plan.prediction.memory_bytes.get(host, 0.0) <= cap
+
+
+def test_a_fleet_file_without_power_figures_is_priced_with_the_power_its_boards_report():
+    from coordinator.planning.inputs import boards_from_fleet
+    from edgetrain.emulator.fleet_config import load_fleet
+    from edgetrain.power import default_power
+    from edgetrain.split import SpeedEstimate
+
+    fleet = load_fleet("experiments/fleets/compute.yaml")  # no idle_w / busy_w on any board
+    boards = boards_from_fleet(list(fleet.boards), MODEL, SpeedEstimate(0.001, 400.0))
+    for spec, board in zip(fleet.boards, boards):
+        model = default_power(spec.speed)
+        assert (board.idle_w, board.busy_w) == (model.idle_w, model.busy_w) and board.busy_w > board.idle_w > 0
+    plan = _planner().decide(0, boards).plan
+    assert plan.prediction.energy_per_sample_j > 0

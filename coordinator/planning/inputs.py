@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 from coordinator.planning import cache
 from coordinator.registry import DeviceRecord
 from edgetrain.plan import BlockCost, BoardCost, ModelCost
+from edgetrain.power import board_power
 from edgetrain.split import SpeedEstimate
 
 UNKNOWN_LINK_MBIT = 10.0
@@ -205,8 +206,8 @@ def boards_from_fleet(boards: list, model: ModelCost, one_core: SpeedEstimate,
     out = []
     for b in boards:
         battery = b.battery
-        idle = b.idle_w if b.idle_w is not None else (battery.idle_w if battery else 0.0)
-        busy = b.busy_w if b.busy_w is not None else (battery.busy_w if battery else idle)
+        power = board_power(b)  # what the emulated board reports its energy with: a default by speed
+        idle, busy = power.idle_w, power.busy_w
         out.append(BoardCost(
             name=b.name, flops_per_s=b.speed * flops,
             memory_bytes=float((memory_bytes or {}).get(b.name) or (b.memory_mb * 2**20 if b.memory_mb else
