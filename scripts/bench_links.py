@@ -38,6 +38,7 @@ def board_side(address: str) -> None:
     from edgetrain.models import build_model
     from edgetrain.tensors import pack
     from edgetrain.training import shard_tensor_names
+    from edgetrain.updates import UpdateFormats
     from edgetrain.work import BoardProfile, StepReport
 
     conn = CoordinatorConnection(address)
@@ -48,7 +49,10 @@ def board_side(address: str) -> None:
     _, params = conn.download_parameters(device, work.param_version)
     download_s = time.perf_counter() - started
     model = build_model(MODEL)
-    metas, payload = pack({name: torch.zeros_like(t) for name, t in shard_tensor_names(model)})
+    # the update in the layout the coordinator expects of this step's codec (gradients last layer first)
+    wire, _ = UpdateFormats(shard_tensor_names(model))(work.codec).encode(
+        {name: torch.zeros_like(t) for name, t in shard_tensor_names(model)}, None)
+    metas, payload = pack(wire)
     report = StepReport(samples=len(work.indices), loss=0.0, correct=0, compute_s=0.0)
     started = time.perf_counter()
     conn.upload(device, work, metas, payload, report, job.chunk_bytes)
