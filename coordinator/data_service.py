@@ -27,16 +27,13 @@ import grpc
 
 from edgetrain import transport, trust
 from edgetrain.catalog import IMPORTED_NAME, SYNTHETIC_DATASET_NAMES
-from edgetrain.dataset_import import CIFAR10, CIFAR10_DIR, import_command, read_split
+from edgetrain.dataset_import import CIFAR10, dataset_dir, import_command, read_imported_split
 from edgetrain.datastore import (
     IMAGE_SHAPE,
     MANIFEST_FILE,
     DatasetImportError,
     Manifest,
     read_manifest,
-    read_store_split,
-    store_dir,
-    verify_blocks,
 )
 from edgetrain.errors import Refusal
 from protos import data_pb2 as dpb
@@ -67,7 +64,7 @@ class ImportedDataset:
     def __init__(self, data_dir: str | Path, name: str = CIFAR10) -> None:
         self.data_dir = Path(data_dir)
         self.name = name
-        self.directory = self.data_dir / CIFAR10_DIR if name == CIFAR10 else store_dir(data_dir, name)
+        self.directory = dataset_dir(data_dir, name)
         self._lock = threading.Lock()
         self._loading = threading.Lock()  # one split load at a time: boards starting together wait for it
         self._stamp: int | None = None
@@ -122,14 +119,7 @@ class ImportedDataset:
             if manifest is self._manifest and split in self._splits:
                 return self._splits[split]
         try:
-            if self.name == CIFAR10:
-                images, labels = read_split(self.directory, split)
-                if len(labels) != manifest.splits[split].samples:
-                    raise self._missing(f"holds {len(labels)} {split} samples where its manifest says "
-                                        f"{manifest.splits[split].samples}")
-                verify_blocks(manifest, split, images, labels, where=self.directory)
-            else:
-                images, labels = read_store_split(self.directory, manifest, split)
+            images, labels = read_imported_split(self.directory, manifest, split)
         except DatasetImportError as e:
             raise self._missing(f"cannot serve its imported {self.name} ({e})") from None
         logger.info("[Datasets] loaded the %s %s split from %s (%d samples, %d blocks checked)", self.name, split,
@@ -160,7 +150,7 @@ class DatasetsServicer(dpb_grpc.DatasetsServicer):
 
     def _dataset(self, context, rpc: str, name: str) -> ImportedDataset:
         if name not in self.expected and not (IMPORTED_NAME.fullmatch(name) and
-                                              (store_dir(self.data_dir, name) / MANIFEST_FILE).is_file()):
+                                              (dataset_dir(self.data_dir, name) / MANIFEST_FILE).is_file()):
             _refuse(context, rpc, grpc.StatusCode.NOT_FOUND,
                     f"this gateway serves no dataset {name!r} (it serves {', '.join(sorted(self.expected))} "
                     "and what `edgetrain data list` shows)")

@@ -151,12 +151,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         speed = self._registry.set_profile(request.device_id, profile)
         logger.info("[Coordinator.ReportProfile] %s: %.1f samples/s + %.3f s/step", request.device_id,
                     speed.samples_per_s, speed.overhead_s)
-        if profile.local_samples:
-            counts = profile.local_class_counts
-            logger.info("[Coordinator.ReportProfile] %s trains on its own %d samples%s", request.device_id,
-                        profile.local_samples, " (" + ", ".join(f"{c} {n}" for c, n in zip(
-                            self._board_job.class_names, counts) if n) + ")" if counts else
-                        " (class counts not shared)")
+        own = self._registry.get(request.device_id).own_data(self._board_job.class_names)
+        if own:
+            logger.info("[Coordinator.ReportProfile] %s trains on its own %d samples (class counts: %s)",
+                        request.device_id, own["samples"], own["class_counts"] or "not shared")
         return pb.ProfileAck()
 
     def _own_data(self, profile: BoardProfile, context) -> BoardProfile:

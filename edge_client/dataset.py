@@ -35,7 +35,7 @@ from edge_client.credentials import trusted_calls
 from edgetrain import transport
 from edgetrain.catalog import DatasetSpec, dataset_is_synthetic
 from edgetrain.data import load_dataset, normalize
-from edgetrain.dataset_import import CIFAR10, CIFAR10_DIR, REQUIRED_FILES
+from edgetrain.dataset_import import CIFAR10, REQUIRED_FILES, dataset_dir
 from edgetrain.datastore import (
     CIFAR10_CLASSES,
     IMAGE_BYTES,
@@ -44,7 +44,6 @@ from edgetrain.datastore import (
     Manifest,
     SplitManifest,
     read_manifest,
-    store_dir,
 )
 from edgetrain.streaming import TransferError
 from protos import data_pb2 as dpb
@@ -75,9 +74,9 @@ def cache_dir(data_dir: str | Path, dataset: str) -> Path:
 def has_local_copy(data_dir: str | Path, dataset: str = CIFAR10) -> bool:
     """Whether `data_dir` holds its own copy of `dataset` (the board then loads it itself): the
     CIFAR-10 batch files, or the store of an imported dataset."""
+    directory = dataset_dir(data_dir, dataset)
     if dataset != CIFAR10:
-        return (store_dir(data_dir, dataset) / MANIFEST_FILE).is_file()
-    directory = Path(data_dir) / CIFAR10_DIR
+        return (directory / MANIFEST_FILE).is_file()
     return all((directory / name).is_file() for name in REQUIRED_FILES)
 
 
@@ -90,8 +89,10 @@ def board_dataset(spec: DatasetSpec, *, train: bool, data_dir: str, download: bo
             spec.name == CIFAR10 and has_local_copy(data_dir)):
         return load_dataset(replace(spec, data_dir=data_dir, download=download), train=train)
     fetcher = BlockFetcher(connection)
+    manifest = None
     if has_local_copy(data_dir, spec.name):  # a copy of an imported dataset: used when it is the gateway's
-        if read_manifest(store_dir(data_dir, spec.name)).splits == fetcher.describe(spec.name).splits:
+        manifest = fetcher.describe(spec.name)
+        if read_manifest(dataset_dir(data_dir, spec.name)).splits == manifest.splits:
             fetcher.close()
             return load_dataset(replace(spec, data_dir=data_dir), train=train)
         logger.warning("[Client.Data] the copy of %s under %s is not the coordinator's: fetching its blocks instead",
@@ -99,7 +100,7 @@ def board_dataset(spec: DatasetSpec, *, train: bool, data_dir: str, download: bo
     cache = cache_dir(data_dir, spec.name)
     logger.info("[Client.Data] no %s under %s: fetching the samples this board trains on from the "
                 "coordinator at %s (cached under %s)", spec.name, data_dir, connection().address, cache)
-    return RemoteDataset(fetcher, BlockCache(cache), train=train, spec=spec)
+    return RemoteDataset(fetcher, BlockCache(cache), train=train, spec=spec, manifest=manifest)
 
 
 class BlockFetcher:
@@ -244,13 +245,13 @@ class RemoteDataset(Dataset):
     as the local loader's; `classes` names the labels."""
 
     def __init__(self, fetcher: BlockFetcher, cache: BlockCache, *, train: bool, size: int | None = None,
-                 spec: DatasetSpec | None = None) -> None:
+                 spec: DatasetSpec | None = None, manifest: Manifest | None = None) -> None:
         self.fetcher = fetcher
         self.cache = cache
         self.split = "train" if train else "test"
         name = spec.name if spec is not None else CIFAR10
         what = "CIFAR-10" if name == CIFAR10 else repr(name)
-        self.manifest = fetcher.describe(name)
+        self.manifest = manifest or fetcher.describe(name)
         self.classes = self.manifest.classes
         if self.split not in self.manifest.splits:
             raise DatasetFetchError(f"the coordinator's {what} has no {self.split} split")

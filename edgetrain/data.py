@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,15 +20,8 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from edgetrain.catalog import DatasetSpec, dataset_is_synthetic
-from edgetrain.dataset_import import CIFAR10, CIFAR10_DIR, import_command, read_split
-from edgetrain.datastore import (
-    CIFAR10_CLASSES,
-    DatasetImportError,
-    read_manifest,
-    read_store_split,
-    store_dir,
-    verify_blocks,
-)
+from edgetrain.dataset_import import CIFAR10, dataset_dir, import_command, read_imported_split
+from edgetrain.datastore import CIFAR10_CLASSES, DatasetImportError, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -368,8 +360,7 @@ def dataset_classes(spec: DatasetSpec) -> tuple[str, ...]:
     """The class names of the dataset ``spec`` names, in label order, without loading its images."""
     if dataset_is_synthetic(spec):
         return SYNTHETIC_CLASSES
-    directory = Path(spec.data_dir) / (spec.name if spec.imported else CIFAR10_DIR)
-    manifest = read_manifest(directory)
+    manifest = read_manifest(dataset_dir(spec.data_dir, spec.name))
     if manifest is None:
         if spec.imported:
             raise FileNotFoundError(_not_imported(spec))
@@ -404,13 +395,13 @@ def _cut(images, labels, spec: DatasetSpec, *, train: bool, what: str) -> tuple[
 
 def _load_stored(spec: DatasetSpec, *, train: bool) -> InMemoryImages:
     """A dataset imported under its own name, read from its store and checked block by block."""
-    directory = store_dir(spec.data_dir, spec.name)
+    directory = dataset_dir(spec.data_dir, spec.name)
+    split = "train" if train else "test"
     try:
         manifest = read_manifest(directory)
         if manifest is None:
             raise FileNotFoundError(_not_imported(spec))
-        split = "train" if train else "test"
-        images, labels = read_store_split(directory, manifest, split)
+        images, labels = read_imported_split(directory, manifest, split)
     except DatasetImportError as e:
         raise FileNotFoundError(str(e)) from None
     pixels, targets = _cut(images, labels, spec, train=train, what=repr(spec.name))
@@ -423,7 +414,7 @@ def _load_cifar10(spec: DatasetSpec, *, train: bool) -> InMemoryImages:
     """CIFAR-10 from ``spec.data_dir``: read with EdgeTrain's reader and checked against the
     manifest its import wrote; without one (a copy placed by torchvision, or ``spec.download``),
     torchvision's loader, which checks the official release's md5 sums."""
-    directory = Path(spec.data_dir) / CIFAR10_DIR
+    directory = dataset_dir(spec.data_dir, CIFAR10)
     try:
         manifest = read_manifest(directory)
     except DatasetImportError as e:
@@ -431,8 +422,7 @@ def _load_cifar10(spec: DatasetSpec, *, train: bool) -> InMemoryImages:
     split = "train" if train else "test"
     if manifest is not None:
         try:
-            images, labels = read_split(directory, split)
-            verify_blocks(manifest, split, images, labels, where=directory)
+            images, labels = read_imported_split(directory, manifest, split)
         except DatasetImportError as e:
             raise FileNotFoundError(f"{e}; run `{import_command(CIFAR10, spec.data_dir)}` again") from None
         classes = manifest.classes

@@ -51,8 +51,10 @@ from edgetrain.datastore import (
     check_dataset_name,
     make_data_dir,
     read_manifest,
+    read_store_split,
     store_dir,
     stored_datasets,
+    verify_blocks,
     write_manifest,
     write_store,
 )
@@ -185,6 +187,25 @@ def read_split(directory: Path, split: str, num_classes: int = NUM_CLASSES, file
 
     parts = [read_batch(directory / name, num_classes) for name in (files or SPLIT_FILES[split])]
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def dataset_dir(data_dir: str | Path, name: str) -> Path:
+    """Where the dataset `name` is imported under `data_dir`: CIFAR-10's own directory, or a store."""
+    return Path(data_dir) / CIFAR10_DIR if name == CIFAR10 else store_dir(data_dir, name)
+
+
+def read_imported_split(directory: Path, manifest: Manifest, split: str):
+    """The (uint8 (N, 3072) images, uint8 (N,) labels) of `split` of the dataset imported in
+    `directory` (CIFAR-10's batch files or a store), every block checked against `manifest`
+    (DatasetImportError when one changed since the import)."""
+    if manifest.dataset != CIFAR10:
+        return read_store_split(directory, manifest, split)
+    images, labels = read_split(directory, split)
+    if len(labels) != manifest.splits[split].samples:
+        raise DatasetImportError(f"{directory}: holds {len(labels)} {split} samples where its manifest says "
+                                 f"{manifest.splits[split].samples}; import it again")
+    verify_blocks(manifest, split, images, labels, where=directory)
+    return images, labels
 
 
 def load_manifest(data_dir: str | Path) -> Manifest | None:

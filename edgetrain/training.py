@@ -110,7 +110,7 @@ class DeviceCopies:
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` on the training device."""
-        if tensor.device == self.device or self.device.type == "cpu" and tensor.device.type == "cpu":
+        if tensor.device.type == self.device.type:  # a board trains on one device of a kind
             return tensor
         if self.discrete and tensor.device.type == "cpu":
             return tensor.pin_memory().to(self.device, non_blocking=True)

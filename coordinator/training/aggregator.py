@@ -56,13 +56,14 @@ def staleness_weight(tau: int, exponent: float) -> float:
     return (1.0 + tau) ** -exponent
 
 
+def gradient_sq(tensors: Mapping[str, torch.Tensor]) -> float:
+    """Squared L2 norm of the gradients among `tensors` (buffers excluded)."""
+    return sum(float(torch.linalg.vector_norm(t.float())) ** 2 for n, t in tensors.items() if n.startswith(GRAD_PREFIX))
+
+
 def update_norm(contribution: Contribution) -> float:
     """L2 norm of a contribution's gradients (buffers excluded)."""
-    total = 0.0
-    for name, tensor in contribution.tensors.items():
-        if name.startswith(GRAD_PREFIX):
-            total += float(torch.linalg.vector_norm(tensor.float())) ** 2
-    return math.sqrt(total)
+    return math.sqrt(gradient_sq(contribution.tensors))
 
 
 @dataclass(frozen=True)
@@ -280,10 +281,8 @@ class Aggregator:
         if self.federated or self.boards_keep_momentum or len(used) < 2 or any(
                 w.staleness or w.contribution.stage is not None or w.contribution.codec != "none" for w in used):
             return
-        total_sq = sum(float(torch.linalg.vector_norm(t.float())) ** 2 for n, t in combined.items()
-                       if n.startswith(GRAD_PREFIX))
-        self.noise.observe([(w.contribution.samples, update_norm(w.contribution) ** 2) for w in used],
-                           (sum(w.contribution.samples for w in used), total_sq))
+        self.noise.observe([(w.contribution.samples, gradient_sq(w.contribution.tensors)) for w in used],
+                           (sum(w.contribution.samples for w in used), gradient_sq(combined)))
 
     def _quarantine(self, step: int, rejected: Mapping[str, str]) -> list[str]:
         quarantined = []
