@@ -468,6 +468,14 @@ class PlannerConfig:
     fraction over its prediction."""
     link_wait_s: float = 15.0
     """Before the first plan, wait up to this long for every board's first link measurement."""
+    trial_steps: int = 3
+    """Measure, then commit: a new plan on a changed fleet and structurally different alternatives
+    each train this many steps (plus a hand-over step), and the best measured goodput stays in
+    force (coordinator.planning.trials); 0: the planner's prediction decides alone."""
+    local_updates: bool = True
+    """Boards a plan leaves out for no gain train beside its steps (not waited for) and send local
+    updates, applied under the staleness rule within aggregation.staleness_bound steps
+    (coordinator.planning.local_members); false: they stay out."""
     channel_groups: bool = True
     """A group of boards may host a stage as a channel group (each member a share of every split
     layer's output channels, edgetrain.channels) where the cost model finds that cheaper than
@@ -482,6 +490,8 @@ class PlannerConfig:
         _require(0 <= self.battery_floor <= 100, "battery_floor", self.battery_floor, "must be in [0, 100]")
         _require(self.overrun > 0, "overrun", self.overrun, "must be > 0")
         _require(self.link_wait_s >= 0, "link_wait_s", self.link_wait_s, "must be >= 0")
+        _require(isinstance(self.trial_steps, int) and self.trial_steps >= 0, "trial_steps", self.trial_steps,
+                 "must be an integer >= 0")
 
     @property
     def weight(self) -> str | float:

@@ -185,7 +185,13 @@ class Prediction:
     memory_bytes: dict[str, float]
     fits: bool
     """Whether every board's memory holds its part."""
+    local_samples_per_s: dict[str, float] = field(default_factory=dict)
+    """Boards training beside the step (``Plan.local_boards``): samples per second their local
+    updates add, each weighted by the staleness factor it is predicted to be applied with."""
 
+
+NO_GAIN = "no gain"
+"""Why a plan leaves a board out of its steps when nothing else keeps it out."""
 
 SPLITS: tuple[str, ...] = ("rows", "channels")
 """How a stage's group divides its work: each host a share of every micro-batch's samples
@@ -230,6 +236,10 @@ class Plan:
     """Fraction of the global batch the DP shards take, water-filled among them."""
     left_out: tuple[tuple[str, str], ...] = ()
     """(board, why) for fleet boards that get no work."""
+    local_boards: tuple[str, ...] = ()
+    """Boards that train beside the steps instead of in them: each takes the parameters, trains
+    for a time budget at its own speed and sends its change, which is applied under the staleness
+    rule when it arrives (coordinator.planning.local_members). No step waits for them."""
     prediction: Prediction | None = field(default=None, compare=False)
     """Filled by the planner."""
 
@@ -241,6 +251,9 @@ class Plan:
             _check(bool(self.dp_boards) == (self.dp_share > 0), "dp_share > 0 exactly with dp_boards")
         else:
             _check(self.dp_share == 1, f"pure DP (no stages) needs dp_share 1, got {self.dp_share}")
+        working = {b for s in self.stages for b in s.boards} | set(self.dp_boards)
+        _check(not working & set(self.local_boards),
+               f"a board trains either in the steps or beside them, got {sorted(working & set(self.local_boards))}")
 
     @property
     def kind(self) -> str:
@@ -258,11 +271,14 @@ class Plan:
     def describe(self) -> str:
         """One line: stages (blocks and boards), micro-batches, schedule, DP shards."""
         if not self.stages:
-            return "data parallelism over " + ("+".join(self.dp_boards) or "every available board")
+            return "data parallelism over " + ("+".join(self.dp_boards) or "every available board") + self._beside()
         stages = "; ".join(f"blocks {s.begin}-{s.end - 1} on {'+'.join(s.boards)}"
                            + (" (channels)" if s.channels else "") for s in self.stages)
         shards = f"; DP shards {'+'.join(self.dp_boards)} ({self.dp_share:.0%})" if self.dp_boards else ""
-        return f"{stages}; {self.microbatches} micro-batches, {self.schedule}{shards}"
+        return f"{stages}; {self.microbatches} micro-batches, {self.schedule}{shards}{self._beside()}"
+
+    def _beside(self) -> str:
+        return f"; local updates from {'+'.join(self.local_boards)}" if self.local_boards else ""
 
     def explain(self, devices: Mapping[str, str] | None = None) -> str:
         """A table: board -> role, blocks, batch share, predicted time, memory (and its device, when
@@ -283,6 +299,8 @@ class Plan:
                       f"{p.time_s[b]:.3f}", f"{p.memory_bytes[b] / 1e6:.1f}") for b in stage.boards]
         rows += [(b, "dp", "all", f"{p.share[b]:.1%}", f"{p.time_s[b]:.3f}", f"{p.memory_bytes[b] / 1e6:.1f}")
                  for b in (tuple(p.share) if every else self.dp_boards)]
+        rows += [(b, "local", "all", f"+{p.local_samples_per_s.get(b, 0.0):.1f}/s", "-",
+                  f"{p.memory_bytes.get(b, 0.0) / 1e6:.1f}") for b in self.local_boards]
         rows += [(b, "left out", "-", "-", "-", why) for b, why in self.left_out]
         if devices:
             rows = [rows[0] + ("device",)] + [r + (devices.get(r[0], "?"),) for r in rows[1:]]
@@ -290,6 +308,9 @@ class Plan:
         lines = [f"plan: {head}"] + ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         lines.append(f"predicted: step {p.step_s:.3f} s, {p.samples_per_s:.1f} samples/s, "
                      f"{p.energy_per_sample_j:.3f} J/sample")
+        if p.local_samples_per_s:
+            lines[-1] += (f"; local updates add {sum(p.local_samples_per_s.values()):.1f} samples/s "
+                          "(weighted by their staleness)")
         return "\n".join(lines)
 
 

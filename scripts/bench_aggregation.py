@@ -24,9 +24,7 @@ import json
 import tempfile
 from pathlib import Path
 
-import yaml
-
-from edgetrain.emulator.launch import DEMO_JOB, run_on_emulated_boards
+from edgetrain.emulator.launch import plain_demo_job, run_on_emulated_boards
 
 BOARDS = ((0.5, 100), (0.3, 50), (0.2, 20), (0.1, 10))
 """(fraction of a core, link Mbit/s) of each emulated board."""
@@ -42,7 +40,7 @@ MODES = {
 def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     """Train with one link mode; throughput, bytes per sample and accuracy from the run's outputs."""
     name = f"bench-agg-{mode}"
-    job = yaml.safe_load(DEMO_JOB.read_text())
+    job = plain_demo_job()
     job.update(name=name, model=args.model)
     job["dataset"].update(train_size=20000, test_size=1000)
     job["training"].update(steps=args.steps, min_clients=len(BOARDS), eval_every=0, global_batch=args.batch,

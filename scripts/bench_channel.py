@@ -60,7 +60,7 @@ from pathlib import Path
 import yaml
 
 from edgetrain.catalog import SYNTHETIC_HARD_TEST_SIZE, SYNTHETIC_HARD_TRAIN_SIZE
-from edgetrain.emulator.launch import DEMO_JOB, run_on_emulated_boards
+from edgetrain.emulator.launch import plain_demo_job, run_on_emulated_boards
 
 SPEEDS = (0.5, 0.3, 0.2, 0.1)
 """Fractions of a core of the emulated boards (and the workers' shares of each batch)."""
@@ -69,7 +69,7 @@ BATCH = 64
 
 
 def _job(name: str, codec: str, steps: int, seed: int) -> dict:
-    job = yaml.safe_load(DEMO_JOB.read_text())
+    job = plain_demo_job()
     job.update(name=f"bench-codec-{name}", model="mobilenet_v2", seed=seed)
     job["dataset"] = {"name": "synthetic-hard", "train_size": SYNTHETIC_HARD_TRAIN_SIZE,
                       "test_size": SYNTHETIC_HARD_TEST_SIZE, "augment": True}

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import yaml
 
-from edgetrain.emulator.launch import DEMO_JOB, EmulatedTrust, edgetrain_command
+from edgetrain.emulator.launch import EmulatedTrust, edgetrain_command, plain_demo_job
 from edgetrain.emulator.netns import VirtualLan, netns_available
 
 SPEEDS = (0.5, 0.3, 0.2, 0.1)
@@ -157,7 +157,7 @@ class Fleet:
 
 
 def _job_file(workdir: Path, steps: int, seed: int) -> tuple[Path, str]:
-    job = yaml.safe_load(DEMO_JOB.read_text())
+    job = plain_demo_job()
     job["name"] = "chaos"
     job["seed"] = seed
     job["training"].update(steps=steps, eval_every=0, log_every=10)

@@ -74,7 +74,7 @@ from pathlib import Path
 
 import yaml
 
-from edgetrain.emulator.launch import DEMO_JOB, DEMO_SPEEDS, LocalRun, run_local
+from edgetrain.emulator.launch import DEMO_SPEEDS, LocalRun, plain_demo_job, run_local
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -207,7 +207,7 @@ def speeds(args: argparse.Namespace, fleet_speeds) -> tuple[float, ...]:
 
 
 def train_job(name: str, dataset: str, args: argparse.Namespace) -> dict:
-    job = yaml.safe_load(DEMO_JOB.read_text())
+    job = plain_demo_job()
     job.update(name=name, model=args.train_model)
     job["dataset"] = {"name": dataset, "augment": job["dataset"].get("augment", True)}  # the whole imported set
     job["training"].update(steps=args.train_steps, eval_every=0, min_clients=len(speeds(args, DEMO_SPEEDS)),
@@ -324,7 +324,7 @@ def link_partition(root: Path, members: list[int], files: dict[int, Path]) -> No
 
 
 def fed_job(name: str, seed: int, args: argparse.Namespace) -> dict:
-    job = yaml.safe_load(DEMO_JOB.read_text())
+    job = plain_demo_job()
     job.update(name=name, model=args.fed_model, seed=seed)
     job["dataset"] = {"name": FED_DATASET, "train_size": args.train_size, "test_size": args.test_size,
                       "augment": True}

@@ -27,9 +27,7 @@ import json
 import tempfile
 from pathlib import Path
 
-import yaml
-
-from edgetrain.emulator.launch import DEMO_JOB, run_on_emulated_boards
+from edgetrain.emulator.launch import plain_demo_job, run_on_emulated_boards
 from edgetrain.pipeline import bubble_fraction
 
 BOARDS = ((0.5, 100), (0.3, 50), (0.2, 50), (0.1, 20))
@@ -42,7 +40,7 @@ MODES = ("equal", "proportional", "pipeline")
 
 def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     name = f"bench-pipe-{mode}"
-    job = yaml.safe_load(DEMO_JOB.read_text())
+    job = plain_demo_job()
     job.update(name=name, model="resnet18")
     job["dataset"].update(train_size=4096, test_size=256, augment=False)
     job["training"].update(steps=args.steps, min_clients=len(BOARDS), eval_every=0, global_batch=args.batch,

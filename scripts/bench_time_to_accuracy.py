@@ -6,12 +6,16 @@ Two emulated fleets of four boards at 0.5, 0.3, 0.2 and 0.1 of a core:
 On each, MobileNetV2 trains on the harder SYNTHETIC tier (`synthetic-hard`, calibrated so a
 centralized run needs several epochs to pass its target: docs/calibration.md) with a global
 batch of 64, to the calibrated target accuracy (`edgetrain.catalog.SYNTHETIC_HARD_TARGET`, the
-same for every arm) with a time cap, in four arms run by `edgetrain experiment run`:
+same for every arm) with a time cap, in arms run by `edgetrain experiment run`:
 - `ddp`: PyTorch DistributedDataParallel over gloo, the framework's equal split (no
   authentication: loopback or this run's network namespaces only);
-- `proportional`: EdgeTrain, synchronous data parallelism, shares from measured speed;
-- `hybrid`: EdgeTrain's planner (pipeline stages and data-parallel groups, re-planned live);
-- `federated`: EdgeTrain federated averaging (local steps on each board).
+- `single`: the fastest board alone, no coordinator (the runner's baseline);
+- `proportional`: EdgeTrain, synchronous data parallelism, shares from measured speed
+  (`planner.enabled: false`);
+- `federated`: EdgeTrain federated averaging with a shared time budget per round (each board's
+  local steps follow its speed), FedNova-normalised, planner off;
+- `planner`: EdgeTrain's defaults: the planner measures its candidates and keeps the fastest,
+  boards too slow to wait for train beside the steps (`hybrid` is its old name).
 On the slow links EdgeTrain's arms choose each board's update codec from its measured link
 (`compression.uplink: adaptive`) and send parameters down as int8 deltas.
 Each arm's time to target is its timed window (first training step to the evaluation that
@@ -25,13 +29,17 @@ Without root the links cannot be shaped for gloo (it is not ours to throttle): t
 segment runs on loopback and its projection would be meaningless, so it is reported as null.
 
     python scripts/bench_time_to_accuracy.py [--seeds 1] [--cap-s 1800] [--fleets compute,bandwidth]
-                                             [--arms ddp,proportional,hybrid,federated] [--keep DIR [--resume]]
+                                             [--arms ddp,single,proportional,federated,planner]
+                                             [--keep DIR [--resume]]
 
 Last line: one JSON object: `target_accuracy`, `fleets` → `compute` / `bandwidth` →
 `time_to_accuracy_s` and `energy_to_accuracy_j` (maps by arm, medians over seeds; null where the
-cap was hit), `cap_s`, `seeds`, `projected` (list of "fleet/arm"), `reused` (arms read from an
-earlier run with --resume), and the ratios of DDP's time
-and energy to the best EdgeTrain arm's.
+cap was hit), the ratios of DDP's time and energy to the best EdgeTrain arm's, and with a
+`planner` arm: `planner_over_best_other` (its time ÷ the best of single, proportional and
+federated), `proportional_over_planner`, `ddp_over_planner`, `exploration_s` (seconds its trials
+took, median) and `weak_board_sample_share` (the 0.1-core board's applied samples × their
+aggregation weight ÷ all, median); `cap_s`, `seeds`, `projected` (list of "fleet/arm"),
+`reused` (arms read from an earlier run with --resume).
 """
 
 from __future__ import annotations
@@ -56,13 +64,24 @@ from edgetrain.experiment.results import collect
 REPO = Path(__file__).resolve().parent.parent
 FLEETS = {"compute": REPO / "experiments" / "fleets" / "compute.yaml",
           "bandwidth": REPO / "experiments" / "fleets" / "bandwidth.yaml"}
+FEDERATED_ROUND_S = 10.0
+"""The federated arm's shared time budget per round: each board trains as many local steps of 16
+as its speed fits in it."""
 ARMS = {
     "ddp": {"baseline": "ddp"},
-    "proportional": {"set": {"training.split": "proportional"}},
-    "hybrid": {"set": {"planner.enabled": True}},
-    "federated": {"set": {"aggregation.rule": "fedavg"}},
+    "single": {"baseline": "single"},
+    "proportional": {"set": {"planner.enabled": False, "training.split": "proportional"}},
+    "federated": {"set": {"planner.enabled": False, "aggregation.rule": "fedavg",
+                          "federated.local_time_s": FEDERATED_ROUND_S, "federated.local_batch": 16,
+                          "federated.normalize": True}},
+    "planner": {"set": {"planner.enabled": True}},
 }
-EDGETRAIN_ARMS = ("proportional", "hybrid", "federated")
+ARMS["hybrid"] = ARMS["planner"]
+EDGETRAIN_ARMS = ("proportional", "hybrid", "federated", "planner")
+OTHERS = ("single", "proportional", "federated")
+"""What the planner is measured against: the best of these."""
+WEAK_BOARD = "b10"
+"""The 0.1-core board of both fleets."""
 LINK_CODECS = {"compression.uplink": "adaptive", "compression.downlink": "int8"}
 """On the slow links EdgeTrain's arms run as a user would run them there: each board's update
 codec chosen from its measured link, parameters sent down as int8 deltas (DDP has no such option)."""
@@ -75,6 +94,7 @@ def job(eval_every: int) -> dict:
         "dataset": {"name": "synthetic-hard", "train_size": SYNTHETIC_HARD_TRAIN_SIZE,
                     "test_size": SYNTHETIC_HARD_TEST_SIZE, "augment": True},
         "training": {"global_batch": 64, "min_clients": 4, "eval_every": eval_every, "log_every": 20},
+        "planner": {"enabled": True},  # EdgeTrain's defaults; arms that mean something else say so
         "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 5.0e-4, "schedule": "constant",
                       "warmup_steps": 10},
     }
@@ -102,6 +122,28 @@ def run_experiment(workdir: Path, name: str, fleet: Path, arms: list[str], seeds
         print(f"experiment {name} exited with code {code}; reading whatever it finished", file=sys.stderr)
     run_dirs = sorted(p for p in out.iterdir() if (p / "metrics.jsonl").exists()) if out.exists() else []
     return collect(run_dirs, target_accuracy=stop.get("target_accuracy"))
+
+
+def planner_figures(rows: list[dict], arm: str) -> tuple[float | None, float | None]:
+    """(seconds its trials took, the weak board's weighted sample share): medians over an arm's runs."""
+    explored, shares = [], []
+    for row in rows:
+        if row["arm"] != arm:
+            continue
+        records = [json.loads(line) for line in (Path(row["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+                   if line.strip()]
+        explored.append(sum(r.get("trial_s", 0.0) for r in records if r.get("kind") == "plan_trial"))
+        weak = total = 0.0
+        for r in records:
+            if r.get("kind") == "train":
+                for device, d in r["devices"].items():
+                    counted = d["samples"] * d.get("weight", 1.0)
+                    total += counted
+                    weak += counted if device.startswith(WEAK_BOARD + "-") else 0.0
+        shares.append(weak / total if total else 0.0)
+    if not explored:
+        return None, None
+    return round(statistics.median(explored), 2), round(statistics.median(shares), 4)
 
 
 def median_or_none(values: list) -> float | None:
@@ -137,7 +179,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1, help="repeats with seeds 0..N-1 (the median is reported)")
     parser.add_argument("--cap-s", type=float, default=1800, help="time cap of every arm, s")
     parser.add_argument("--fleets", default="compute,bandwidth")
-    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--arms", default="ddp,single,proportional,federated,planner")
     parser.add_argument("--segment", type=int, default=12, help="DDP steps measured on the slow links (>= 10)")
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--keep", type=Path, help="keep the run directories here (the bandwidth fleet's DDP projection "
@@ -164,7 +206,8 @@ def main() -> None:
                     "projected": [], "reused": [], "synthetic_data": True}
     ddp_steps: list[int | None] = []
     for fleet in fleets:
-        fleet_arms = [a for a in arms if not (fleet == "bandwidth" and a == "ddp")]
+        # a lone board has no links: `single` on the slow links is the compute fleet's
+        fleet_arms = [a for a in arms if not (fleet == "bandwidth" and a in ("ddp", "single"))]
         out = workdir / f"tta-{fleet}"
         finished = [a for a in fleet_arms
                     if args.resume and all((out / f"{a}-r{k}" / "summary.json").exists() for k in seeds)]
@@ -204,6 +247,16 @@ def main() -> None:
             entry["ddp_time_over_best"] = round(times["ddp"] / times[best], 2)
             if energies.get("ddp") and energies.get(best):
                 entry["ddp_energy_over_best"] = round(energies["ddp"] / energies[best], 2)
+        if "planner" in times or "hybrid" in times:
+            mine = "planner" if "planner" in times else "hybrid"
+            others = [times[a] for a in OTHERS if times.get(a) is not None]
+            if times.get(mine):
+                entry["planner_over_best_other"] = round(times[mine] / min(others), 3) if others else None
+                if times.get("proportional"):
+                    entry["proportional_over_planner"] = round(times["proportional"] / times[mine], 3)
+                if times.get("ddp"):
+                    entry["ddp_over_planner"] = round(times["ddp"] / times[mine], 3)
+            entry["exploration_s"], entry["weak_board_sample_share"] = planner_figures(rows, mine)
         result["fleets"][fleet] = entry
         print(f"{fleet}: {json.dumps(entry)}", flush=True)
     print(json.dumps(result))

@@ -134,7 +134,8 @@ def test_state_and_metrics_say_what_the_registry_and_metrics_jsonl_hold(served, 
     # the plan the last step ran (no planner: the proportional split), predicted against measured
     assert state["plan"] == {"kind": "dp", "source": "proportional split", "stages": [],
                              "shards": [{"name": "a", "samples": 16}], "microbatches": None, "schedule": None,
-                             "left_out": {}, "predicted_step_s": 1.4, "measured_step_s": 1.5, "step": 2}
+                             "local": [], "left_out": {}, "predicted_step_s": 1.4, "measured_step_s": 1.5,
+                             "step": 2}
     assert state["ideal_samples_per_s"] == pytest.approx(32 / 1.5, abs=0.01)  # a's best profiled batch; b has none
     job = ("job", "job-x")
     assert metrics[("edgetrain_loss", (job,))] == pytest.approx(1.7)
@@ -346,11 +347,11 @@ def test_without_the_planner_a_ready_board_the_split_gave_nothing_is_left_out(tm
 
 def test_the_plan_picture_is_the_planners_plan_as_the_last_step_ran_it(tmp_path: Path) -> None:
     # Prepare: the planner's record (2 stages, the second a group of two, one DP shard, one board
-    # left out) and a step that ran it
+    # beside the steps, one left out) and a step that ran it
     plan = {"kind": "plan", "step": 0, "reasons": ["first plan"], "switched": True, "predicted_step_s": 2.0,
             "plan": {"stages": [{"blocks": 4, "boards": ["s0"]}, {"blocks": 6, "boards": ["g1", "g2"]}],
                      "microbatches": 4, "schedule": "1f1b", "dp_boards": ["d"], "dp_share": 0.25},
-            "left_out": {"w": "no gain"}}
+            "left_out": {"w": "no gain"}, "local_boards": ["slow"]}
     step = {"kind": "train", "step": 0, "step_s": 2.5, "predicted_step_s": None,  # pipeline steps: the plan's
             "shares": {"s0": 24, "g1": 14, "g2": 10, "d": 8},
             "stages": {"g2": {"stage": 1, "blocks": [4, 10]}, "s0": {"stage": 0, "blocks": [0, 4], "compute_s": 1.0,
@@ -370,7 +371,7 @@ def test_the_plan_picture_is_the_planners_plan_as_the_last_step_ran_it(tmp_path:
         "stages": [{"stage": 0, "blocks": [0, 4], "boards": [{"name": "s0", "samples": 24}]},
                    {"stage": 1, "blocks": [4, 10], "boards": [{"name": "g1", "samples": 14},
                                                               {"name": "g2", "samples": 10}]}],
-        "shards": [{"name": "d", "samples": 8}], "left_out": {"w": "no gain"},
+        "shards": [{"name": "d", "samples": 8}], "local": ["slow"], "left_out": {"w": "no gain"},
         "predicted_step_s": 2.0, "measured_step_s": 2.5}
     # the step timeline has each stage host, not the merged pipeline the aggregation saw
     parts = state["timeline"][-1]["boards"]

@@ -196,6 +196,7 @@ def _plan_picture(last: dict, plans: list[dict], steps: list[dict], names: dict[
         "stages": [by_stage[k] for k in sorted(by_stage)], "shards": shards,
         "microbatches": section.get("microbatches") if by_stage else None,
         "schedule": section.get("schedule") if by_stage else None,
+        "local": [name(d) for d in (planned or {}).get("local_boards", [])],
         "left_out": (planned or {}).get("left_out") or {
             r.name: "no samples this step" for r in records
             if r.state == "ready" and r.device_id not in last.get("shares", {}) and r.device_id not in last.get("stages", {})},
@@ -220,7 +221,13 @@ def _board(record, last_step: dict, classes: tuple[str, ...] = ()) -> dict:
     state = {"gone": "lost", "registered": "joining"}.get(record.state, record.state)
     if state == "ready" and (record.device_id in shares or record.device_id in stages):
         state = "training"
-    role = ("stage" if record.device_id in stages else "shard" if record.device_id in shares else "")
+    beside = record.device_id in last_step.get("beside", {}) or (
+        last_step.get("devices", {}).get(record.device_id, {}).get("staleness") is not None
+        and record.device_id not in shares and record.device_id not in stages)
+    if state == "ready" and beside:
+        state = "training"
+    role = ("stage" if record.device_id in stages else "shard" if record.device_id in shares
+            else "local" if beside else "")
     stats = record.stats
     return {
         "id": record.device_id, "name": record.name, "state": state, "role": role,

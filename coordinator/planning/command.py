@@ -24,6 +24,7 @@ from coordinator.planning.inputs import (
     machine_costs,
     train_flops_per_sample,
 )
+from coordinator.planning.local_members import add_local_members
 from coordinator.planning.planner import pareto, plan_optimal
 from edgetrain.emulator.fleet_config import load_fleet
 from edgetrain.plan import Plan
@@ -81,6 +82,11 @@ def plan_report(fleet_file: str | Path, *, model: str | None = None, objective: 
     kw = dict(stage_state=stage_state, replicate=replicate)
     dp_pred = predict(dp, boards, cost, batch, **kw)
     plans = pareto(boards, cost, batch, **kw) if aim == "pareto" else [plan_optimal(boards, cost, batch, aim, **kw)]
+    job = fleet.job
+    if job.planner.local_updates:  # boards the plan would not wait for train beside it, as in a run
+        plans = [add_local_members(p, boards, cost, global_batch=batch, staleness_bound=job.aggregation.staleness_bound,
+                                   staleness_exponent=job.aggregation.staleness_exponent,
+                                   local_batch=job.federated.local_batch) for p in plans]
     if as_json:
         return json.dumps({
             "fleet": fleet.name, "model": model_name, "global_batch": batch, "objective": objective,
@@ -92,6 +98,9 @@ def plan_report(fleet_file: str | Path, *, model: str | None = None, objective: 
             "proportional_dp_samples_per_s": round(dp_pred.samples_per_s, 3),
             "devices": {b.name: b.device for b in boards},
             "plans": [{**p.to_pipeline_section(), "kind": p.kind, "left_out": dict(p.left_out),
+                       "local_boards": list(p.local_boards),
+                       "predicted_local_samples_per_s": {b: round(v, 3) for b, v in
+                                                         p.prediction.local_samples_per_s.items()},
                        "predicted_step_s": round(p.prediction.step_s, 4),
                        "predicted_samples_per_s": round(p.prediction.samples_per_s, 3),
                        "predicted_energy_per_sample_j": round(p.prediction.energy_per_sample_j, 4)}
@@ -119,4 +128,7 @@ def plan_report(fleet_file: str | Path, *, model: str | None = None, objective: 
                  f"samples/s ({dp_pred.energy_per_sample_j:.3f} J/sample); this plan {best.samples_per_s:.2f} "
                  f"samples/s = {best.samples_per_s / ideal:.0%} of ideal, "
                  f"{best.samples_per_s / dp_pred.samples_per_s:.2f}x proportional DP (predicted)")
+    if job.planner.trial_steps:
+        lines.append(f"(predictions: in a run the planner measures its choice and the best plan of each other kind "
+                     f"within 2x of it for {job.planner.trial_steps} steps each, and keeps the fastest measured)")
     return "\n".join(lines)

@@ -58,7 +58,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from edgetrain.plan import BoardCost, ModelCost, Plan, Prediction, StagePlan
+from edgetrain.plan import NO_GAIN, BoardCost, ModelCost, Plan, Prediction, StagePlan
 
 MICROBATCH_CANDIDATES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 """Micro-batch counts the planner tries (those above the pipeline's samples are skipped)."""
@@ -393,7 +393,7 @@ class Problem:
                     microbatches=point.microbatches if stages else 1,
                     dp_boards=tuple(s.board.name for s in shards),
                     dp_share=point.dp_samples / self.B if stages else 1.0,
-                    left_out=tuple((k.name, self.left.get(k.name, "no gain")) for k in self.fleet
+                    left_out=tuple((k.name, self.left.get(k.name, NO_GAIN)) for k in self.fleet
                                    if k.name not in used))
         return replace(plan, prediction=self.predict(plan))
 

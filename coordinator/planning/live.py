@@ -26,9 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from coordinator.planning.cost import objective_cost, predict
-from coordinator.planning.planner import plan_optimal
+from coordinator.planning.local_members import add_local_members, without_local_members
+from coordinator.planning.planner import plan_alternatives, plan_optimal
+from coordinator.planning.trials import structure
 from edgetrain.config import PlannerConfig
-from edgetrain.plan import BoardCost, ModelCost, Plan, plan_to_dict
+from edgetrain.plan import NO_GAIN, BoardCost, ModelCost, Plan, plan_to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +55,9 @@ class PlanDecision:
         p = self.plan.prediction
         return {"kind": "plan", "step": self.step, "reasons": list(self.reasons), "switched": self.switched,
                 "plan": plan_to_dict(self.plan), "plan_kind": self.plan.kind,
-                "left_out": dict(self.plan.left_out), "stage_state": stage_state,
+                "left_out": dict(self.plan.left_out), "local_boards": list(self.plan.local_boards),
+                "predicted_local_samples_per_s": {b: round(v, 3) for b, v in p.local_samples_per_s.items()},
+                "stage_state": stage_state,
                 "predicted_step_s": round(p.step_s, 4), "predicted_samples_per_s": round(p.samples_per_s, 3),
                 "predicted_energy_per_sample_j": round(p.energy_per_sample_j, 4),
                 "candidate_cost": self.candidate_cost, "current_cost": self.current_cost,
@@ -67,13 +71,21 @@ class LivePlanner:
     """The plan in force for one job, and when to change it."""
 
     def __init__(self, cfg: PlannerConfig, model: ModelCost, global_batch: int, stage_state: str = "hosts",
-                 sync_every: int = 50, replicate: bool = True) -> None:
+                 sync_every: int = 50, replicate: bool = True, *, staleness_bound: int = 2,
+                 staleness_exponent: float = 0.5, local_batch: int = 16) -> None:
         self.cfg = cfg
         self.model = model
         self.global_batch = global_batch
+        self.local = {"global_batch": global_batch, "staleness_bound": staleness_bound,
+                      "staleness_exponent": staleness_exponent, "local_batch": local_batch}
+        """How boards beside the steps are sized (the job's staleness rule and local batch)."""
         self.stage_options = {"stage_state": stage_state, "sync_every": sync_every, "replicate": replicate}
         """How stages keep their state (the job's pipeline section), for every plan and prediction."""
         self.current: Plan | None = None
+        self.measured: dict[tuple, float] = {}
+        """Plan structure (coordinator.planning.trials.structure) -> its measured step seconds, from
+        trials and from the plan in force as it runs: a candidate measured slower than the plan in
+        force does not replace it, whatever its prediction."""
         self._reference: dict[str, BoardCost] = {}
         self._overrun_checked = False
         """The plan in force was re-planned for running over its prediction (once per plan)."""
@@ -96,6 +108,8 @@ class LivePlanner:
             self._overrun_checked = True
         if not reasons:
             return None
+        if self.current is not None:  # judged and kept as the planner made it; boards beside it are added after
+            self.current = without_local_members(self.current)
         candidate = plan_optimal(list(boards), self.model, self.global_batch, self.cfg.weight,
                                  battery_floor=self.cfg.battery_floor, channel_groups=self.cfg.channel_groups,
                                  **self.stage_options)
@@ -111,6 +125,8 @@ class LivePlanner:
         switch = current_cost is None or cost < (1 - self.cfg.min_gain) * current_cost
         if switch and current_cost is not None and _structure(candidate) == _structure(self.current):
             switch = False  # the plan in force again: nothing to switch to
+        if switch and current_cost is not None and self._measured_slower(candidate):
+            switch = False  # measured, it was not faster: a prediction does not overrule a measurement
         active = () if switch else tuple(n for n in self.current.dp_boards if now.share.get(n, 0.0) > 0)
         if not switch and not self.current.stages and not active:
             switch = True  # a data-parallel plan that would give none of its boards work cannot be kept
@@ -118,12 +134,40 @@ class LivePlanner:
         if switch:
             self.current, self._overrun_checked = candidate, False
         else:  # keep the plan, with its prediction on today's fleet (shards it gives no work are out)
-            idle = tuple((n, "no gain") for n in self.current.dp_boards if n not in active)
+            idle = tuple((n, NO_GAIN) for n in self.current.dp_boards if n not in active)
             kept = replace(self.current, dp_boards=active, dp_share=self.current.dp_share if active else 0.0,
                            left_out=self.current.left_out + idle)
             self.current = replace(kept, prediction=predict(kept, list(boards), self.model, self.global_batch,
                                                             **self.stage_options))
+        if self.cfg.local_updates:
+            self.current = add_local_members(self.current, boards, self.model, **self.local)
         return PlanDecision(step, tuple(reasons), self.current, switch, cost, current_cost, tuple(boards))
+
+    def alternatives(self, boards: Sequence[BoardCost]) -> list[Plan]:
+        """The best plan of each other kind on `boards` (coordinator.planning.planner.plan_alternatives),
+        with boards beside their steps as the plan in force would have them."""
+        plans = plan_alternatives(list(boards), self.model, self.global_batch, self.cfg.weight,
+                                  battery_floor=self.cfg.battery_floor, channel_groups=self.cfg.channel_groups,
+                                  **self.stage_options)
+        if self.cfg.local_updates:
+            plans = [add_local_members(p, boards, self.model, **self.local) for p in plans]
+        return plans
+
+    def note_measured(self, plan: Plan, step_s: float) -> None:
+        """A plan of this structure measured `step_s` seconds a step (a trial, or the plan in force)."""
+        self.measured[structure(plan)] = step_s
+
+    def _measured_slower(self, candidate: Plan) -> bool:
+        """Optimising time, the candidate's structure and the plan in force's were both measured,
+        and the candidate's steps were not `min_gain` faster."""
+        if self.cfg.objective != "time" or self.current is None:
+            return False
+        mine, theirs = self.measured.get(structure(self.current)), self.measured.get(structure(candidate))
+        return bool(mine and theirs) and theirs > (1 - self.cfg.min_gain) * mine
+
+    def adopt(self, plan: Plan) -> None:
+        """Put `plan` in force (a measured trial chose it over the planner's prediction)."""
+        self.current, self._overrun_checked = plan, False
 
     def changes(self, boards: Sequence[BoardCost]) -> list[str]:
         """Why the fleet differs from the reference enough to plan again (empty: it does not)."""
@@ -164,5 +208,6 @@ class LivePlanner:
 
 
 def _structure(plan: Plan) -> Plan:
-    """A plan without what does not change where work runs (why boards are left out)."""
-    return replace(plan, left_out=())
+    """A plan without what does not change where its steps run (why boards are left out, boards
+    beside the steps)."""
+    return replace(plan, left_out=(), local_boards=())

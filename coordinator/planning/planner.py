@@ -37,6 +37,7 @@ import copy
 import itertools
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 from coordinator.planning.climb import polish
 from coordinator.planning.cost import (
@@ -90,6 +91,47 @@ def plan_optimal(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int
     prob = Problem(fleet, model, global_batch, objective_weight(objective), microbatches, battery_floor, stage_state,
                    sync_every, replicate, channel_groups)
     prob.every_split = prob.eta > 0
+    ranked, exact = _ranked(prob, exact_budget)
+    if not any(ranked):
+        raise ValueError("no plan fits the boards' memory")
+    return _best(prob, ranked, exact)
+
+
+def plan_alternatives(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, objective: str | float = "time",
+                      *, microbatches: Sequence[int] = MICROBATCH_CANDIDATES, battery_floor: float = BATTERY_FLOOR_PERCENT,
+                      exact_budget: int = EXACT_BUDGET, stage_state: str = "hosts", sync_every: int = 50,
+                      replicate: bool = True, channel_groups: bool = True) -> list[Plan]:
+    """Plans of other kinds than `plan_optimal`'s, each the best of its kind, for measuring
+    against it (coordinator.planning.trials): the best pure data parallelism, the best plan with
+    pipeline stages, and the fastest board alone (the others left out, "one board alone"); those
+    that fit and differ in structure, in that order. The optimum itself may be among them."""
+    prob = Problem(fleet, model, global_batch, objective_weight(objective), microbatches, battery_floor, stage_state,
+                   sync_every, replicate, channel_groups)
+    prob.every_split = prob.eta > 0
+    ranked, exact = _ranked(prob, exact_budget)
+    out = []
+    pure = prob.best([])
+    if pure is not None:
+        out.append(prob.plan([], pure))
+    staged = [[c for c in r if c[0] is not None] for r in ranked]
+    if any(staged):
+        out.append(_best(prob, staged, exact))
+    alone = max(prob.shards, key=lambda s: s.r, default=None)
+    if alone is not None:
+        one = Plan(dp_share=1.0, dp_boards=(alone.board.name,),
+                   left_out=tuple((k.name, ONE_BOARD_ALONE) for k in prob.fleet if k is not alone.board))
+        prediction = prob.predict(one)
+        if prediction.fits:
+            out.append(replace(one, prediction=prediction))
+    return out
+
+
+ONE_BOARD_ALONE = "one board alone"
+"""Why the other boards sit out of a plan that measures the fastest board alone."""
+
+
+def _ranked(prob: Problem, exact_budget: int) -> tuple[list[list[tuple]], bool]:
+    """Every search's candidates, best first (one per label), and whether the search is exact."""
     searches, exact = _candidates(prob, exact_budget, prob.eta > 0)
     ranked = []
     for found in searches:
@@ -99,8 +141,11 @@ def plan_optimal(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int
             if old is None or point.key < old[2].key:
                 by_label[id(label)] = (label, units, point)
         ranked.append(sorted(by_label.values(), key=lambda c: c[2].key))
-    if not any(ranked):
-        raise ValueError("no plan fits the boards' memory")
+    return ranked, exact
+
+
+def _best(prob: Problem, ranked: list[list[tuple]], exact: bool) -> Plan:
+    """The best of the ranked candidates: exactly, or hill-climbed from the diverse ones."""
     if exact:
         label, units, point = min((r[0] for r in ranked if r), key=lambda c: c[2].key)
         return prob.plan(concrete(units, label), point)

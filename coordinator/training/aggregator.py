@@ -125,6 +125,19 @@ def normalized_factors(steps: Mapping[str, int], data: Mapping[str, float],
     return {d: p[d] * tau_eff / steps[d] * total_samples / samples[d] for d in steps}
 
 
+def as_gradient(contribution: Contribution) -> None:
+    """A local update outside federated rounds (a board beside the steps) in gradient units, in
+    place: its change lr x (sum of its local SGD steps' gradients), divided by lr x steps, is the
+    mean gradient over its samples, weighted by their count like a shard's."""
+    local = contribution.local
+    if local is None or not local.lr:
+        return
+    scale = 1.0 / (local.lr * local.steps)
+    for name, tensor in contribution.tensors.items():
+        if name.startswith(GRAD_PREFIX):
+            contribution.tensors[name] = tensor * scale
+
+
 def combine(contributions: Sequence[Contribution | Weighted]) -> dict[str, torch.Tensor]:
     """Sample- and staleness-weighted average of every uploaded tensor (see the module docstring)."""
     if not contributions:
@@ -192,6 +205,9 @@ class Aggregator:
         self.registry = registry
         self.keeps_late = self.cfg.rule == "staleness"
         """Late updates stay open and count in a later step, down-weighted (FedBuff)."""
+        self.takes_beside = job.planner.enabled and job.planner.local_updates
+        """Boards may train beside the steps (coordinator.planning.local_members): their updates
+        arrive late by design and count under the same staleness rule."""
         self.federated = self.cfg.federated
         pipelined = job.pipeline.enabled or job.planner.enabled
         self.boards_keep_momentum = job.compression.boards_keep_momentum and not self.federated and not pipelined
@@ -222,7 +238,7 @@ class Aggregator:
     @property
     def versions_kept(self) -> int:
         """Parameter versions to keep serving: late boards may still fetch the ones they started on."""
-        return self.cfg.staleness_bound + 1 if self.keeps_late else 1
+        return self.cfg.staleness_bound + 1 if self.keeps_late or self.takes_beside else 1
 
     def step_lr(self, step: int) -> float:
         """The learning rate of `step` under the job's schedule (what boards use locally)."""
@@ -231,10 +247,12 @@ class Aggregator:
 
     def collect_late(self, board: StepBoard, step: int) -> None:
         """Keep late answers that arrived (they enter the next update); close tickets too stale to count."""
-        if self.keeps_late:
+        if self.keeps_late or self.takes_beside:
             late, rejected = board.take_late(oldest_step=step - self.cfg.staleness_bound)
             self._late += late
             self._late_rejected.update(rejected)
+            for device_id, samples, seconds in board.take_expired():  # it is slower than its estimate
+                self.registry.observe_late(device_id, samples, seconds)
 
     def apply(self, step: int, board: StepBoard, fresh: Sequence[Contribution], refused: Mapping[str, str],
               factors: Mapping[str, float] | None = None) -> Aggregate:
@@ -247,6 +265,9 @@ class Aggregator:
         rejected = {**refused, **self._late_rejected}
         self._late_rejected = {}
         usable, stale = list(fresh), {}
+        if not self.federated:
+            for c in (*fresh, *late):
+                as_gradient(c)
         for c in late:
             tau = step - c.param_version
             if tau > self.cfg.staleness_bound:
@@ -279,7 +300,8 @@ class Aggregator:
     def _observe_noise(self, used: Sequence[Weighted], combined: Mapping[str, torch.Tensor]) -> None:
         """Feed the noise-scale estimate with a step of fresh, uncompressed shard gradients."""
         if self.federated or self.boards_keep_momentum or len(used) < 2 or any(
-                w.staleness or w.contribution.stage is not None or w.contribution.codec != "none" for w in used):
+                w.staleness or w.contribution.stage is not None or w.contribution.codec != "none"
+                or w.contribution.local is not None for w in used):
             return
         self.noise.observe([(w.contribution.samples, gradient_sq(w.contribution.tensors)) for w in used],
                            (sum(w.contribution.samples for w in used), gradient_sq(combined)))

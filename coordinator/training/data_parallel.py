@@ -122,11 +122,14 @@ class DataParallelRound(RoundPolicy):
     def configure(self, step: int, attempt: int, indices: list[int]) -> Round:
         return self.configure_on(step, attempt, indices)
 
-    def configure_on(self, step: int, attempt: int, indices: list[int], names: tuple[str, ...] = ()) -> Round:
+    def configure_on(self, step: int, attempt: int, indices: list[int], names: tuple[str, ...] = (),
+                     exclude: tuple[str, ...] = ()) -> Round:
         """`configure`, on the boards named `names` only (every available board when `names` is empty
-        or none of them is available)."""
+        or none of them is available), never on those named in `exclude` (unless nobody else is)."""
         self.own.forget_pending()
         speeds, fleet = self._available(step)
+        if exclude:
+            speeds = {d: s for d, s in speeds.items() if fleet.name(d) not in exclude} or speeds
         if names:
             speeds = {d: s for d, s in speeds.items() if fleet.name(d) in names} or speeds
         speeds = self._participants(step, speeds, fleet)

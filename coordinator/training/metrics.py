@@ -157,6 +157,7 @@ class MetricsLog:
             "predicted_step_s": None if record.predicted_s is None else round(record.predicted_s, 4),
             "noise_scale": None if record.noise_scale is None else round(record.noise_scale, 2),
             **({"stages": record.stages} if record.stages else {}),
+            **({"beside": record.beside} if record.beside else {}),
             **({"failures": record.failures} if record.failures else {})}
         self.write(entry)
         self._scalars(record.step, {

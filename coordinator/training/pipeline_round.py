@@ -30,7 +30,9 @@ from coordinator.planning.inputs import (
     train_flops_per_sample,
 )
 from coordinator.planning.live import LivePlanner
-from coordinator.training.data_parallel import DataParallelRound
+from coordinator.planning.local_members import local_work_size
+from coordinator.planning.trials import TRIAL_SHARE, Trial, distinct, worth_measuring
+from coordinator.training.data_parallel import DataParallelRound, OwnSamples
 from coordinator.training.pipeline_work import (
     Host,
     assign,
@@ -50,10 +52,10 @@ from coordinator.training.stage_owners import REPLICA_ERRORS, Owner, StageOwners
 from coordinator.training.steps import AttemptOutcome
 from edgetrain import transport
 from edgetrain.config import ConfigError, load_plan
-from edgetrain.plan import Plan
+from edgetrain.plan import Plan, plan_to_dict
 from edgetrain.split import share_change_gain
 from edgetrain.training import state_tensors
-from edgetrain.work import Assignment
+from edgetrain.work import Assignment, LocalWork
 
 logger = logging.getLogger(__name__)
 
@@ -121,23 +123,104 @@ class LivePlans:
         self.ctx = ctx
         self.model_cost = measure_model_cost(job.model)
         self.planner = LivePlanner(job.planner, self.model_cost, job.training.global_batch,
-                                   job.pipeline.stage_state, job.pipeline.sync_every, job.pipeline.replicate)
+                                   job.pipeline.stage_state, job.pipeline.sync_every, job.pipeline.replicate,
+                                   staleness_bound=job.aggregation.staleness_bound,
+                                   staleness_exponent=job.aggregation.staleness_exponent,
+                                   local_batch=job.federated.local_batch)
         self.history: list[dict] = []
         """Every plan put in force (step, kind, predicted step seconds), for the run's summary."""
+        self.trial: Trial | None = None
+        """The measured comparison under way (coordinator.planning.trials), if any."""
+        self.trial_seconds = 0.0
+        """Training seconds every trial so far took."""
+        self.in_force: Plan | None = None
+        """The plan the last attempt ran (a trial's candidate while one runs)."""
 
     def prepare(self) -> None:
         if self.planner.current is None:
             self._wait_for_links()
 
     def current(self, step: int, fleet: Fleet) -> Plan:
+        self.in_force = self._current(step, fleet)
+        return self.in_force
+
+    def _current(self, step: int, fleet: Fleet) -> Plan:
         for record in fleet.records.values():
             if record.out_of_memory:
                 self._cap_memory(record)
+        if self.trial is not None:
+            self.trial.observe(self.ctx.step_seconds)
+            plan = self.trial.plan_for(step)
+            if plan is not None and self._runnable(plan, fleet):
+                if self.trial.plan_for(step - 1) is not plan:
+                    self._put_in_force(step, plan, trial=True)
+                return plan
+            self._commit_trial(step)
         boards = [board_from_record(r, self.model_cost) for r in fleet.records.values() if r.ready and not r.quarantined]
-        decision = self.planner.decide(step, boards, self._measured_step_s()) if boards else None
+        measured = self._measured_step_s()
+        if measured and self.planner.current is not None:
+            self.planner.note_measured(self.planner.current, measured)
+        decision = self.planner.decide(step, boards, measured) if boards else None
         if decision is not None:
             self._record(step, decision)
+            if decision.switched and self._may_trial():
+                candidates = distinct([decision.plan, *worth_measuring(decision.plan, self.planner.alternatives(boards))])
+                if len(candidates) >= 2:
+                    self.trial = Trial(step, candidates, self.ctx.job.planner.trial_steps, decision.reasons)
+                    logger.info("[Coordinator.Planner] step %d: measuring %d plans for %d step(s) each before "
+                                "committing: %s", step, len(candidates), self.ctx.job.planner.trial_steps,
+                                " | ".join(p.describe() for p in candidates))
+                    return self.trial.plan_for(step)
         return self.planner.current or Plan(dp_share=1.0)  # nobody to plan for yet: DP waits for boards
+
+    def _may_trial(self) -> bool:
+        """Whether a trial may run now: trials are on, and (after the first) those so far took at
+        most TRIAL_SHARE of the training time."""
+        if not self.ctx.job.planner.trial_steps:
+            return False
+        trained = sum(s for _, s in self.ctx.step_seconds)
+        return not self.trial_seconds or self.trial_seconds <= TRIAL_SHARE * trained
+
+    def _runnable(self, plan: Plan, fleet: Fleet) -> bool:
+        """Every board the plan's steps need is ready."""
+        ready = {r.name for r in fleet.records.values() if r.ready and not r.quarantined}
+        return all(b in ready for s in plan.stages for b in s.boards) and all(b in ready for b in plan.dp_boards)
+
+    def _commit_trial(self, step: int) -> None:
+        """The trial is over (or a candidate cannot run): the best measured candidate stays in force."""
+        trial, self.trial = self.trial, None
+        job = self.ctx.job
+        phi = self.ctx.aggregator.noise.value
+        scores = trial.scores(job.training.global_batch, phi)
+        chosen = trial.best(job.training.global_batch, phi)
+        plan = trial.measured[chosen].plan
+        self.trial_seconds += trial.seconds()
+        for m in trial.measured:
+            if m.step_s() is not None:
+                self.planner.note_measured(m.plan, m.step_s())
+        self.planner.adopt(plan)
+        self.ctx.metrics.write({"kind": "plan_trial", "step": step, "started": trial.start_step,
+                                "reasons": list(trial.reasons), "candidates": scores, "chosen": chosen,
+                                "plan": plan_to_dict(plan), "plan_kind": plan.kind,
+                                "local_boards": list(plan.local_boards), "left_out": dict(plan.left_out),
+                                "noise_scale": None if phi is None else round(phi, 2),
+                                "base_batch": job.training.global_batch,
+                                "trial_s": round(trial.seconds(), 3), "trials_total_s": round(self.trial_seconds, 3)})
+        lines = [f"  {'kept' if i == chosen else '    '} {s['plan']}: measured {s['measured_step_s']} s/step "
+                 f"(predicted {s['predicted_step_s']}), efficiency {s['efficiency']}, score {s['score']}"
+                 for i, s in enumerate(scores)]
+        logger.info("[Coordinator.Planner] step %d: measured %d plans (noise scale %s); keeping the best:\n%s",
+                    step, len(scores), "unknown" if phi is None else f"{phi:.0f}", "\n".join(lines))
+        self._put_in_force(step, plan, trial=False)
+
+    def _put_in_force(self, step: int, plan: Plan, *, trial: bool) -> None:
+        """A plan starts running at `step` (its measured steps are those after)."""
+        p = plan.prediction
+        if self.history and self.history[-1]["step"] == step:
+            self.history.pop()  # replaced before it ran a step
+        self.history.append({"step": step, "kind": plan.kind, "trial": trial,
+                             "predicted_step_s": p.step_s if p else None,
+                             "predicted_samples_per_s": p.samples_per_s if p else None})
 
     def _cap_memory(self, record) -> None:
         """A board's device ran out of memory for its stage: from now on the planner counts on at
@@ -169,6 +252,13 @@ class LivePlans:
             self.history.append(entry)
         else:  # the same plan, predicted on today's fleet: its measured steps still count
             self.history[-1].update(entry, step=self.history[-1]["step"])
+
+    def step_s(self) -> float | None:
+        """The plan in force's step time: measured (median) once known, else predicted (None: no plan)."""
+        plan = self.in_force or self.planner.current
+        if plan is None or plan.prediction is None:
+            return None
+        return self._measured_step_s() or plan.prediction.step_s
 
     def _measured_step_s(self) -> float | None:
         """Median step time under the plan in force (its first step, carrying the hand-over, left
@@ -221,6 +311,9 @@ class PipelineRound(RoundPolicy):
         self._committed = (-1, 0)
         """The last committed step and the attempt that counted (hosts owning a stage apply it)."""
         self._dp_shares: dict[str, int] | None = None
+        self.beside_samples = OwnSamples(ctx.job.seed)
+        """Boards beside the steps: where each is in its own seeded order of the samples it trains on
+        (its own data, or the whole training set); a hand-out moves it on."""
         self._fleet = Fleet({})
         """The fleet as the plan in force was last checked against."""
         self._missing: list[str] = []
@@ -235,7 +328,8 @@ class PipelineRound(RoundPolicy):
         plan, hosts = self._plan_with_boards(step)
         if not plan.stages:
             self._release_owned(step, attempt)
-            return self.dp.configure_on(step, attempt, indices, plan.dp_boards)
+            round_ = self.dp.configure_on(step, attempt, indices, plan.dp_boards, exclude=plan.local_boards)
+            return replace(round_, beside=self._beside(step, attempt, plan))
         job = self.ctx.job
         lr = self.ctx.aggregator.step_lr(step)
         assignments = assign(plan, self.settings, step=step, attempt=attempt, indices=indices,
@@ -264,7 +358,8 @@ class PipelineRound(RoundPolicy):
             self._pulls = {blocks: self.owners.pull_step(owner, step, attempt, timeout + self.owners.timeout_s)
                            for blocks, owner in self.owners.owners.items()}
             self._changes = ((step, attempt), lr, {})
-        return Round(step, attempt, assignments, timeout, all_or_nothing=True)
+        return Round(step, attempt, assignments, timeout, all_or_nothing=True,
+                     beside=self._beside(step, attempt, plan))
 
     def complete(self, round_: Round, outcome: AttemptOutcome, elapsed_s: float) -> bool:
         if not round_.all_or_nothing:
@@ -321,10 +416,11 @@ class PipelineRound(RoundPolicy):
         self._changes, self._pulls = None, {}
 
     def state_dict(self) -> dict:
-        return self.dp.state_dict()
+        return {**self.dp.state_dict(), "beside_samples": dict(self.beside_samples.cursors)}
 
     def load_state_dict(self, state: dict) -> None:
         self.dp.load_state_dict(state)
+        self.beside_samples.cursors = {str(k): int(v) for k, v in state.get("beside_samples", {}).items()}
 
     def after_step(self, step: int, saving: bool) -> None:
         if self.owners.owners and (saving or (step + 1) % self.settings.sync_every == 0):
@@ -335,6 +431,40 @@ class PipelineRound(RoundPolicy):
         self.owners.close()
 
     # --- internals -----------------------------------------------------------------------------------
+    def _beside(self, step: int, attempt: int, plan: Plan) -> dict[str, Assignment]:
+        """Local work for the plan's boards beside the steps that are ready and idle, each sized
+        from its measured speed and link to land within the staleness bound
+        (coordinator.planning.local_members)."""
+        if not plan.local_boards or not isinstance(self.plans_from, LivePlans):
+            return {}
+        step_s = self.plans_from.step_s()
+        job, busy = self.ctx.job, self.ctx.board.busy()
+        lr = self.ctx.aggregator.step_lr(step)
+        codec = job.compression.uplink if job.compression.uplink not in ("none", "adaptive") else "none"
+        out = {}
+        for record in self._fleet.records.values():
+            if (record.name not in plan.local_boards or not record.ready or record.quarantined
+                    or record.device_id in busy or record.speed is None or not step_s):
+                continue
+            speed = record.speed
+            transfer_s = speed.comm_s or self.dp.codecs.step_bytes(codec) * 8 / (
+                (self._fleet.link_mbit(record.device_id) or UNKNOWN_LINK_MBIT) * 1e6)
+            size = local_work_size(overhead_s=speed.overhead_s, samples_per_s=speed.samples_per_s,
+                                   transfer_s=transfer_s, step_s=step_s,
+                                   staleness_bound=job.aggregation.staleness_bound,
+                                   staleness_exponent=job.aggregation.staleness_exponent,
+                                   local_batch=job.federated.local_batch)
+            if size is None:
+                continue
+            data = record.local_samples or self.ctx.train_size
+            indices = self.beside_samples.take(record.name, size.samples, data)
+            self.beside_samples.committed()
+            out[record.device_id] = Assignment(
+                step, attempt, step, indices, job.dataset.augment, job.seed, codec=codec,
+                local=LocalWork(steps=size.steps, batch_size=size.batch, lr=lr, momentum=0.0, weight_decay=0.0,
+                                prox_mu=0.0))
+        return out
+
     def _plan_with_boards(self, step: int) -> tuple[Plan, dict[str, Host]]:
         """The plan in force once every board it names is ready (or a plan without stages)."""
         while True:

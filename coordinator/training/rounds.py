@@ -67,6 +67,9 @@ class Round:
     predicted_s: float | None = None
     """The step time the split predicts from the boards' measured speeds and links (None: no
     prediction, e.g. a pipeline round: its plan carries one)."""
+    beside: dict[str, Assignment] = field(default_factory=dict)
+    """Work of boards training beside the step (local updates): handed out with the attempt, never
+    waited for; their updates count when they arrive, under the staleness rule."""
 
 
 @dataclass

@@ -24,7 +24,7 @@ from edgetrain.pipeline import stage_parameter_prefixes
 from edgetrain.streaming import ChunkAssembler, TransferError, check_metas
 from edgetrain.tensors import check_finite, unpack
 from edgetrain.updates import UpdateFormat
-from edgetrain.work import Assignment, Finished, StageWork, StepReport
+from edgetrain.work import Assignment, Finished, LocalWork, StageWork, StepReport
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,9 @@ class Contribution:
     """Payload bytes it took on the wire."""
     stage: StageWork | None = None
     """The pipeline stage it computed, if any (its tensors cover only that stage)."""
+    local: LocalWork | None = None
+    """The local training it did (a federated round's, or a board's beside the steps): its
+    gradients are then the parameter change of that training."""
     wait_s: float = 0.0
     peak_activation_bytes: int = 0
     peer_bytes: int = 0
@@ -148,6 +151,7 @@ class StepBoard:
         self._closed: set[tuple[int, int]] = set()
         self._current: tuple[int, int] | None = None
         self._finished: Finished | None = None
+        self._expired: list[tuple[str, int, float]] = []
 
     # --- driver side -------------------------------------------------------------------
     def open_attempt(self, assignments: Mapping[str, Assignment]) -> None:
@@ -161,15 +165,17 @@ class StepBoard:
 
     def wait_attempt(self, step: int, attempt: int, deadline: float, is_alive: Callable[[str], bool], *,
                      keep_late: bool = False, all_or_nothing: bool = False,
-                     ends_on_loss: bool = False) -> AttemptOutcome:
+                     ends_on_loss: bool = False, beside: set[str] | frozenset[str] = frozenset()) -> AttemptOutcome:
         """Block until every ticket of (step, attempt) is answered or its device left, or `deadline`.
 
         Unanswered tickets of devices that left are closed. Those of live devices are closed
         too (and reported in `missing`), unless `keep_late`: then they stay open, are reported in
-        `late`, and their answers come later through `take_late`.
+        `late`, and their answers come later through `take_late`. The tickets of the devices in
+        `beside` (boards training beside the step) are neither waited for nor reported: they stay
+        open and their answers come through `take_late`.
         """
         with self._cond:
-            mine = {k[0]: t for k, t in self._tickets.items() if k[1:] == (step, attempt)}
+            mine = {k[0]: t for k, t in self._tickets.items() if k[1:] == (step, attempt) and k[0] not in beside}
             assert mine, f"no tickets for step {step} attempt {attempt}"
             while True:
                 pending = [d for d, t in mine.items() if not t.answered]
@@ -207,8 +213,17 @@ class StepBoard:
                         rejected[key[0]] = ticket.rejected
                     self._close(key)
                 elif not ticket.answered and key[1] < oldest_step:
+                    if ticket.taken_at is not None:
+                        self._expired.append((key[0], len(ticket.assignment.indices), self._clock() - ticket.taken_at))
                     self._close(key)
             return accepted, rejected
+
+    def take_expired(self) -> list[tuple[str, int, float]]:
+        """Kept-open tickets `take_late` closed unanswered since the last call: (device, samples,
+        seconds since the board took the work)."""
+        with self._cond:
+            expired, self._expired = self._expired, []
+            return expired
 
     def cancel_step(self, step: int) -> None:
         """Close every ticket of `step` still open (its samples are being redone)."""
@@ -328,7 +343,7 @@ class StepBoard:
                                     upload_s=upload.report.upload_exposed_s if streamed else received - upload.started,
                                     streamed=streamed,
                                     step=a.step, param_version=a.param_version, codec=str(ticket.fmt.spec),
-                                    wire_bytes=len(payload), stage=a.stage,
+                                    wire_bytes=len(payload), stage=a.stage, local=a.local,
                                     turnaround_s=None if ticket.taken_at is None else now - ticket.taken_at,
                                     **vars(upload.report))
         with self._cond:

@@ -87,6 +87,8 @@ class StepRecord:
     the attempts, and aggregating + applying the update (the boards wait through all three)."""
     noise_scale: float | None = None
     """The run's gradient noise scale after this step (None: not estimated yet)."""
+    beside: dict[str, int] = field(default_factory=dict)
+    """Local updates handed out with the step to boards training beside it: device -> samples."""
 
     @property
     def lost(self) -> list[str]:
@@ -235,13 +237,15 @@ class Trainer:
             coordinator["configure_s"] += time.monotonic() - configuring
             if round_ is None:
                 continue
-            self.board.open_attempt(round_.assignments)
+            self.board.open_attempt({**round_.assignments, **round_.beside})
             opened = time.monotonic()
             entry = {"attempt": attempt, "opened": round(time.time(), 3), "boards": sorted(round_.assignments)}
+            if round_.beside:
+                entry["beside"] = sorted(round_.beside)
             attempt_log.append(entry)
             outcome = self.board.wait_attempt(step, attempt, opened + round_.timeout_s, self.registry.is_alive,
                                               keep_late=round_.keep_late, all_or_nothing=round_.all_or_nothing,
-                                              ends_on_loss=round_.ends_on_loss)
+                                              ends_on_loss=round_.ends_on_loss, beside=set(round_.beside))
             wall = time.time() - time.monotonic()  # the step board's clock is monotonic: to wall-clock time
             entry.update(ended=round(time.time(), 3), lost=sorted(outcome.missing), outcome="redone",
                          taken={d: round(t + wall, 3) for d, t in sorted(outcome.taken.items())})
@@ -272,6 +276,7 @@ class Trainer:
         self._coordinator_s.append(sum(coordinator.values()))
         return StepRecord(step, attempt + 1, time.monotonic() - started, outcome,
                           shares={d: len(a.indices) for d, a in round_.assignments.items()},
+                          beside={d: len(a.indices) for d, a in round_.beside.items()},
                           used=result.used, rejected={**refused, **result.rejected}, clipped=result.clipped,
                           noise_scale=result.noise_scale,
                           codecs={d: a.codec for d, a in round_.assignments.items()},

@@ -18,10 +18,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 logger = logging.getLogger(__name__)
 
 DEMO_JOB = Path(__file__).parent.parent / "presets" / "demo.yaml"
 DEMO_SPEEDS = (0.5, 0.3, 0.2, 0.1)
+
+
+def plain_demo_job() -> dict:
+    """The demo job as a mapping, as plain proportional data parallelism: without its planner and
+    its aggregation settings (what benchmarks that compare training modes start from)."""
+    job = yaml.safe_load(DEMO_JOB.read_text())
+    job.pop("aggregation", None)
+    job["planner"] = {"enabled": False}
+    return job
 
 
 @dataclass(kw_only=True, frozen=True)

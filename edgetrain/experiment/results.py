@@ -38,6 +38,7 @@ import yaml
 
 from edgetrain.catalog import SYNTHETIC_DATASET_NAMES
 from edgetrain.config import ConfigError
+from edgetrain.experiment.plan_trials import trials_section
 from edgetrain.plan import plan_from_dict
 
 logger = logging.getLogger(__name__)
@@ -669,6 +670,7 @@ def build_report(run_dirs: Sequence[Path], out_dir: Path, *, title: str | None =
         lines += ["## Arms", ""] + arms_table(trained) + ["", "## Runs", ""] + runs_table(trained) + [""]
     if len(trained) < len(rows):
         lines += ["## Multi-job traces", ""] + trace_table(rows) + [""]
+    lines += trials_section(runs)
     lines += ["## Plots", ""]
     figures = plots.make_plots(runs, rows, out_dir / "plots", synthetic=synthetic,
                                plan_view=_plan_view(runs, rows, fleet, out_dir) if trained else None)

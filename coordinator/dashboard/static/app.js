@@ -223,6 +223,9 @@ function renderPlan(plan) {
     }
     picture.appendChild(node);
   }
+  if ((plan.local || []).length) {
+    picture.appendChild(box("local", "beside the steps (local updates, staleness-weighted)", plan.local));
+  }
   const out = Object.entries(plan.left_out || {});
   if (out.length) picture.appendChild(box("left", "left out", out.map(([b, why]) => `${b}: ${why}`)));
 }

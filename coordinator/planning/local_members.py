@@ -1,0 +1,157 @@
+"""Boards that train beside the steps: asynchronous local updates from boards too slow to be waited for.
+
+A board the planner leaves out for "no gain" (a share of every step would lengthen the step by
+more than it adds) can still add samples without being waited for: it takes the parameters of
+step v, trains locally for a time budget at its own speed, and sends its change, which the
+coordinator applies under the job's staleness rule — weight (1 + tau)^-p, refused when computed
+more than `aggregation.staleness_bound` steps ago — at the first step after it arrives. The
+budget is what fits, with the board's transfers, before the last step that may still apply it:
+about `staleness_bound` + 1 steps, less half a step kept for jitter. With local SGD (no momentum,
+no weight decay: the coordinator's optimizer applies those once) its change is the learning rate
+times the sum of its local gradients, so the coordinator divides it by lr x steps: a gradient over
+all its samples, weighted by their count like every shard's (normalised by the work done, as
+FedNova does).
+
+Pure functions of plain data: the live planner adds these boards to its plans
+(``add_local_members``) and the round sizes each board's work from its measured speed
+(``local_work_size``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from edgetrain.plan import NO_GAIN, BoardCost, ModelCost, Plan
+
+MIN_LOCAL_SAMPLES = 4
+"""Fewer samples than this per update are not worth a board's two transfers of the model."""
+
+WINDOW_MARGIN_STEPS = 0.5
+"""Steps of the window kept free for jitter: the budget ends this long before the last step that
+may apply the update aggregates."""
+
+@dataclass(frozen=True)
+class LocalWorkSize:
+    """The local training one update of a board beside the steps holds."""
+
+    steps: int
+    batch: int
+    seconds: float
+    """Predicted time from taking the work to the update being uploaded."""
+
+    @property
+    def samples(self) -> int:
+        return self.steps * self.batch
+
+    def staleness(self, step_s: float) -> int:
+        """Steps applied between the one it starts on and the one that applies it (predicted)."""
+        return max(0, math.ceil(self.seconds / step_s) - 1) if step_s > 0 else 0
+
+
+def local_work_size(*, overhead_s: float, samples_per_s: float, transfer_s: float, step_s: float,
+                    staleness_bound: int, staleness_exponent: float, local_batch: int,
+                    max_batch: float = math.inf) -> LocalWorkSize | None:
+    """The update size that adds the most staleness-weighted samples per second (`weighted_rate`)
+    among those that land within the bound: for each window of w = 1 .. staleness_bound + 1
+    steps, as many local steps of `local_batch` samples (at most `max_batch`: what its memory
+    holds) as fit with the board's transfers in w - WINDOW_MARGIN_STEPS steps of `step_s` (one
+    step of fewer samples when not even one fits). None when no window fits MIN_LOCAL_SAMPLES
+    (or the speed is unknown)."""
+    if samples_per_s <= 0 or step_s <= 0 or not math.isfinite(samples_per_s):
+        return None
+    best = None
+    for window in range(1, staleness_bound + 2):
+        size = _fitting(overhead_s, samples_per_s, (window - WINDOW_MARGIN_STEPS) * step_s - transfer_s,
+                        local_batch, max_batch, transfer_s)
+        if size is not None and size.staleness(step_s) <= staleness_bound and (
+                best is None or weighted_rate(size, step_s, staleness_exponent)
+                > weighted_rate(best, step_s, staleness_exponent)):
+            best = size
+    return best
+
+
+def _fitting(overhead_s: float, samples_per_s: float, compute_s: float, local_batch: int, max_batch: float,
+             transfer_s: float) -> LocalWorkSize | None:
+    """The most local steps of `local_batch` (or one smaller step) that fit in `compute_s`."""
+    batch = int(min(local_batch, max_batch))
+    per_step = overhead_s + batch / samples_per_s
+    steps = int(compute_s // per_step) if batch >= 1 else 0
+    if steps < 1:
+        steps, batch = 1, int(min(batch, (compute_s - overhead_s) * samples_per_s))
+    if batch < MIN_LOCAL_SAMPLES:
+        return None
+    return LocalWorkSize(steps, batch, transfer_s + steps * (overhead_s + batch / samples_per_s))
+
+
+def weighted_rate(size: LocalWorkSize, step_s: float, exponent: float) -> float:
+    """Samples per second a board beside the steps adds, weighted by the staleness factor its
+    updates are predicted to be applied with: one update per (staleness + 1) steps (it gets new
+    work at the first step after its update arrived)."""
+    tau = size.staleness(step_s)
+    return size.samples * (1.0 + tau) ** -exponent / ((tau + 1) * step_s)
+
+
+def add_local_members(plan: Plan, fleet: Sequence[BoardCost], model: ModelCost, *, global_batch: int,
+                      staleness_bound: int, staleness_exponent: float, local_batch: int) -> Plan:
+    """`plan` with every board it leaves out for no gain, or gives a DP share of less than one
+    sample, training beside its steps where a local update fits the staleness bound (the others
+    left out, saying why); its prediction then counts their staleness-weighted samples per second
+    and their memory."""
+    if plan.prediction is None:
+        return plan
+    plan = _without_empty_shards(plan, global_batch)
+    by_name = {b.name: b for b in fleet}
+    params = sum(b.param_bytes for b in model.blocks)
+    flops = sum(b.train_flops for b in model.blocks)
+    activations = sum(b.activation_bytes for b in model.blocks)
+    step_s = plan.prediction.step_s
+    members, rates, memory, left = [], {}, {}, []
+    for name, why in plan.left_out:
+        board = by_name.get(name)
+        if why != NO_GAIN or board is None:
+            left.append((name, why))
+            continue
+        room = (board.memory_bytes - 2 * params) / activations if activations else math.inf
+        size = local_work_size(overhead_s=board.overhead_s, samples_per_s=board.flops_per_s / flops,
+                               transfer_s=2 * params * board.seconds_per_byte + board.rtt_s, step_s=step_s,
+                               staleness_bound=staleness_bound, staleness_exponent=staleness_exponent,
+                               local_batch=local_batch, max_batch=room)
+        if size is None:
+            left.append((name, f"no gain; a local update does not fit {staleness_bound} step(s) of staleness"))
+            continue
+        members.append(name)
+        rates[name] = weighted_rate(size, step_s, staleness_exponent)
+        memory[name] = 2 * params + size.batch * activations
+    if not members:
+        return replace(plan, left_out=tuple(left))
+    prediction = replace(plan.prediction, local_samples_per_s=rates,
+                         memory_bytes={**plan.prediction.memory_bytes, **memory})
+    return replace(plan, local_boards=tuple(members), left_out=tuple(left), prediction=prediction)
+
+
+def _without_empty_shards(plan: Plan, global_batch: int) -> Plan:
+    """`plan` with its DP shards predicted to take less than one sample a step left out for no
+    gain (a pure DP plan keeps at least its busiest shard)."""
+    share = plan.prediction.share
+    empty = [b for b in plan.dp_boards if share.get(b, 0.0) * global_batch < 1]
+    kept = tuple(b for b in plan.dp_boards if b not in empty)
+    if not empty or (not kept and not plan.stages):
+        return plan
+    prediction = replace(plan.prediction, share={b: v for b, v in share.items() if b not in empty})
+    return replace(plan, dp_boards=kept, dp_share=plan.dp_share if kept or not plan.stages else 0.0,
+                   left_out=plan.left_out + tuple((b, NO_GAIN) for b in empty), prediction=prediction)
+
+
+def without_local_members(plan: Plan) -> Plan:
+    """`plan` with the boards beside its steps left out again (for no gain), as the planner made it."""
+    if not plan.local_boards:
+        return plan
+    prediction = plan.prediction
+    if prediction is not None:
+        prediction = replace(prediction, local_samples_per_s={},
+                             memory_bytes={b: m for b, m in prediction.memory_bytes.items()
+                                           if b not in plan.local_boards})
+    return replace(plan, local_boards=(), left_out=plan.left_out + tuple((b, NO_GAIN) for b in plan.local_boards),
+                   prediction=prediction)

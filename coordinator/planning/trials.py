@@ -1,0 +1,151 @@
+"""Measure, then commit: the planner's candidates run a few real training steps each, and the best
+measured one stays in force.
+
+A cost model misses what matters often enough (per-step overheads, codecs, a board's neighbours on
+the same machine) that a plan is only as good as its measurement. When the live planner puts a
+new plan in force (the first plan, or a re-plan on a changed fleet), a `Trial` runs it and the
+structurally different alternatives (coordinator.planning.planner.plan_alternatives: pure data
+parallelism, pipeline stages, one board alone) predicted within TRIAL_SPREAD of its step time,
+one after another for `steps` steps each. Trial steps are training steps: their updates count.
+A candidate's first step carries the hand-over (owned stages placed, boards starting) and is not
+scored; the others give its measured step time. The live planner remembers every measured
+structure: a later candidate measured slower than the plan in force does not replace it.
+
+Each candidate is scored by goodput, measured throughput x statistical efficiency (Pollux): its
+samples per step M (the global batch, plus what boards beside the steps add, weighted by
+staleness) over its measured step time, times (phi + M0) / (phi + M), with phi the gradient
+noise scale estimated in training (coordinator.training.noise_scale) and M0 the global batch.
+Without an estimate every sample counts (phi taken as infinite). The best score is committed.
+
+Trials are skipped once they would take more than `TRIAL_SHARE` of the training time so far
+(the first one always runs): repeated membership changes cannot turn a run into trials.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from edgetrain.plan import Plan
+
+TRIAL_SHARE = 0.05
+"""Most of the training time that trials may take (measured so far, the trial itself included)."""
+
+TRIAL_SPREAD = 2.0
+"""Alternatives predicted more than this many times slower a step than the planner's choice are
+not measured."""
+
+
+def efficiency(noise_scale: float | None, base_batch: float, batch: float) -> float:
+    """Pollux's statistical efficiency of a batch of `batch` samples against `base_batch`:
+    (phi + M0) / (phi + M); 1 when the noise scale is unknown."""
+    if noise_scale is None or not math.isfinite(noise_scale) or batch <= 0:
+        return 1.0
+    phi = max(noise_scale, 0.0)
+    return (phi + base_batch) / (phi + batch)
+
+
+@dataclass
+class Measured:
+    """One candidate's trial."""
+
+    plan: Plan
+    steps: list[tuple[int, float]] = field(default_factory=list)
+    """(step, seconds) of its steps (the first, the hand-over, included)."""
+
+    def step_s(self) -> float | None:
+        """Median seconds of its steps after the hand-over (None: none yet)."""
+        times = [s for _, s in self.steps[1:]]
+        return statistics.median(times) if times else None
+
+
+class Trial:
+    """Candidates run one after another, `steps` scored steps each (plus a hand-over step)."""
+
+    def __init__(self, start_step: int, candidates: Sequence[Plan], steps: int, reasons: Sequence[str] = ()) -> None:
+        if not candidates or steps < 1:
+            raise ValueError("a trial needs at least one candidate and one step each")
+        self.start_step = start_step
+        self.per = steps + 1
+        self.reasons = tuple(reasons)
+        self.measured = [Measured(p) for p in candidates]
+
+    @property
+    def end_step(self) -> int:
+        """The first step after the trial."""
+        return self.start_step + self.per * len(self.measured)
+
+    def plan_for(self, step: int) -> Plan | None:
+        """The candidate that runs `step`, or None once the trial is over."""
+        i = (step - self.start_step) // self.per
+        return self.measured[i].plan if 0 <= i < len(self.measured) else None
+
+    def observe(self, step_seconds: Sequence[tuple[int, float]]) -> None:
+        """Take each candidate's steps from the run's (step, seconds)."""
+        for m in self.measured:
+            m.steps = []
+        for step, seconds in step_seconds:
+            i = (step - self.start_step) // self.per
+            if 0 <= i < len(self.measured) and step >= self.start_step:
+                self.measured[i].steps.append((step, seconds))
+
+    def seconds(self) -> float:
+        """Training seconds the trial took so far."""
+        return sum(s for m in self.measured for _, s in m.steps)
+
+    def scores(self, global_batch: int, noise_scale: float | None) -> list[dict]:
+        """Each candidate's evidence and goodput score (None: it was not measured)."""
+        out = []
+        for m in self.measured:
+            p = m.plan.prediction
+            step_s = m.step_s()
+            local = sum(p.local_samples_per_s.values()) if p is not None else 0.0
+            batch = global_batch + local * (step_s or 0.0)
+            eff = efficiency(noise_scale, global_batch, batch)
+            out.append({"plan": m.plan.describe(), "kind": m.plan.kind,
+                        "boards": sorted({b for s in m.plan.stages for b in s.boards} | set(m.plan.dp_boards)),
+                        "local_boards": list(m.plan.local_boards),
+                        "steps": [s for s, _ in m.steps], "measured_step_s": _round(step_s),
+                        "predicted_step_s": _round(p.step_s if p else None),
+                        "samples_per_step": round(batch, 2),
+                        "measured_samples_per_s": _round(batch / step_s if step_s else None),
+                        "efficiency": round(eff, 4),
+                        "score": _round(batch / step_s * eff if step_s else None)})
+        return out
+
+    def best(self, global_batch: int, noise_scale: float | None) -> int:
+        """Index of the candidate with the best score (the first when none was measured)."""
+        scored = [(s["score"], -i) for i, s in enumerate(self.scores(global_batch, noise_scale))
+                  if s["score"] is not None]
+        return -max(scored)[1] if scored else 0
+
+
+def worth_measuring(best: Plan, others: Sequence[Plan]) -> list[Plan]:
+    """The plans of `others` predicted within TRIAL_SPREAD of `best`'s step time (the cost model
+    errs by tens of percent, not by factors: measuring a plan predicted twice as slow wastes the
+    trial)."""
+    if best.prediction is None:
+        return []
+    return [p for p in others if p.prediction is not None and p.prediction.step_s <= TRIAL_SPREAD * best.prediction.step_s]
+
+
+def structure(plan: Plan) -> tuple:
+    """What makes two plans structurally different: which boards work in the steps and how."""
+    return (tuple((s.begin, s.end, s.boards, s.split) for s in plan.stages), plan.dp_boards, plan.kind)
+
+
+def distinct(plans: Sequence[Plan]) -> list[Plan]:
+    """`plans` without repeated structures (the first of each kept)."""
+    seen, out = set(), []
+    for p in plans:
+        key = structure(p)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+def _round(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)

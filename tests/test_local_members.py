@@ -1,0 +1,197 @@
+"""Boards beside the steps (asynchronous local updates) and measured plan trials, without sockets.
+
+- A board's local work is sized to land within the staleness bound, and none is given when even
+  its transfers do not fit.
+- The planner puts a board it leaves out for no gain beside the steps, and the plan says so.
+- A local update of one SGD step, turned into gradient units, is the gradient of its samples.
+- The step board neither waits for nor closes the tickets of boards beside the step; past the
+  bound they are closed and refuse their upload.
+- A trial runs each candidate for its steps and keeps the best measured goodput.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_aggregation import Clock, _assign, _board, _upload
+
+from coordinator.planning.local_members import (
+    add_local_members,
+    local_work_size,
+    weighted_rate,
+    without_local_members,
+)
+from coordinator.planning.planner import plan_alternatives, plan_optimal
+from coordinator.planning.trials import Trial, distinct, efficiency
+from coordinator.training.aggregator import as_gradient
+from coordinator.training.steps import Contribution, StepError
+from edgetrain.models import build_model
+from edgetrain.plan import NO_GAIN, BlockCost, BoardCost, ModelCost, Plan
+from edgetrain.training import GRAD_PREFIX, local_train, shard_tensor_names
+from edgetrain.work import LocalWork
+
+# --- sizing --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bound", [0, 1, 2, 5])
+def test_local_work_lands_within_the_staleness_bound(bound):
+    size = local_work_size(overhead_s=0.2, samples_per_s=20.0, transfer_s=0.3, step_s=0.5, staleness_bound=bound,
+                           staleness_exponent=0.5, local_batch=16)
+    if bound == 0:  # half a step: 0.25 s, less than its transfers
+        assert size is None
+        return
+    assert size is not None and size.staleness(0.5) <= bound
+    assert size.seconds <= (bound + 0.5) * 0.5 + 1e-9
+    assert size.samples >= 4
+
+
+def test_the_size_chosen_adds_the_most_weighted_samples_of_any_window():
+    kw = {"overhead_s": 0.05, "samples_per_s": 40.0, "transfer_s": 0.4, "step_s": 0.5, "staleness_exponent": 0.5,
+          "local_batch": 8}
+    best = local_work_size(staleness_bound=6, **kw)
+    for bound in range(7):
+        other = local_work_size(staleness_bound=bound, **kw)
+        if other is not None:
+            assert weighted_rate(best, 0.5, 0.5) >= weighted_rate(other, 0.5, 0.5) - 1e-12
+
+
+def test_a_board_whose_transfers_take_longer_than_the_bound_allows_gets_no_local_work():
+    assert local_work_size(overhead_s=0.0, samples_per_s=100.0, transfer_s=10.0, step_s=1.0, staleness_bound=2,
+                           staleness_exponent=0.5, local_batch=16) is None
+
+
+# --- the planner's plans ---------------------------------------------------------------------------
+
+def _model() -> ModelCost:
+    return ModelCost(tuple(BlockCost(name=f"b{i}", param_bytes=400_000, activation_bytes=40_000, forward_flops=2e7)
+                           for i in range(4)))
+
+
+def _fleet(slow_rate: float = 1e9) -> list[BoardCost]:
+    fast = [BoardCost(name=n, flops_per_s=2e10, memory_bytes=4e9, mbit_per_s=1000.0, overhead_s=0.01) for n in "ab"]
+    return fast + [BoardCost(name="slow", flops_per_s=slow_rate, memory_bytes=4e9, mbit_per_s=1000.0, overhead_s=0.3)]
+
+
+def test_a_board_left_out_for_no_gain_trains_beside_the_steps():
+    # Prepare: the slow board would only lengthen every step
+    plan = plan_optimal(_fleet(), _model(), 64)
+    assert "slow" in dict(plan.left_out) or plan.prediction.share["slow"] * 64 < 1
+
+    # Execute
+    beside = add_local_members(plan, _fleet(), _model(), global_batch=64, staleness_bound=8, staleness_exponent=0.5,
+                               local_batch=16)
+
+    # Assert: it is beside the steps, its samples counted, and the steps are unchanged
+    assert beside.local_boards == ("slow",) and "slow" not in dict(beside.left_out)
+    assert beside.prediction.local_samples_per_s["slow"] > 0
+    assert beside.prediction.step_s == plan.prediction.step_s
+    assert "local" in beside.explain() and "local updates from slow" in beside.describe()
+    assert dict(without_local_members(beside).left_out)["slow"] == NO_GAIN
+
+
+def test_with_a_bound_too_short_the_board_stays_out_and_the_plan_says_why():
+    plan = plan_optimal(_fleet(), _model(), 64)
+    kept = add_local_members(plan, _fleet(), _model(), global_batch=64, staleness_bound=0, staleness_exponent=0.5,
+                             local_batch=16)
+    assert kept.local_boards == ()
+    assert "does not fit 0 step(s) of staleness" in dict(kept.left_out)["slow"]
+
+
+def test_a_board_in_the_steps_cannot_also_be_beside_them():
+    with pytest.raises(ValueError, match="either in the steps or beside them"):
+        Plan(dp_share=1.0, dp_boards=("a",), local_boards=("a",))
+
+
+def test_the_alternatives_differ_in_structure_and_include_one_board_alone():
+    plans = distinct([plan_optimal(_fleet(), _model(), 64), *plan_alternatives(_fleet(), _model(), 64)])
+    assert len(plans) >= 2
+    alone = [p for p in plans if len(p.dp_boards) == 1 and not p.stages]
+    assert alone and alone[0].dp_boards == ("a",) or alone[0].dp_boards == ("b",)
+    assert all(p.prediction is not None and p.prediction.fits for p in plans)
+
+
+# --- a local update in gradient units --------------------------------------------------------------
+
+def test_one_local_sgd_step_in_gradient_units_is_the_gradient_of_its_samples():
+    # Prepare: the same model and samples, once as a shard's gradient and once as a local step
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    reference = build_model("small_cnn", seed=0)
+    torch.nn.functional.cross_entropy(reference(x), y).backward()
+    want = {w: ref.grad.clone() for w, ref in shard_tensor_names(reference) if w.startswith(GRAD_PREFIX)}
+    local = build_model("small_cnn", seed=0)
+    result = local_train(local, x, y, steps=1, batch_size=8, lr=0.1)
+    work = LocalWork(steps=1, batch_size=8, lr=0.1, momentum=0.0, weight_decay=0.0, prox_mu=0.0)
+    c = Contribution(device_id="slow", samples=8, loss=0.0, correct=0, compute_s=0.0, download_s=0.0, encode_s=0.0,
+                     upload_s=0.0, tensors=dict(result.tensors), local=work)
+
+    # Execute
+    as_gradient(c)
+
+    # Assert
+    worst = max(float((c.tensors[n] - g).abs().max()) for n, g in want.items())
+    assert worst < 1e-5, worst
+
+
+# --- the step board: tickets beside the step --------------------------------------------------------
+
+def test_a_ticket_beside_the_step_is_not_waited_for_and_its_update_arrives_later():
+    # Prepare: step 0 for a fast board in the step and a slow one beside it
+    clock = Clock()
+    board, formats = _board(clock)
+    board.open_attempt(_assign(0, {"fast": 4, "slow": 2}))
+    _upload(board, formats, "fast", 0, 4)
+
+    # Execute: the attempt ends as soon as the fast board answered (the deadline is far away)
+    outcome = board.wait_attempt(0, 0, deadline=math.inf, is_alive=lambda d: True, beside={"slow"})
+    busy = board.busy()
+    board.open_attempt(_assign(1, {"fast": 4}))
+    _upload(board, formats, "slow", 0, 2)
+    late, _ = board.take_late(oldest_step=0)
+
+    # Assert
+    assert set(outcome.accepted) == {"fast"} and outcome.missing == [] and outcome.late == []
+    assert busy == {"slow"}
+    assert [(c.device_id, c.param_version) for c in late] == [("slow", 0)]
+
+
+def test_a_ticket_beside_the_step_past_the_bound_is_closed_and_refuses_its_upload():
+    clock = Clock()
+    board, formats = _board(clock)
+    board.open_attempt(_assign(0, {"fast": 4, "slow": 2}))
+    _upload(board, formats, "fast", 0, 4)
+    board.wait_attempt(0, 0, deadline=math.inf, is_alive=lambda d: True, beside={"slow"})
+    late, _ = board.take_late(oldest_step=1)  # step 3 under bound 2
+    assert late == [] and board.busy() == set()
+    with pytest.raises(StepError, match="step 0 attempt 0 is closed"):
+        _upload(board, formats, "slow", 0, 2)
+
+
+# --- trials ----------------------------------------------------------------------------------------
+
+def test_efficiency_is_one_without_a_noise_scale_and_falls_with_the_batch():
+    assert efficiency(None, 64, 128) == 1.0
+    assert efficiency(64.0, 64, 64) == 1.0
+    assert efficiency(64.0, 64, 192) == pytest.approx(0.5)
+
+
+def test_a_trial_runs_each_candidate_in_turn_and_keeps_the_fastest_measured():
+    # Prepare: two candidates, 2 scored steps each after a hand-over step
+    fleet, model = _fleet(), _model()
+    first = plan_optimal(fleet, model, 64)
+    second = plan_alternatives(fleet, model, 64)[-1]
+    trial = Trial(10, [first, second], steps=2)
+
+    # Execute: the second measures twice as fast
+    assert [trial.plan_for(s) is first for s in range(10, 13)] == [True] * 3
+    assert [trial.plan_for(s) is second for s in range(13, 16)] == [True] * 3
+    assert trial.plan_for(16) is None
+    trial.observe([(9, 5.0), (10, 9.0), (11, 1.0), (12, 1.0), (13, 9.0), (14, 0.5), (15, 0.5)])
+
+    # Assert: hand-over steps are not scored; the second wins
+    scores = trial.scores(64, None)
+    assert scores[0]["measured_step_s"] == 1.0 and scores[1]["measured_step_s"] == 0.5
+    assert trial.best(64, None) == 1
+    assert trial.seconds() == pytest.approx(21.0)
