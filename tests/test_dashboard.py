@@ -134,8 +134,8 @@ def test_state_and_metrics_say_what_the_registry_and_metrics_jsonl_hold(served, 
     # the plan the last step ran (no planner: the proportional split), predicted against measured
     assert state["plan"] == {"kind": "dp", "source": "proportional split", "stages": [],
                              "shards": [{"name": "a", "samples": 16}], "microbatches": None, "schedule": None,
-                             "local": [], "left_out": {}, "predicted_step_s": 1.4, "measured_step_s": 1.5,
-                             "step": 2}
+                             "local": [], "measured": None, "left_out": {}, "predicted_step_s": 1.4,
+                             "measured_step_s": 1.5, "step": 2}
     assert state["ideal_samples_per_s"] == pytest.approx(32 / 1.5, abs=0.01)  # a's best profiled batch; b has none
     job = ("job", "job-x")
     assert metrics[("edgetrain_loss", (job,))] == pytest.approx(1.7)
@@ -352,6 +352,10 @@ def test_the_plan_picture_is_the_planners_plan_as_the_last_step_ran_it(tmp_path:
             "plan": {"stages": [{"blocks": 4, "boards": ["s0"]}, {"blocks": 6, "boards": ["g1", "g2"]}],
                      "microbatches": 4, "schedule": "1f1b", "dp_boards": ["d"], "dp_share": 0.25},
             "left_out": {"w": "no gain"}, "local_boards": ["slow"]}
+    trial = {"kind": "plan_trial", "step": 8, "started": 0, "noise_scale": 512.0, "chosen": 1,
+             "candidates": [{"plan": "data parallelism over d", "measured_step_s": 3.0, "efficiency": 1.0,
+                             "score": 21.3},
+                            {"plan": "the pipeline", "measured_step_s": 2.5, "efficiency": 1.0, "score": 25.6}]}
     step = {"kind": "train", "step": 0, "step_s": 2.5, "predicted_step_s": None,  # pipeline steps: the plan's
             "shares": {"s0": 24, "g1": 14, "g2": 10, "d": 8},
             "stages": {"g2": {"stage": 1, "blocks": [4, 10]}, "s0": {"stage": 0, "blocks": [0, 4], "compute_s": 1.0,
@@ -359,7 +363,7 @@ def test_the_plan_picture_is_the_planners_plan_as_the_last_step_ran_it(tmp_path:
                        "g1": {"stage": 1, "blocks": [4, 10]}},
             "devices": {"pipeline0": {"compute_s": 1.2}, "d": {"compute_s": 2.0, "comm_s": 0.3, "waiting_s": 0.1,
                                                                "idle_s": 0.1}}}
-    (tmp_path / "metrics.jsonl").write_text(json.dumps(plan) + "\n" + json.dumps(step) + "\n")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (plan, trial, step)))
 
     # Execute
     state = RunView("j", tmp_path, DeviceRegistry(), synthetic=False).state()
@@ -372,7 +376,11 @@ def test_the_plan_picture_is_the_planners_plan_as_the_last_step_ran_it(tmp_path:
                    {"stage": 1, "blocks": [4, 10], "boards": [{"name": "g1", "samples": 14},
                                                               {"name": "g2", "samples": 10}]}],
         "shards": [{"name": "d", "samples": 8}], "local": ["slow"], "left_out": {"w": "no gain"},
-        "predicted_step_s": 2.0, "measured_step_s": 2.5}
+        "predicted_step_s": 2.0, "measured_step_s": 2.5,
+        "measured": {"steps": [0, 8], "noise_scale": 512.0, "candidates": [
+            {"plan": "data parallelism over d", "measured_step_s": 3.0, "efficiency": 1.0, "score": 21.3,
+             "kept": False},
+            {"plan": "the pipeline", "measured_step_s": 2.5, "efficiency": 1.0, "score": 25.6, "kept": True}]}}
     # the step timeline has each stage host, not the merged pipeline the aggregation saw
     parts = state["timeline"][-1]["boards"]
     assert sorted(parts) == ["d", "g1", "g2", "s0"]

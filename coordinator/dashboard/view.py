@@ -68,6 +68,8 @@ class RunView:
         self._steps: deque[dict] = deque(maxlen=STEPS_KEPT)
         self._evals: deque[dict] = deque(maxlen=STEPS_KEPT)
         self._plans: list[dict] = []
+        self._trial: dict | None = None
+        """The planner's last measured trial (its plan_trial record)."""
         self._failures: deque[dict] = deque(maxlen=100)
         self._boards_in_steps: set[str] | None = None
         self._ever: set[str] = set()
@@ -88,6 +90,8 @@ class RunView:
                 self._evals.append(record)
             elif kind == "plan":
                 self._plans.append(record)
+            elif kind == "plan_trial":
+                self._trial = record
 
     def _note_membership(self, record: dict, names: dict[str, str]) -> None:
         """A step whose boards differ from the last one's was planned anew (a board left, joined,
@@ -119,7 +123,7 @@ class RunView:
                 "synthetic_data": self.synthetic,
                 "ideal_samples_per_s": self.ideal_samples_per_s or _profiled_sum(records),
                 "boards": [_board(r, last, self.classes) for r in records],
-                "plan": _plan_picture(last, self._plans, steps, names, records) if last else None,
+                "plan": _plan_picture(last, self._plans, steps, names, records, self._trial) if last else None,
                 "curves": [{"step": s.get("step"), "time": s.get("time"), "loss": s.get("loss"),
                             "train_accuracy": s.get("train_accuracy"), "samples_per_s": s.get("samples_per_s"),
                             "energy_j": _step_energy(s)} for s in steps],
@@ -169,7 +173,8 @@ def _profiled_sum(records) -> float | None:
     return round(sum(speeds), 2) if speeds else None
 
 
-def _plan_picture(last: dict, plans: list[dict], steps: list[dict], names: dict[str, str], records=()) -> dict:
+def _plan_picture(last: dict, plans: list[dict], steps: list[dict], names: dict[str, str], records=(),
+                  trial: dict | None = None) -> dict:
     """The plan the last step ran, as the page draws it: pipeline stages (blocks, hosts: more
     than one host is a sample-split group, or a channel group with each member's share of the
     channels), DP shards with their samples, the micro-batches and
@@ -197,6 +202,11 @@ def _plan_picture(last: dict, plans: list[dict], steps: list[dict], names: dict[
         "microbatches": section.get("microbatches") if by_stage else None,
         "schedule": section.get("schedule") if by_stage else None,
         "local": [name(d) for d in (planned or {}).get("local_boards", [])],
+        "measured": None if trial is None else {
+            "steps": [trial.get("started"), trial.get("step")], "noise_scale": trial.get("noise_scale"),
+            "candidates": [{"plan": c.get("plan"), "measured_step_s": c.get("measured_step_s"),
+                            "efficiency": c.get("efficiency"), "score": c.get("score"),
+                            "kept": i == trial.get("chosen")} for i, c in enumerate(trial.get("candidates", []))]},
         "left_out": (planned or {}).get("left_out") or {
             r.name: "no samples this step" for r in records
             if r.state == "ready" and r.device_id not in last.get("shares", {}) and r.device_id not in last.get("stages", {})},

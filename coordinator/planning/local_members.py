@@ -97,8 +97,8 @@ def add_local_members(plan: Plan, fleet: Sequence[BoardCost], model: ModelCost, 
                       staleness_bound: int, staleness_exponent: float, local_batch: int) -> Plan:
     """`plan` with every board it leaves out for no gain, or gives a DP share of less than one
     sample, training beside its steps where a local update fits the staleness bound (the others
-    left out, saying why); its prediction then counts their staleness-weighted samples per second
-    and their memory."""
+    left out, saying why); its prediction then counts their staleness-weighted samples per second,
+    their memory, and their energy and samples in the energy per sample."""
     if plan.prediction is None:
         return plan
     plan = _without_empty_shards(plan, global_batch)
@@ -108,6 +108,7 @@ def add_local_members(plan: Plan, fleet: Sequence[BoardCost], model: ModelCost, 
     activations = sum(b.activation_bytes for b in model.blocks)
     step_s = plan.prediction.step_s
     members, rates, memory, left = [], {}, {}, []
+    joules, samples = 0.0, 0.0  # what the boards beside the steps use and train per step
     for name, why in plan.left_out:
         board = by_name.get(name)
         if why != NO_GAIN or board is None:
@@ -124,10 +125,16 @@ def add_local_members(plan: Plan, fleet: Sequence[BoardCost], model: ModelCost, 
         members.append(name)
         rates[name] = weighted_rate(size, step_s, staleness_exponent)
         memory[name] = 2 * params + size.batch * activations
+        cycle_s = (size.staleness(step_s) + 1) * step_s
+        busy = min(1.0, (size.seconds - 2 * params * board.seconds_per_byte) / cycle_s)
+        joules += (board.idle_w + (board.busy_w - board.idle_w) * busy) * step_s
+        samples += size.samples * step_s / cycle_s
     if not members:
         return replace(plan, left_out=tuple(left))
-    prediction = replace(plan.prediction, local_samples_per_s=rates,
-                         memory_bytes={**plan.prediction.memory_bytes, **memory})
+    p = plan.prediction
+    trained = p.samples_per_s * step_s  # the samples of a step
+    prediction = replace(p, local_samples_per_s=rates, memory_bytes={**p.memory_bytes, **memory},
+                         energy_per_sample_j=(p.energy_per_sample_j * trained + joules) / (trained + samples))
     return replace(plan, local_boards=tuple(members), left_out=tuple(left), prediction=prediction)
 
 
@@ -145,7 +152,8 @@ def _without_empty_shards(plan: Plan, global_batch: int) -> Plan:
 
 
 def without_local_members(plan: Plan) -> Plan:
-    """`plan` with the boards beside its steps left out again (for no gain), as the planner made it."""
+    """`plan` with the boards beside its steps left out again (for no gain), as the planner made it
+    (its energy per sample still counts them until it is predicted again)."""
     if not plan.local_boards:
         return plan
     prediction = plan.prediction

@@ -116,14 +116,33 @@ def plan_alternatives(fleet: Sequence[BoardCost], model: ModelCost, global_batch
     staged = [[c for c in r if c[0] is not None] for r in ranked]
     if any(staged):
         out.append(_best(prob, staged, exact))
-    alone = max(prob.shards, key=lambda s: s.r, default=None)
+    alone = _alone(prob)
     if alone is not None:
-        one = Plan(dp_share=1.0, dp_boards=(alone.board.name,),
-                   left_out=tuple((k.name, ONE_BOARD_ALONE) for k in prob.fleet if k is not alone.board))
-        prediction = prob.predict(one)
-        if prediction.fits:
-            out.append(replace(one, prediction=prediction))
+        out.append(alone)
     return out
+
+
+def _alone(prob: Problem) -> Plan | None:
+    """The fastest board alone, the others left out (ONE_BOARD_ALONE): as a data-parallel shard
+    (parameters down, gradients up each step) or as the whole model in one stage (its state on
+    the board, as the job's stage_state says), whichever is predicted faster; None if neither fits."""
+    fastest_shard = max(prob.shards, key=lambda s: s.r, default=None)
+    if fastest_shard is None:
+        return None
+    board = fastest_shard.board
+    others = tuple((k.name, ONE_BOARD_ALONE) for k in prob.fleet if k is not board)
+    plans = []
+    one = Plan(dp_share=1.0, dp_boards=(board.name,), left_out=others)
+    prediction = prob.predict(one)
+    if prediction.fits:
+        plans.append(replace(one, prediction=prediction))
+    if not board.own_data:
+        stages = [(0, prob.L, [board])]
+        pipe = prob.pipe(stages)
+        point = min(prob.points(pipe, []), key=lambda p: p.key, default=None) if pipe is not None else None
+        if point is not None:
+            plans.append(replace(prob.plan(stages, point), left_out=others))
+    return min(plans, key=lambda p: p.prediction.step_s, default=None)
 
 
 ONE_BOARD_ALONE = "one board alone"

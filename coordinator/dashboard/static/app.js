@@ -228,6 +228,13 @@ function renderPlan(plan) {
   }
   const out = Object.entries(plan.left_out || {});
   if (out.length) picture.appendChild(box("left", "left out", out.map(([b, why]) => `${b}: ${why}`)));
+  if (plan.measured) {
+    const m = plan.measured;
+    const phi = m.noise_scale == null ? "unknown" : fmt(m.noise_scale, 0);
+    picture.appendChild(box("measured", `measured before committing (steps ${m.steps[0]}–${m.steps[1] - 1}, noise scale ${phi})`,
+      m.candidates.map((c) => `${c.kept ? "kept: " : ""}${c.plan} · ${fmt(c.measured_step_s, 3)} s/step · ` +
+        `efficiency ${fmt(c.efficiency, 3)} · score ${fmt(c.score, 1)}`)));
+  }
 }
 
 function renderEvents(plans, failures) {
