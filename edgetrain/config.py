@@ -197,8 +197,10 @@ class AggregationConfig:
     """mean: sample-weighted average of this step's updates (synchronous); staleness: also use
     updates that arrive up to `staleness_bound` steps late, weighted by (1 + tau)^-staleness_exponent
     (FedBuff); fedavg / fedprox: federated rounds of local training (see the federated section)."""
-    staleness_bound: int = 2
-    """staleness rule: an update computed on parameters more than this many steps old is dropped."""
+    staleness_bound: int = 8
+    """An update computed on parameters more than this many steps old is dropped: a late one under
+    the staleness rule, and a local update from a board beside the steps of a planned job (whose
+    work is sized to arrive within it)."""
     staleness_exponent: float = 0.5
     """staleness rule: weight s(tau) = (1 + tau)^-p of an update tau steps late."""
     deadline: str = "none"

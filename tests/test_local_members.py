@@ -197,3 +197,22 @@ def test_a_trial_runs_each_candidate_in_turn_and_keeps_the_fastest_measured():
     assert scores[0]["measured_step_s"] == 1.0 and scores[1]["measured_step_s"] == 0.5
     assert trial.best(64, None) == 1
     assert trial.seconds() == pytest.approx(21.0)
+
+
+def test_a_switch_measured_slower_than_the_plan_in_force_keeps_the_plan_in_force():
+    # Prepare: the plan in force measured 1.0 s a step before the re-plan; the new plan runs its
+    # trial (a hand-over step, then 2 scored steps) and measures 1.5 s
+    fleet, model = _fleet(), _model()
+    in_force = plan_alternatives(fleet, model, 64)[-1]
+    new = plan_optimal(fleet, model, 64)
+    trial = Trial(20, [new], steps=2, incumbent=(in_force, 1.0))
+
+    # Execute
+    scheduled = [trial.plan_for(s) for s in range(19, 24)]
+    trial.observe([(20, 4.0), (21, 1.5), (22, 1.5)])
+
+    # Assert: only the new plan runs; the plan in force wins on its measurement and is not run again
+    assert scheduled == [None, new, new, new, None]
+    assert trial.best(64, None) == 1 and trial.measured[1].plan is in_force
+    assert trial.scores(64, None)[1]["in_force_before"] is True
+    assert trial.seconds() == pytest.approx(7.0)

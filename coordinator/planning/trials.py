@@ -17,8 +17,11 @@ staleness) over its measured step time, times (phi + M0) / (phi + M), with phi t
 noise scale estimated in training (coordinator.training.noise_scale) and M0 the global batch.
 Without an estimate every sample counts (phi taken as infinite). The best score is committed.
 
-Trials are skipped once they would take more than `TRIAL_SHARE` of the training time so far
-(the first one always runs): repeated membership changes cannot turn a run into trials.
+Alternatives are measured only while all trials so far took at most `TRIAL_SHARE` of the
+training time (the first trial always measures them): repeated re-plans cannot turn a run into
+trials. Beyond that a switch is still measured before it is committed: the new plan alone runs
+its trial steps and is kept only if it scores better than the plan in force did (its measured
+step time from before the trial).
 """
 
 from __future__ import annotations
@@ -54,9 +57,13 @@ class Measured:
     plan: Plan
     steps: list[tuple[int, float]] = field(default_factory=list)
     """(step, seconds) of its steps (the first, the hand-over, included)."""
+    known_s: float | None = None
+    """The plan in force: its step time measured before the trial (it does not run again)."""
 
     def step_s(self) -> float | None:
         """Median seconds of its steps after the hand-over (None: none yet)."""
+        if self.known_s is not None:
+            return self.known_s
         times = [s for _, s in self.steps[1:]]
         return statistics.median(times) if times else None
 
@@ -64,31 +71,36 @@ class Measured:
 class Trial:
     """Candidates run one after another, `steps` scored steps each (plus a hand-over step)."""
 
-    def __init__(self, start_step: int, candidates: Sequence[Plan], steps: int, reasons: Sequence[str] = ()) -> None:
+    def __init__(self, start_step: int, candidates: Sequence[Plan], steps: int, reasons: Sequence[str] = (),
+                 incumbent: tuple[Plan, float] | None = None) -> None:
         if not candidates or steps < 1:
             raise ValueError("a trial needs at least one candidate and one step each")
         self.start_step = start_step
         self.per = steps + 1
         self.reasons = tuple(reasons)
         self.measured = [Measured(p) for p in candidates]
+        """The candidates that run, in order (then, if given, the plan in force, already measured)."""
+        self.runs = len(self.measured)
+        if incumbent is not None:
+            self.measured.append(Measured(incumbent[0], known_s=incumbent[1]))
 
     @property
     def end_step(self) -> int:
         """The first step after the trial."""
-        return self.start_step + self.per * len(self.measured)
+        return self.start_step + self.per * self.runs
 
     def plan_for(self, step: int) -> Plan | None:
         """The candidate that runs `step`, or None once the trial is over."""
         i = (step - self.start_step) // self.per
-        return self.measured[i].plan if 0 <= i < len(self.measured) else None
+        return self.measured[i].plan if 0 <= i < self.runs and step >= self.start_step else None
 
     def observe(self, step_seconds: Sequence[tuple[int, float]]) -> None:
         """Take each candidate's steps from the run's (step, seconds)."""
-        for m in self.measured:
+        for m in self.measured[:self.runs]:
             m.steps = []
         for step, seconds in step_seconds:
             i = (step - self.start_step) // self.per
-            if 0 <= i < len(self.measured) and step >= self.start_step:
+            if 0 <= i < self.runs and step >= self.start_step:
                 self.measured[i].steps.append((step, seconds))
 
     def seconds(self) -> float:
@@ -104,7 +116,7 @@ class Trial:
             local = sum(p.local_samples_per_s.values()) if p is not None else 0.0
             batch = global_batch + local * (step_s or 0.0)
             eff = efficiency(noise_scale, global_batch, batch)
-            out.append({"plan": m.plan.describe(), "kind": m.plan.kind,
+            out.append({"plan": m.plan.describe(), "kind": m.plan.kind, "in_force_before": m.known_s is not None,
                         "boards": sorted({b for s in m.plan.stages for b in s.boards} | set(m.plan.dp_boards)),
                         "local_boards": list(m.plan.local_boards),
                         "steps": [s for s, _ in m.steps], "measured_step_s": _round(step_s),

@@ -238,7 +238,9 @@ class Aggregator:
     @property
     def versions_kept(self) -> int:
         """Parameter versions to keep serving: late boards may still fetch the ones they started on."""
-        return self.cfg.staleness_bound + 1 if self.keeps_late or self.takes_beside else 1
+        if self.keeps_late:
+            return self.cfg.staleness_bound + 1
+        return 2 if self.takes_beside else 1  # a board beside the steps may take its work a step late
 
     def step_lr(self, step: int) -> float:
         """The learning rate of `step` under the job's schedule (what boards use locally)."""

@@ -160,16 +160,24 @@ class LivePlans:
         measured = self._measured_step_s()
         if measured and self.planner.current is not None:
             self.planner.note_measured(self.planner.current, measured)
+        before = self.planner.current
         decision = self.planner.decide(step, boards, measured) if boards else None
         if decision is not None:
             self._record(step, decision)
-            if decision.switched and self._may_trial():
-                candidates = distinct([decision.plan, *worth_measuring(decision.plan, self.planner.alternatives(boards))])
-                if len(candidates) >= 2:
-                    self.trial = Trial(step, candidates, self.ctx.job.planner.trial_steps, decision.reasons)
-                    logger.info("[Coordinator.Planner] step %d: measuring %d plans for %d step(s) each before "
-                                "committing: %s", step, len(candidates), self.ctx.job.planner.trial_steps,
-                                " | ".join(p.describe() for p in candidates))
+            trial_steps = self.ctx.job.planner.trial_steps
+            if decision.switched and trial_steps:
+                candidates = [decision.plan]
+                if self._may_trial():  # the best of each other kind too
+                    candidates = distinct([decision.plan, *worth_measuring(decision.plan,
+                                                                           self.planner.alternatives(boards))])
+                # the plan in force, if it can still run, competes with the step time it measured
+                incumbent = (before, measured) if before is not None and measured and self._runnable(before, fleet) \
+                    else None
+                if len(candidates) >= 2 or incumbent is not None:
+                    self.trial = Trial(step, candidates, trial_steps, decision.reasons, incumbent)
+                    logger.info("[Coordinator.Planner] step %d: measuring %s for %d step(s) each before committing%s",
+                                step, " | ".join(p.describe() for p in candidates), trial_steps,
+                                f" (against the plan in force, {measured:.3f} s/step)" if incumbent else "")
                     return self.trial.plan_for(step)
         return self.planner.current or Plan(dp_share=1.0)  # nobody to plan for yet: DP waits for boards
 
