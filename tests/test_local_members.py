@@ -116,17 +116,25 @@ def test_the_alternatives_differ_in_structure_and_include_one_board_alone():
 
 # --- a local update in gradient units --------------------------------------------------------------
 
-def test_one_local_sgd_step_in_gradient_units_is_the_gradient_of_its_samples():
-    # Prepare: the same model and samples, once as a shard's gradient and once as a local step
+def test_local_sgd_steps_in_gradient_units_are_the_mean_of_their_gradients():
+    # Prepare: three plain SGD steps by hand, keeping each step's gradient, and the same three
+    # steps as a board's local training
     torch.manual_seed(0)
-    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    x, y = torch.randn(24, 3, 32, 32), torch.randint(0, 10, (24,))
     reference = build_model("small_cnn", seed=0)
-    torch.nn.functional.cross_entropy(reference(x), y).backward()
-    want = {w: ref.grad.clone() for w, ref in shard_tensor_names(reference) if w.startswith(GRAD_PREFIX)}
+    want: dict[str, torch.Tensor] = {}
+    for i in range(3):
+        reference.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x[8 * i: 8 * i + 8]), y[8 * i: 8 * i + 8]).backward()
+        with torch.no_grad():
+            for w, ref in shard_tensor_names(reference):
+                if w.startswith(GRAD_PREFIX):
+                    want[w] = want.get(w, 0) + ref.grad / 3
+                    ref.sub_(0.1 * ref.grad)
     local = build_model("small_cnn", seed=0)
-    result = local_train(local, x, y, steps=1, batch_size=8, lr=0.1)
-    work = LocalWork(steps=1, batch_size=8, lr=0.1, momentum=0.0, weight_decay=0.0, prox_mu=0.0)
-    c = Contribution(device_id="slow", samples=8, loss=0.0, correct=0, compute_s=0.0, download_s=0.0, encode_s=0.0,
+    result = local_train(local, x, y, steps=3, batch_size=8, lr=0.1)
+    work = LocalWork(steps=3, batch_size=8, lr=0.1, momentum=0.0, weight_decay=0.0, prox_mu=0.0)
+    c = Contribution(device_id="slow", samples=24, loss=0.0, correct=0, compute_s=0.0, download_s=0.0, encode_s=0.0,
                      upload_s=0.0, tensors=dict(result.tensors), local=work)
 
     # Execute
@@ -216,3 +224,77 @@ def test_a_switch_measured_slower_than_the_plan_in_force_keeps_the_plan_in_force
     assert trial.best(64, None) == 1 and trial.measured[1].plan is in_force
     assert trial.scores(64, None)[1]["in_force_before"] is True
     assert trial.seconds() == pytest.approx(7.0)
+
+
+# --- the aggregator: a local update beside the steps ------------------------------------------------
+
+def _local_upload(board, formats, device: str, step: int, samples: int, value: float) -> None:
+    import zlib
+
+    from edgetrain.tensors import pack
+    from edgetrain.work import StepReport
+
+    wire = {m.name: torch.full(m.shape, value) for m in formats("none").metas()}
+    metas, payload = pack(wire)
+    assembler = board.begin_upload(device, step, 0, metas, StepReport(samples=samples, loss=1.0, correct=0,
+                                                                      compute_s=0.1), 0)
+    assembler.add(0, bytes(payload), zlib.crc32(bytes(payload)))
+    board.complete_upload(device, step, 0)
+
+
+def _aggregator():
+    from conftest import small_job
+
+    from coordinator.registry import DeviceRegistry
+    from coordinator.training.aggregator import Aggregator
+
+    job = small_job(planner={"enabled": True}, aggregation={"staleness_bound": 8})
+    return Aggregator(job, build_model("small_cnn", seed=0), DeviceRegistry())
+
+
+def test_a_local_update_counts_once_in_gradient_units_with_its_staleness_weight():
+    # Prepare: at step 0 the slow board takes 3 local steps of 8 beside the step; it answers during step 2
+    from edgetrain.work import Assignment
+
+    clock = Clock()
+    board, formats = _board(clock)
+    aggregator = _aggregator()
+    work = LocalWork(steps=3, batch_size=8, lr=0.1, momentum=0.0, weight_decay=0.0, prox_mu=0.0)
+    board.open_attempt({**_assign(0, {"fast": 4}),
+                        "slow": Assignment(0, 0, 0, tuple(range(24)), False, 0, local=work)})
+    _upload(board, formats, "fast", 0, 4)
+    board.wait_attempt(0, 0, deadline=math.inf, is_alive=lambda d: True, beside={"slow"})
+    _local_upload(board, formats, "slow", 0, 24, 0.3)
+
+    # Execute
+    result = aggregator.apply(2, board, [], {})
+    again = aggregator.apply(3, board, [], {})
+
+    # Assert: weight (1 + 2)^-0.5, the change divided by lr x steps, applied once
+    [used] = result.used
+    assert used.contribution.device_id == "slow" and used.staleness == 2
+    assert used.factor == pytest.approx(3 ** -0.5)
+    grads = [t for n, t in used.contribution.tensors.items() if n.startswith(GRAD_PREFIX)]
+    assert all(torch.allclose(t, torch.full_like(t, 0.3 / (0.1 * 3))) for t in grads)
+    assert again.used == []
+
+
+def test_a_local_update_past_the_staleness_bound_is_never_applied():
+    from edgetrain.work import Assignment
+
+    clock = Clock()
+    board, formats = _board(clock)
+    aggregator = _aggregator()
+    work = LocalWork(steps=1, batch_size=8, lr=0.1, momentum=0.0, weight_decay=0.0, prox_mu=0.0)
+    board.open_attempt({**_assign(0, {"fast": 4}),
+                        "slow": Assignment(0, 0, 0, tuple(range(8)), False, 0, local=work)})
+    _upload(board, formats, "fast", 0, 4)
+    board.wait_attempt(0, 0, deadline=math.inf, is_alive=lambda d: True, beside={"slow"})
+
+    # Execute: step 9 is past the bound of 8 for work of step 0
+    result = aggregator.apply(9, board, [], {})
+
+    # Assert
+    assert result.used == []
+    with pytest.raises(StepError, match="step 0 attempt 0 is closed"):
+        _local_upload(board, formats, "slow", 0, 8, 0.3)

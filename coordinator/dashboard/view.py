@@ -68,6 +68,8 @@ class RunView:
         self._steps: deque[dict] = deque(maxlen=STEPS_KEPT)
         self._evals: deque[dict] = deque(maxlen=STEPS_KEPT)
         self._plans: list[dict] = []
+        self._beside: set[str] = set()
+        """Devices that were handed local work beside the steps (the newest plan's, while it holds)."""
         self._trial: dict | None = None
         """The planner's last measured trial (its plan_trial record)."""
         self._failures: deque[dict] = deque(maxlen=100)
@@ -80,6 +82,7 @@ class RunView:
             if kind == "train":
                 self._steps.append(record)
                 self._note_membership(record, names)
+                self._beside |= set(record.get("beside", {}))
                 for failure in record.get("failures", []):
                     self._failures.append({"step": record.get("step"), **failure})
                 for attempt in record.get("attempt_log", []):
@@ -90,6 +93,8 @@ class RunView:
                 self._evals.append(record)
             elif kind == "plan":
                 self._plans.append(record)
+                if record.get("switched"):  # a new plan: its boards beside the steps show as their work arrives
+                    self._beside = set()
             elif kind == "plan_trial":
                 self._trial = record
 
@@ -122,7 +127,7 @@ class RunView:
                 "job": self.job_name,
                 "synthetic_data": self.synthetic,
                 "ideal_samples_per_s": self.ideal_samples_per_s or _profiled_sum(records),
-                "boards": [_board(r, last, self.classes) for r in records],
+                "boards": [_board(r, last, self.classes, self._beside) for r in records],
                 "plan": _plan_picture(last, self._plans, steps, names, records, self._trial) if last else None,
                 "curves": [{"step": s.get("step"), "time": s.get("time"), "loss": s.get("loss"),
                             "train_accuracy": s.get("train_accuracy"), "samples_per_s": s.get("samples_per_s"),
@@ -222,7 +227,7 @@ def _step_energy(step: dict) -> float | None:
     return sum(known) if known else None
 
 
-def _board(record, last_step: dict, classes: tuple[str, ...] = ()) -> dict:
+def _board(record, last_step: dict, classes: tuple[str, ...] = (), beside: set[str] = frozenset()) -> dict:
     """One board's row: identity, role in the last step, its data, live telemetry, totals."""
     t = record.latest_telemetry
     shares = last_step.get("shares", {})
@@ -231,9 +236,8 @@ def _board(record, last_step: dict, classes: tuple[str, ...] = ()) -> dict:
     state = {"gone": "lost", "registered": "joining"}.get(record.state, record.state)
     if state == "ready" and (record.device_id in shares or record.device_id in stages):
         state = "training"
-    beside = record.device_id in last_step.get("beside", {}) or (
-        last_step.get("devices", {}).get(record.device_id, {}).get("staleness") is not None
-        and record.device_id not in shares and record.device_id not in stages)
+    beside = (record.device_id in beside or record.device_id in last_step.get("beside", {})) and \
+        record.device_id not in shares and record.device_id not in stages
     if state == "ready" and beside:
         state = "training"
     role = ("stage" if record.device_id in stages else "shard" if record.device_id in shares

@@ -86,7 +86,7 @@ def plan_report(fleet_file: str | Path, *, model: str | None = None, objective: 
     if job.planner.local_updates:  # boards the plan would not wait for train beside it, as in a run
         plans = [add_local_members(p, boards, cost, global_batch=batch, staleness_bound=job.aggregation.staleness_bound,
                                    staleness_exponent=job.aggregation.staleness_exponent,
-                                   local_batch=job.federated.local_batch) for p in plans]
+                                   local_batch=job.federated.local_batch, stage_state=stage_state) for p in plans]
     if as_json:
         return json.dumps({
             "fleet": fleet.name, "model": model_name, "global_batch": batch, "objective": objective,

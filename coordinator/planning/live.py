@@ -77,15 +77,16 @@ class LivePlanner:
         self.model = model
         self.global_batch = global_batch
         self.local = {"global_batch": global_batch, "staleness_bound": staleness_bound,
-                      "staleness_exponent": staleness_exponent, "local_batch": local_batch}
+                      "staleness_exponent": staleness_exponent, "local_batch": local_batch,
+                      "stage_state": stage_state}
         """How boards beside the steps are sized (the job's staleness rule and local batch)."""
         self.stage_options = {"stage_state": stage_state, "sync_every": sync_every, "replicate": replicate}
         """How stages keep their state (the job's pipeline section), for every plan and prediction."""
         self.current: Plan | None = None
         self.measured: dict[tuple, float] = {}
         """Plan structure (coordinator.planning.trials.structure) -> its measured step seconds, from
-        trials and from the plan in force as it runs: a candidate measured slower than the plan in
-        force does not replace it, whatever its prediction."""
+        trials and from the plan in force as it runs, since the fleet last changed: a candidate
+        measured slower than the plan in force does not replace it, whatever its prediction."""
         self._reference: dict[str, BoardCost] = {}
         self._overrun_checked = False
         """The plan in force was re-planned for running over its prediction (once per plan)."""
@@ -102,6 +103,8 @@ class LivePlanner:
         would lose to every candidate the model rates within its error (measured in
         docs/benchmarks.md, "Re-planning judged model to model")."""
         reasons = self.changes(boards)
+        if reasons:  # measured on another fleet: they say nothing about this one
+            self.measured.clear()
         overrun = self.overrun(measured_step_s)
         if overrun:
             reasons.append(overrun)

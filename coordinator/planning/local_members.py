@@ -94,12 +94,13 @@ def weighted_rate(size: LocalWorkSize, step_s: float, exponent: float) -> float:
 
 
 def add_local_members(plan: Plan, fleet: Sequence[BoardCost], model: ModelCost, *, global_batch: int,
-                      staleness_bound: int, staleness_exponent: float, local_batch: int) -> Plan:
+                      staleness_bound: int, staleness_exponent: float, local_batch: int,
+                      stage_state: str = "hosts") -> Plan:
     """`plan` with every board it leaves out for no gain, or gives a DP share of less than one
     sample, training beside its steps where a local update fits the staleness bound (the others
     left out, saying why); its prediction then counts their staleness-weighted samples per second,
     their memory, and their energy and samples in the energy per sample."""
-    if plan.prediction is None:
+    if plan.prediction is None or owns_stages(plan, stage_state):
         return plan
     plan = _without_empty_shards(plan, global_batch)
     by_name = {b.name: b for b in fleet}
@@ -111,7 +112,7 @@ def add_local_members(plan: Plan, fleet: Sequence[BoardCost], model: ModelCost, 
     joules, samples = 0.0, 0.0  # what the boards beside the steps use and train per step
     for name, why in plan.left_out:
         board = by_name.get(name)
-        if why != NO_GAIN or board is None:
+        if not why.startswith(NO_GAIN) or board is None:
             left.append((name, why))
             continue
         room = (board.memory_bytes - 2 * params) / activations if activations else math.inf
@@ -138,6 +139,13 @@ def add_local_members(plan: Plan, fleet: Sequence[BoardCost], model: ModelCost, 
     return replace(plan, local_boards=tuple(members), left_out=tuple(left), prediction=prediction)
 
 
+def owns_stages(plan: Plan, stage_state: str) -> bool:
+    """Whether hosts keep some stage's state (`stage_state: hosts`, a one-board stage, no DP
+    shards): a whole-model local update would then change blocks whose state lives on their
+    owners, so such a plan has no boards beside its steps."""
+    return stage_state == "hosts" and not plan.dp_boards and any(len(s.boards) == 1 for s in plan.stages)
+
+
 def _without_empty_shards(plan: Plan, global_batch: int) -> Plan:
     """`plan` with its DP shards predicted to take less than one sample a step left out for no
     gain (a pure DP plan keeps at least its busiest shard)."""
@@ -154,12 +162,13 @@ def _without_empty_shards(plan: Plan, global_batch: int) -> Plan:
 def without_local_members(plan: Plan) -> Plan:
     """`plan` with the boards beside its steps left out again (for no gain), as the planner made it
     (its energy per sample still counts them until it is predicted again)."""
-    if not plan.local_boards:
+    if not plan.local_boards and not any(why.startswith(NO_GAIN + ";") for _, why in plan.left_out):
         return plan
     prediction = plan.prediction
     if prediction is not None:
         prediction = replace(prediction, local_samples_per_s={},
                              memory_bytes={b: m for b, m in prediction.memory_bytes.items()
                                            if b not in plan.local_boards})
-    return replace(plan, local_boards=(), left_out=plan.left_out + tuple((b, NO_GAIN) for b in plan.local_boards),
+    left = tuple((b, NO_GAIN if why.startswith(NO_GAIN) else why) for b, why in plan.left_out)
+    return replace(plan, local_boards=(), left_out=left + tuple((b, NO_GAIN) for b in plan.local_boards),
                    prediction=prediction)

@@ -29,7 +29,7 @@ from coordinator.planning.inputs import (
     measure_model_cost,
     train_flops_per_sample,
 )
-from coordinator.planning.live import LivePlanner
+from coordinator.planning.live import LivePlanner, PlanDecision
 from coordinator.planning.local_members import local_work_size
 from coordinator.planning.trials import TRIAL_SHARE, Trial, distinct, worth_measuring
 from coordinator.training.data_parallel import DataParallelRound, OwnSamples
@@ -58,6 +58,9 @@ from edgetrain.training import state_tensors
 from edgetrain.work import Assignment, LocalWork
 
 logger = logging.getLogger(__name__)
+
+BESIDE_SEED_OFFSET = 7919
+"""Boards beside the steps draw their samples in orders seeded apart from their DP orders."""
 
 
 class PlanSource(Protocol):
@@ -207,6 +210,9 @@ class LivePlans:
             if m.step_s() is not None:
                 self.planner.note_measured(m.plan, m.step_s())
         self.planner.adopt(plan)
+        kept = PlanDecision(step, (f"measured: kept {scores[chosen]['plan']}",), plan, True,
+                            scores[chosen]["score"] or 0.0, None)
+        self.ctx.metrics.write(kept.to_record(job.pipeline.stage_state))  # the plan in force from here
         self.ctx.metrics.write({"kind": "plan_trial", "step": step, "started": trial.start_step,
                                 "reasons": list(trial.reasons), "candidates": scores, "chosen": chosen,
                                 "plan": plan_to_dict(plan), "plan_kind": plan.kind,
@@ -319,9 +325,10 @@ class PipelineRound(RoundPolicy):
         self._committed = (-1, 0)
         """The last committed step and the attempt that counted (hosts owning a stage apply it)."""
         self._dp_shares: dict[str, int] | None = None
-        self.beside_samples = OwnSamples(ctx.job.seed)
+        self.beside_samples = OwnSamples(ctx.job.seed + BESIDE_SEED_OFFSET)
         """Boards beside the steps: where each is in its own seeded order of the samples it trains on
-        (its own data, or the whole training set); a hand-out moves it on."""
+        (its own data, or the whole training set; another order than its own data's as a DP shard);
+        a hand-out moves it on."""
         self._fleet = Fleet({})
         """The fleet as the plan in force was last checked against."""
         self._missing: list[str] = []
@@ -337,7 +344,7 @@ class PipelineRound(RoundPolicy):
         if not plan.stages:
             self._release_owned(step, attempt)
             round_ = self.dp.configure_on(step, attempt, indices, plan.dp_boards, exclude=plan.local_boards)
-            return replace(round_, beside=self._beside(step, attempt, plan))
+            return replace(round_, beside=self._beside(step, attempt, plan, set(round_.assignments)))
         job = self.ctx.job
         lr = self.ctx.aggregator.step_lr(step)
         assignments = assign(plan, self.settings, step=step, attempt=attempt, indices=indices,
@@ -367,7 +374,7 @@ class PipelineRound(RoundPolicy):
                            for blocks, owner in self.owners.owners.items()}
             self._changes = ((step, attempt), lr, {})
         return Round(step, attempt, assignments, timeout, all_or_nothing=True,
-                     beside=self._beside(step, attempt, plan))
+                     beside=self._beside(step, attempt, plan, set(assignments)))
 
     def complete(self, round_: Round, outcome: AttemptOutcome, elapsed_s: float) -> bool:
         if not round_.all_or_nothing:
@@ -439,20 +446,23 @@ class PipelineRound(RoundPolicy):
         self.owners.close()
 
     # --- internals -----------------------------------------------------------------------------------
-    def _beside(self, step: int, attempt: int, plan: Plan) -> dict[str, Assignment]:
-        """Local work for the plan's boards beside the steps that are ready and idle, each sized
-        from its measured speed and link to land within the staleness bound
-        (coordinator.planning.local_members)."""
-        if not plan.local_boards or not isinstance(self.plans_from, LivePlans):
+    def _beside(self, step: int, attempt: int, plan: Plan, working: set[str]) -> dict[str, Assignment]:
+        """Local work for the plan's boards beside the steps that are ready, idle and not working
+        in the step (`working`), each sized from its measured speed and link to land within the
+        staleness bound (coordinator.planning.local_members). None while boards own stages: a
+        whole-model update would change blocks whose state lives on their owners. Local updates
+        travel uncompressed: a board's error feedback holds gradients, not parameter changes."""
+        if not plan.local_boards or not isinstance(self.plans_from, LivePlans) or self.owners.owners:
             return {}
         step_s = self.plans_from.step_s()
         job, busy = self.ctx.job, self.ctx.board.busy()
         lr = self.ctx.aggregator.step_lr(step)
-        codec = job.compression.uplink if job.compression.uplink not in ("none", "adaptive") else "none"
+        codec = "none"
         out = {}
         for record in self._fleet.records.values():
             if (record.name not in plan.local_boards or not record.ready or record.quarantined
-                    or record.device_id in busy or record.speed is None or not step_s):
+                    or record.device_id in busy or record.device_id in working or record.speed is None
+                    or not step_s):
                 continue
             speed = record.speed
             transfer_s = speed.comm_s or self.dp.codecs.step_bytes(codec) * 8 / (

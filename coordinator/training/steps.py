@@ -225,10 +225,11 @@ class StepBoard:
             expired, self._expired = self._expired, []
             return expired
 
-    def cancel_step(self, step: int) -> None:
-        """Close every ticket of `step` still open (its samples are being redone)."""
+    def cancel_step(self, step: int, keep: set[str] | frozenset[str] = frozenset()) -> None:
+        """Close every ticket of `step` still open (its samples are being redone), but those of the
+        devices in `keep` (boards beside the step: their work is not the step's)."""
         with self._cond:
-            for key in [k for k in self._tickets if k[1] == step]:
+            for key in [k for k in self._tickets if k[1] == step and k[0] not in keep]:
                 self._close(key)
 
     def newest(self) -> tuple[int, int] | None:

@@ -265,7 +265,7 @@ class Trainer:
                 last_void = self._void(step, attempt, result.rejected, redo=attempt + 1 < cfg.max_attempts)
                 refused.update(result.rejected)
             if round_.keep_late:  # the redo covers these samples: late answers for them must not count too
-                self.board.cancel_step(step)
+                self.board.cancel_step(step, keep=set(round_.beside))
         else:
             reason = f"; the last brought no usable update ({last_void})" if last_void else ""
             raise JobAborted(f"step {step} failed on all {cfg.max_attempts} attempts{reason}")
