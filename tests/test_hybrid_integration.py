@@ -148,17 +148,25 @@ def test_a_board_too_slow_to_wait_for_sends_local_updates_within_the_staleness_b
         coordinator_factory, client_factory, tmp_path):
     # Prepare: two boards on fast links and one on 8 Mbit/s, where moving the model takes longer
     # than a step: a share of every step would only slow it, an update every few steps adds samples
-    bound = 20
-    job = small_job(training={"steps": 80, "min_clients": 3, "global_batch": 96, "log_every": 100},
+    bound = 20  # steps of about 0.05 s: a local update (the model over 8 Mbit/s, twice) fits in 20
+    job = small_job(training={"steps": 200, "min_clients": 3, "global_batch": 96, "log_every": 100},
                     planner={"enabled": True, "link_wait_s": 30, "trial_steps": 2},
                     aggregation={"staleness_bound": bound})
     coordinator = coordinator_factory(job)
+    clients = {}
     for name, mbit in (("a", 400), ("b", 400), ("slow", 8)):
         path = _board(tmp_path / f"{name}.yaml", name, 0.5, mbit)
-        client_factory(coordinator.address, name, extra=("--emulate", str(path), "--probe-interval", "1"))
+        clients[name] = client_factory(coordinator.address, name,
+                                       extra=("--emulate", str(path), "--probe-interval", "1"))
 
-    # Execute
-    coordinator.wait(timeout=280)
+    # Execute: once its first local update was applied, the slow board dies with work in hand
+    applied = wait_for(lambda: next((s["step"] for s in _records(coordinator.run_dir) if any(
+        d.startswith("slow-") for d in s["devices"])), None), 200, "the slow board's first local update")
+    wait_for(lambda: any("slow-" in d for s in _records(coordinator.run_dir) if s["step"] > applied
+                         for d in s.get("beside", {})), 60, "the slow board's next local work")
+    clients["slow"].kill()
+    killed = max(s["step"] for s in _records(coordinator.run_dir))
+    coordinator.wait(timeout=200)
 
     # Assert: the planner measured at least two plans and kept the best score
     trials = _records(coordinator.run_dir, "plan_trial")
@@ -177,3 +185,7 @@ def test_a_board_too_slow_to_wait_for_sends_local_updates_within_the_staleness_b
     for _, v in mine:
         assert 0 <= v["staleness"] <= bound
         assert v["weight"] == pytest.approx((1 + v["staleness"]) ** -0.5, abs=1e-3)
+    # its death cost the others nothing: every step ran once, none waited for it or was redone
+    assert [s["step"] for s in steps] == list(range(200))
+    assert all(s["attempts"] == 1 for s in steps if s["step"] > killed), [
+        (s["step"], s["attempts"]) for s in steps if s["attempts"] > 1]

@@ -298,3 +298,18 @@ def test_a_local_update_past_the_staleness_bound_is_never_applied():
     assert result.used == []
     with pytest.raises(StepError, match="step 0 attempt 0 is closed"):
         _local_upload(board, formats, "slow", 0, 8, 0.3)
+
+
+def test_a_local_update_adds_to_the_step_instead_of_diluting_it():
+    from coordinator.training.aggregator import Weighted, combine
+
+    def c(device: str, samples: int, value: float) -> Contribution:
+        return Contribution(device_id=device, samples=samples, loss=0.0, correct=0, compute_s=0.0, download_s=0.0,
+                            encode_s=0.0, upload_s=0.0, tensors={"grad.w": torch.tensor([value])})
+
+    # the step's own 64 samples keep their full weight; 32 local samples at s = 0.5 add 32 / 64 x 0.5 x 2
+    out = combine([Weighted(c("a", 48, 1.0)), Weighted(c("b", 16, 1.0)), Weighted(c("slow", 32, 2.0), 3, 0.5, True)])
+    assert float(out["grad.w"]) == pytest.approx(1.5)
+    # more local samples than the step's count as one step's worth at most
+    out = combine([Weighted(c("a", 64, 1.0)), Weighted(c("slow", 640, 1.0), 0, 1.0, True)])
+    assert float(out["grad.w"]) == pytest.approx(2.0)

@@ -4,7 +4,8 @@ Pure logic over `BoardCost`s (the trainer builds them from the registry each ste
 coordinator.planning.inputs). A re-plan is considered when
 - a board joined or left (or was quarantined),
 - a board's measured link rate moved by more than `bandwidth_change` (a fraction) from the
-  rate the current plan was made with,
+  rate the current plan was made with, and that moves what it transfers in a step by at least
+  LINK_SHARE of the plan's step time (fast links measured under load wander a lot for nothing),
 - a board's battery crossed `battery_floor` while unplugged, or its plug changed,
 - the plan in force measures a step more than `overrun` (a fraction) over its prediction, once
   per plan: what the planner was told about the boards was wrong (a join-time profile taken
@@ -33,6 +34,10 @@ from edgetrain.config import PlannerConfig
 from edgetrain.plan import NO_GAIN, BoardCost, ModelCost, Plan, plan_to_dict
 
 logger = logging.getLogger(__name__)
+
+LINK_SHARE = 0.05
+"""A link rate change re-plans only when it moves the board's transfers by at least this share
+of the plan's predicted step."""
 
 
 @dataclass(frozen=True)
@@ -182,7 +187,7 @@ class LivePlanner:
         for name in sorted(set(now) & set(ref)):
             a, b = ref[name], now[name]
             change = abs(b.mbit_per_s - a.mbit_per_s) / a.mbit_per_s
-            if change > self.cfg.bandwidth_change:
+            if change > self.cfg.bandwidth_change and self._link_matters(a, b):
                 out.append(f"{name} link {a.mbit_per_s:.1f} -> {b.mbit_per_s:.1f} Mbit/s")
             if b.memory_bytes < 0.95 * a.memory_bytes:
                 out.append(f"{name} memory {a.memory_bytes / 1e6:.0f} -> {b.memory_bytes / 1e6:.0f} MB")
@@ -190,6 +195,20 @@ class LivePlanner:
                 out.append(f"{name} battery {b.battery_percent:.0f}% "
                            f"{'plugged' if b.plugged else 'unplugged'}")
         return out
+
+    def _link_matters(self, before: BoardCost, now: BoardCost) -> bool:
+        """Whether a board's link rate change moves its transfers by LINK_SHARE of the plan's step
+        or more: the most it moves in a step (the model down and up, or a stage's activations for
+        the whole batch) at the old rate against the new. A fast link's rate, measured under
+        load, wanders by more than bandwidth_change without changing any step."""
+        plan = self.current
+        if plan is None or plan.prediction is None:
+            return True
+        params = sum(b.param_bytes for b in self.model.blocks)
+        activations = max((b.activation_bytes for b in self.model.blocks), default=0.0) * self.global_batch
+        moved = 8 * max(2 * params, 2 * activations)
+        shift = abs(moved / (before.mbit_per_s * 1e6) - moved / (now.mbit_per_s * 1e6))
+        return shift >= LINK_SHARE * plan.prediction.step_s
 
     def overrun(self, measured_step_s: float | None) -> str:
         """Why the plan in force must be planned again for running over its prediction ("": it

@@ -12,6 +12,9 @@ The arithmetic is three plain functions of the step's contributions:
 3. `combine`: sum_i samples_i * s(tau_i) * g_i / sum_i samples_i for gradients, which for fresh
    updates is exactly the gradient of the mean loss over all accepted samples; float buffers
    (BatchNorm running statistics) are a proper weighted average, sum_i w_i * b_i / sum_i w_i.
+   A local update from a board beside the steps is not part of the step's batch: it adds
+   min(n_j, N) * s(tau_j) / N * g_j on top (N the step's own samples, n_j its samples), as if its
+   samples were taken in a step of their own at the same learning rate per sample, at most one.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ class Weighted:
     contribution: Contribution
     staleness: int = 0
     factor: float = 1.0
+    extra: bool = False
+    """Samples beside the step's batch (a local update from a board beside the steps): they add
+    to the step's update instead of sharing its average (see `combine`)."""
 
 
 def staleness_weight(tau: int, exponent: float) -> float:
@@ -143,12 +149,12 @@ def combine(contributions: Sequence[Contribution | Weighted]) -> dict[str, torch
     if not contributions:
         raise ValueError("nothing to combine")
     items = [c if isinstance(c, Weighted) else Weighted(c) for c in contributions]
-    total = sum(w.contribution.samples for w in items)
+    total = sum(w.contribution.samples for w in items if not w.extra) or sum(w.contribution.samples for w in items)
     buffer_total = sum(w.contribution.samples * w.factor for w in items)
     out: dict[str, torch.Tensor] = {}
     for item in items:
         c = item.contribution
-        grad_weight = c.samples * item.factor / total
+        grad_weight = (min(c.samples, total) if item.extra else c.samples) * item.factor / total
         buffer_weight = c.samples * item.factor / buffer_total
         for name, tensor in c.tensors.items():
             weight = grad_weight if name.startswith(GRAD_PREFIX) else buffer_weight
@@ -267,8 +273,11 @@ class Aggregator:
         rejected = {**refused, **self._late_rejected}
         self._late_rejected = {}
         usable, stale = list(fresh), {}
+        beside = set()
         if not self.federated:
             for c in (*fresh, *late):
+                if c.local is not None:
+                    beside.add(id(c))
                 as_gradient(c)
         for c in late:
             tau = step - c.param_version
@@ -281,7 +290,7 @@ class Aggregator:
             else Screening([], {}, {})
         rejected.update(screening.rejected)
         used = [Weighted(c, step - c.param_version, staleness_weight(step - c.param_version, self.cfg.staleness_exponent)
-                         * (factors or {}).get(c.device_id, 1.0)) for c in screening.kept]
+                         * (factors or {}).get(c.device_id, 1.0), extra=id(c) in beside) for c in screening.kept]
         if self.federated:
             self.lr = self.step_lr(step)
         else:

@@ -31,7 +31,7 @@ from coordinator.planning.inputs import (
 )
 from coordinator.planning.live import LivePlanner, PlanDecision
 from coordinator.planning.local_members import local_work_size
-from coordinator.planning.trials import TRIAL_SHARE, Trial, distinct, worth_measuring
+from coordinator.planning.trials import TRIAL_SHARE, Trial, distinct, structure, worth_measuring
 from coordinator.training.data_parallel import DataParallelRound, OwnSamples
 from coordinator.training.pipeline_work import (
     Host,
@@ -138,6 +138,8 @@ class LivePlans:
         """Training seconds every trial so far took."""
         self.in_force: Plan | None = None
         """The plan the last attempt ran (a trial's candidate while one runs)."""
+        self._kept: tuple[tuple, float] | None = None
+        """The structure the last trial kept and the step time it measured."""
 
     def prepare(self) -> None:
         if self.planner.current is None:
@@ -173,14 +175,17 @@ class LivePlans:
                 if self._may_trial():  # the best of each other kind too
                     candidates = distinct([decision.plan, *worth_measuring(decision.plan,
                                                                            self.planner.alternatives(boards))])
-                # the plan in force, if it can still run, competes with the step time it measured
-                incumbent = (before, measured) if before is not None and measured and self._runnable(before, fleet) \
+                # the plan in force, if it can still run, competes with the step time it measured (in
+                # its trial, when it has not run enough steps since)
+                known = measured or (self._kept[1] if self._kept and before is not None
+                                     and self._kept[0] == structure(before) else None)
+                incumbent = (before, known) if before is not None and known and self._runnable(before, fleet) \
                     else None
                 if len(candidates) >= 2 or incumbent is not None:
                     self.trial = Trial(step, candidates, trial_steps, decision.reasons, incumbent)
                     logger.info("[Coordinator.Planner] step %d: measuring %s for %d step(s) each before committing%s",
                                 step, " | ".join(p.describe() for p in candidates), trial_steps,
-                                f" (against the plan in force, {measured:.3f} s/step)" if incumbent else "")
+                                f" (against the plan in force, {known:.3f} s/step)" if incumbent else "")
                     return self.trial.plan_for(step)
         return self.planner.current or Plan(dp_share=1.0)  # nobody to plan for yet: DP waits for boards
 
@@ -206,6 +211,8 @@ class LivePlans:
         chosen = trial.best(job.training.global_batch, phi)
         plan = trial.measured[chosen].plan
         self.trial_seconds += trial.seconds()
+        if trial.measured[chosen].step_s() is not None:
+            self._kept = (structure(plan), trial.measured[chosen].step_s())
         for m in trial.measured:
             if m.step_s() is not None:
                 self.planner.note_measured(m.plan, m.step_s())
