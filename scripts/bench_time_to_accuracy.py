@@ -77,7 +77,10 @@ ARMS = {
     "planner": {"set": {"planner.enabled": True}},
 }
 ARMS["hybrid"] = ARMS["planner"]
-EDGETRAIN_ARMS = ("proportional", "hybrid", "federated", "planner")
+ARMS["planner-no-local"] = {"set": {"planner.enabled": True, "planner.local_updates": False}}
+ARMS["planner-no-trials"] = {"set": {"planner.enabled": True, "planner.trial_steps": 0}}
+"""Ablations (not run by default): the planner without boards beside the steps, or without trials."""
+EDGETRAIN_ARMS = ("proportional", "hybrid", "federated", "planner", "planner-no-local", "planner-no-trials")
 OTHERS = ("single", "proportional", "federated")
 """What the planner is measured against: the best of these."""
 WEAK_BOARD = "b10"

@@ -35,6 +35,9 @@ from edgetrain.plan import NO_GAIN, BoardCost, ModelCost, Plan, plan_to_dict
 
 logger = logging.getLogger(__name__)
 
+MEASURED_FOR_STEPS = 500
+"""How long a plan's measured step time keeps a slower-measured candidate from replacing it."""
+
 LINK_SHARE = 0.05
 """A link rate change re-plans only when it moves the board's transfers by at least this share
 of the plan's predicted step."""
@@ -88,10 +91,11 @@ class LivePlanner:
         self.stage_options = {"stage_state": stage_state, "sync_every": sync_every, "replicate": replicate}
         """How stages keep their state (the job's pipeline section), for every plan and prediction."""
         self.current: Plan | None = None
-        self.measured: dict[tuple, float] = {}
-        """Plan structure (coordinator.planning.trials.structure) -> its measured step seconds, from
-        trials and from the plan in force as it runs, since the fleet last changed: a candidate
-        measured slower than the plan in force does not replace it, whatever its prediction."""
+        self.measured: dict[tuple, tuple[float, int]] = {}
+        """Plan structure (coordinator.planning.trials.structure) -> its measured step seconds and
+        the step they were measured at, from trials and from the plan in force as it runs, for
+        MEASURED_FOR_STEPS steps and while no board joined or left: a candidate measured slower
+        than the plan in force does not replace it, whatever its prediction."""
         self._reference: dict[str, BoardCost] = {}
         self._overrun_checked = False
         """The plan in force was re-planned for running over its prediction (once per plan)."""
@@ -108,8 +112,9 @@ class LivePlanner:
         would lose to every candidate the model rates within its error (measured in
         docs/benchmarks.md, "Re-planning judged model to model")."""
         reasons = self.changes(boards)
-        if reasons:  # measured on another fleet: they say nothing about this one
+        if any(r.endswith((" joined", " left")) for r in reasons):  # measured with other boards
             self.measured.clear()
+        self.measured = {k: v for k, v in self.measured.items() if step - v[1] <= MEASURED_FOR_STEPS}
         overrun = self.overrun(measured_step_s)
         if overrun:
             reasons.append(overrun)
@@ -161,9 +166,9 @@ class LivePlanner:
             plans = [add_local_members(p, boards, self.model, **self.local) for p in plans]
         return plans
 
-    def note_measured(self, plan: Plan, step_s: float) -> None:
+    def note_measured(self, plan: Plan, step_s: float, step: int) -> None:
         """A plan of this structure measured `step_s` seconds a step (a trial, or the plan in force)."""
-        self.measured[structure(plan)] = step_s
+        self.measured[structure(plan)] = (step_s, step)
 
     def _measured_slower(self, candidate: Plan) -> bool:
         """Optimising time, the candidate's structure and the plan in force's were both measured,
@@ -171,7 +176,7 @@ class LivePlanner:
         if self.cfg.objective != "time" or self.current is None:
             return False
         mine, theirs = self.measured.get(structure(self.current)), self.measured.get(structure(candidate))
-        return bool(mine and theirs) and theirs > (1 - self.cfg.min_gain) * mine
+        return bool(mine and theirs) and theirs[0] > (1 - self.cfg.min_gain) * mine[0]
 
     def adopt(self, plan: Plan) -> None:
         """Put `plan` in force (a measured trial chose it over the planner's prediction)."""

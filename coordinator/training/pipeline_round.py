@@ -164,7 +164,7 @@ class LivePlans:
         boards = [board_from_record(r, self.model_cost) for r in fleet.records.values() if r.ready and not r.quarantined]
         measured = self._measured_step_s()
         if measured and self.planner.current is not None:
-            self.planner.note_measured(self.planner.current, measured)
+            self.planner.note_measured(self.planner.current, measured, step)
         before = self.planner.current
         decision = self.planner.decide(step, boards, measured) if boards else None
         if decision is not None:
@@ -215,7 +215,7 @@ class LivePlans:
             self._kept = (structure(plan), trial.measured[chosen].step_s())
         for m in trial.measured:
             if m.step_s() is not None:
-                self.planner.note_measured(m.plan, m.step_s())
+                self.planner.note_measured(m.plan, m.step_s(), step)
         self.planner.adopt(plan)
         kept = PlanDecision(step, (f"measured: kept {scores[chosen]['plan']}",), plan, True,
                             scores[chosen]["score"] or 0.0, None)
