@@ -17,6 +17,8 @@ staleness) over its measured step time, times (phi + M0) / (phi + M), with phi t
 noise scale estimated in training (coordinator.training.noise_scale) and M0 the global batch.
 Without an estimate every sample counts (phi taken as infinite). The best score is committed.
 
+A plan made while some board's link is not measured yet (planned with an assumed rate) goes in
+force unmeasured: the re-plan its measured links cause is the one that is measured.
 Alternatives are measured only while all trials so far took at most `TRIAL_SHARE` of the
 training time (the first trial always measures them): repeated re-plans cannot turn a run into
 trials. Beyond that a switch is still measured before it is committed: the new plan alone runs

@@ -170,7 +170,7 @@ class LivePlans:
         if decision is not None:
             self._record(step, decision)
             trial_steps = self.ctx.job.planner.trial_steps
-            if decision.switched and trial_steps:
+            if decision.switched and trial_steps and self._links_known(fleet):
                 candidates = [decision.plan]
                 if self._may_trial():  # the best of each other kind too
                     candidates = distinct([decision.plan, *worth_measuring(decision.plan,
@@ -188,6 +188,13 @@ class LivePlans:
                                 f" (against the plan in force, {known:.3f} s/step)" if incumbent else "")
                     return self.trial.plan_for(step)
         return self.planner.current or Plan(dp_share=1.0)  # nobody to plan for yet: DP waits for boards
+
+    @staticmethod
+    def _links_known(fleet: Fleet) -> bool:
+        """Whether every ready board has measured its link: a plan made with assumed links is put
+        in force unmeasured (when the links arrive, the re-plan they cause is measured)."""
+        return all(r.latest_telemetry and r.latest_telemetry.link_mbit_per_s
+                   for r in fleet.records.values() if r.ready)
 
     def _may_trial(self) -> bool:
         """Whether a trial may run now: trials are on, and (after the first) those so far took at
