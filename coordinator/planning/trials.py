@@ -12,10 +12,11 @@ scored; the others give its measured step time. The live planner remembers every
 structure: a later candidate measured slower than the plan in force does not replace it.
 
 Each candidate is scored by goodput, measured throughput x statistical efficiency (Pollux): its
-samples per step M (the global batch, plus what boards beside the steps add, weighted by
-staleness) over its measured step time, times (phi + M0) / (phi + M), with phi the gradient
-noise scale estimated in training (coordinator.training.noise_scale) and M0 the global batch.
-Without an estimate every sample counts (phi taken as infinite). The best score is committed.
+samples per step M over its measured step time, times (phi + M0) / (phi + M), with phi the
+gradient noise scale estimated in training (coordinator.training.noise_scale) and M0 the global
+batch. M counts the step's own samples only: what boards beside the steps add arrives after a
+trial's few steps, so it is not measured there, and counting their predicted samples made plans
+with boards beside them win trials they measured slower in. The best score is committed.
 
 A plan made while some board's link is not measured yet (planned with an assumed rate) goes in
 force unmeasured: the re-plan its measured links cause is the one that is measured.
@@ -115,8 +116,7 @@ class Trial:
         for m in self.measured:
             p = m.plan.prediction
             step_s = m.step_s()
-            local = sum(p.local_samples_per_s.values()) if p is not None else 0.0
-            batch = global_batch + local * (step_s or 0.0)
+            batch = float(global_batch)  # local updates land after the trial: their samples are not measured in it
             eff = efficiency(noise_scale, global_batch, batch)
             out.append({"plan": m.plan.describe(), "kind": m.plan.kind, "in_force_before": m.known_s is not None,
                         "boards": sorted({b for s in m.plan.stages for b in s.boards} | set(m.plan.dp_boards)),
