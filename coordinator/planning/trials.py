@@ -2,8 +2,9 @@
 measured one stays in force.
 
 A cost model misses what matters often enough (per-step overheads, codecs, a board's neighbours on
-the same machine) that a plan is only as good as its measurement. When the live planner puts a
-new plan in force (the first plan, or a re-plan on a changed fleet), a `Trial` runs it and the
+the same machine) that a plan is only as good as its measurement. After the first WARMUP_STEPS
+steps (the plan in force against the others), and whenever the live planner puts a new plan in
+force on a changed fleet, a `Trial` runs it and the
 structurally different alternatives (coordinator.planning.planner.plan_alternatives: pure data
 parallelism, pipeline stages, one board alone) predicted within TRIAL_SPREAD of its step time,
 one after another for `steps` steps each. Trial steps are training steps: their updates count.
@@ -38,6 +39,10 @@ from edgetrain.plan import Plan
 
 TRIAL_SHARE = 0.05
 """Most of the training time that trials may take (measured so far, the trial itself included)."""
+
+WARMUP_STEPS = 10
+"""Steps a run trains before its first trial: its first steps are slower whatever the plan (the
+boards' first passes, caches), and would condemn the candidate measured first."""
 
 TRIAL_SPREAD = 2.0
 """Alternatives predicted more than this many times slower a step than the planner's choice are

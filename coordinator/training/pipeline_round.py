@@ -31,7 +31,14 @@ from coordinator.planning.inputs import (
 )
 from coordinator.planning.live import LivePlanner, PlanDecision
 from coordinator.planning.local_members import local_work_size
-from coordinator.planning.trials import TRIAL_SHARE, Trial, distinct, structure, worth_measuring
+from coordinator.planning.trials import (
+    TRIAL_SHARE,
+    WARMUP_STEPS,
+    Trial,
+    distinct,
+    structure,
+    worth_measuring,
+)
 from coordinator.training.data_parallel import DataParallelRound, OwnSamples
 from coordinator.training.pipeline_work import (
     Host,
@@ -138,6 +145,8 @@ class LivePlans:
         """Training seconds every trial so far took."""
         self.in_force: Plan | None = None
         """The plan the last attempt ran (a trial's candidate while one runs)."""
+        self._warmed_up = False
+        """The first WARMUP_STEPS steps ran and the first trial began (switches are measured from then)."""
         self._kept: tuple[tuple, float] | None = None
         """The structure the last trial kept and the step time it measured."""
 
@@ -162,6 +171,9 @@ class LivePlans:
                 return plan
             self._commit_trial(step)
         boards = [board_from_record(r, self.model_cost) for r in fleet.records.values() if r.ready and not r.quarantined]
+        first = self._first_trial(step, fleet, boards)
+        if first is not None:
+            return first
         measured = self._measured_step_s()
         if measured and self.planner.current is not None:
             self.planner.note_measured(self.planner.current, measured, step)
@@ -170,7 +182,7 @@ class LivePlans:
         if decision is not None:
             self._record(step, decision)
             trial_steps = self.ctx.job.planner.trial_steps
-            if decision.switched and trial_steps and self._links_known(fleet):
+            if decision.switched and trial_steps and self._warmed_up and self._links_known(fleet):
                 candidates = [decision.plan]
                 if self._may_trial():  # the best of each other kind too
                     candidates = distinct([decision.plan, *worth_measuring(decision.plan,
@@ -188,6 +200,24 @@ class LivePlans:
                                 f" (against the plan in force, {known:.3f} s/step)" if incumbent else "")
                     return self.trial.plan_for(step)
         return self.planner.current or Plan(dp_share=1.0)  # nobody to plan for yet: DP waits for boards
+
+    def _first_trial(self, step: int, fleet: Fleet, boards: list) -> Plan | None:
+        """Once WARMUP_STEPS steps ran (the first steps of a run are slower whatever the plan:
+        they would condemn the candidate measured first) and every link is measured: the plan in
+        force against the best plan of each other kind. Its first candidate, or None."""
+        trial_steps = self.ctx.job.planner.trial_steps
+        if (self._warmed_up or not trial_steps or self.planner.current is None
+                or len(self.ctx.step_seconds) < WARMUP_STEPS or not self._links_known(fleet)):
+            return None
+        self._warmed_up = True
+        current = self.planner.current
+        candidates = distinct([current, *worth_measuring(current, self.planner.alternatives(boards))])
+        if len(candidates) < 2:
+            return None
+        self.trial = Trial(step, candidates, trial_steps, (f"{WARMUP_STEPS} steps warmed up",))
+        logger.info("[Coordinator.Planner] step %d: measuring %s for %d step(s) each before committing", step,
+                    " | ".join(p.describe() for p in candidates), trial_steps)
+        return self.trial.plan_for(step)
 
     @staticmethod
     def _links_known(fleet: Fleet) -> bool:
