@@ -252,18 +252,23 @@ def _aggregator():
     return Aggregator(job, build_model("small_cnn", seed=0), DeviceRegistry())
 
 
-def test_a_local_update_counts_once_in_gradient_units_with_its_staleness_weight():
-    # Prepare: at step 0 the slow board takes 3 local steps of 8 beside the step; it answers during step 2
+def _step_with_local_work(steps: int):
+    """Step 0 with a fast board in it and "slow" beside it (`steps` local steps of 8, lr 0.1), the
+    fast board answered and the attempt closed: (step board, its formats, an aggregator)."""
     from edgetrain.work import Assignment
 
-    clock = Clock()
-    board, formats = _board(clock)
-    aggregator = _aggregator()
-    work = LocalWork(steps=3, batch_size=8, lr=0.1, momentum=0.0, weight_decay=0.0, prox_mu=0.0)
+    board, formats = _board(Clock())
+    work = LocalWork(steps=steps, batch_size=8, lr=0.1, momentum=0.0, weight_decay=0.0, prox_mu=0.0)
     board.open_attempt({**_assign(0, {"fast": 4}),
-                        "slow": Assignment(0, 0, 0, tuple(range(24)), False, 0, local=work)})
+                        "slow": Assignment(0, 0, 0, tuple(range(8 * steps)), False, 0, local=work)})
     _upload(board, formats, "fast", 0, 4)
     board.wait_attempt(0, 0, deadline=math.inf, is_alive=lambda d: True, beside={"slow"})
+    return board, formats, _aggregator()
+
+
+def test_a_local_update_counts_once_in_gradient_units_with_its_staleness_weight():
+    # Prepare: at step 0 the slow board takes 3 local steps of 8 beside the step; it answers during step 2
+    board, formats, aggregator = _step_with_local_work(steps=3)
     _local_upload(board, formats, "slow", 0, 24, 0.3)
 
     # Execute
@@ -280,16 +285,7 @@ def test_a_local_update_counts_once_in_gradient_units_with_its_staleness_weight(
 
 
 def test_a_local_update_past_the_staleness_bound_is_never_applied():
-    from edgetrain.work import Assignment
-
-    clock = Clock()
-    board, formats = _board(clock)
-    aggregator = _aggregator()
-    work = LocalWork(steps=1, batch_size=8, lr=0.1, momentum=0.0, weight_decay=0.0, prox_mu=0.0)
-    board.open_attempt({**_assign(0, {"fast": 4}),
-                        "slow": Assignment(0, 0, 0, tuple(range(8)), False, 0, local=work)})
-    _upload(board, formats, "fast", 0, 4)
-    board.wait_attempt(0, 0, deadline=math.inf, is_alive=lambda d: True, beside={"slow"})
+    board, formats, aggregator = _step_with_local_work(steps=1)
 
     # Execute: step 9 is past the bound of 8 for work of step 0
     result = aggregator.apply(9, board, [], {})

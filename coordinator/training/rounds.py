@@ -199,7 +199,8 @@ class RoundPolicy:
 def make_round_policy(ctx: RoundContext) -> RoundPolicy:
     """The job's round policy (see the module docstring)."""
     from coordinator.training.data_parallel import DataParallelRound, Deadline, FederatedRound
-    from coordinator.training.pipeline_round import PipelineRound, plan_source
+    from coordinator.training.pipeline_round import PipelineRound
+    from coordinator.training.plan_sources import plan_source
 
     job = ctx.job
     agg = job.aggregation

@@ -147,8 +147,6 @@ def run_on_emulated_boards(job: dict, boards: Sequence[tuple[float, float]], wor
                            client_args: tuple[str, ...] = ("--probe-interval", "5")) -> Path:
     """Run the job mapping `job` on boards given as (fraction of a core, link Mbit/s), named
     board0, board1, ...; returns its run directory (RuntimeError if the coordinator failed)."""
-    import yaml
-
     job_file = workdir / f"{job['name']}.yaml"
     job_file.write_text(yaml.safe_dump(job))
     files = []
