@@ -51,8 +51,9 @@ from pathlib import Path
 
 import yaml
 
-from edgetrain.emulator.launch import EmulatedTrust, edgetrain_command, plain_demo_job
+from edgetrain.emulator.launch import EmulatedTrust, plain_demo_job
 from edgetrain.emulator.netns import VirtualLan, netns_available
+from edgetrain.supervisor import edgetrain_command, terminate
 
 SPEEDS = (0.5, 0.3, 0.2, 0.1)
 NAMES = tuple(f"board{i}" for i in range(len(SPEEDS)))
@@ -147,13 +148,7 @@ class Fleet:
                     os.kill(proc.pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
-                proc.terminate()
-        for proc in [*self.boards.values(), self.coordinator]:
-            if proc is not None:
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        terminate(*[p for p in [*self.boards.values(), self.coordinator] if p is not None], grace_s=15)
 
 
 def _job_file(workdir: Path, steps: int, seed: int) -> tuple[Path, str]:

@@ -165,7 +165,7 @@ def run_live(scheduler: str, specs: list, trace: tuple[Job, ...], workdir: Path)
     from edgetrain import transport, trust
     from edgetrain.config import job_from_dict
     from edgetrain.emulator.fleet_config import board_to_dict
-    from edgetrain.emulator.launch import edgetrain_command
+    from edgetrain.supervisor import edgetrain_command, terminate, wait_for_address
     from protos import jobs_pb2 as pb
     from protos import jobs_pb2_grpc as pb_grpc
 
@@ -181,9 +181,7 @@ def run_live(scheduler: str, specs: list, trace: tuple[Job, ...], workdir: Path)
         "--state-dir", str(work / "state"), "--runs-dir", str(work / "runs"), "--data-dir", str(work / "data"),
         "--no-advertise"), stdout=(work / "server.log").open("w"), stderr=subprocess.STDOUT, env=env)]
     try:
-        while not (port_file.exists() and port_file.read_text().strip()):
-            time.sleep(0.2)
-        address = port_file.read_text().splitlines()[0].strip()  # line 2: the pairing address
+        address = wait_for_address(port_file, procs[0], what="the job server")
         for b in specs:
             board_file = work / f"{b.name}.yaml"
             board_file.write_text(yaml.safe_dump(board_to_dict(b)))
@@ -225,13 +223,7 @@ def run_live(scheduler: str, specs: list, trace: tuple[Job, ...], workdir: Path)
                 "simulated_avg_jct": round(sim.avg_jct, 1), "simulated_makespan": round(sim.makespan, 1),
                 "overhead_s": round(overhead_s, 1), "failed": failed}
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        terminate(*reversed(procs), grace_s=30)
 
 
 def main() -> None:

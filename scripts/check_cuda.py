@@ -38,12 +38,8 @@ import yaml
 
 from coordinator.training.checkpoint import model_state
 from edgetrain.config import job_from_dict
-from edgetrain.emulator.launch import (
-    EmulatedTrust,
-    edgetrain_command,
-    stop_processes,
-    wait_for_address,
-)
+from edgetrain.emulator.launch import EmulatedTrust
+from edgetrain.supervisor import edgetrain_command, stop, wait_for_address
 from edgetrain.training import single_process_sgd
 
 TOLERANCE = {"cpu": 2e-5, "cuda": 1e-4}
@@ -92,9 +88,9 @@ def run(kind: str, args: argparse.Namespace, workdir: Path) -> dict:
                 str(workdir / "data"), *credentials, *extra), stdout=(logs / f"{board}.log").open("w"),
                 stderr=subprocess.STDOUT, env=env))
         code = coordinator.wait(timeout=args.timeout)
-        stop_processes(boards, grace_s=15)
+        stop(boards, grace_s=15)
     finally:
-        stop_processes([*boards, coordinator], grace_s=0)
+        stop([*boards, coordinator], grace_s=0)
     if code != 0:
         raise RuntimeError(f"{name}: the coordinator exited with code {code} (logs in {logs})")
     device_log = (logs / f"{DEVICE_BOARD}.log").read_text()

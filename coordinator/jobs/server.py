@@ -38,14 +38,22 @@ import psutil
 import yaml
 
 from coordinator.jobs.lobby import LobbyBoard, fleet_ratio, step_rate, upload_mbit
-from coordinator.jobs.processes import create_time, exit_code, first_port, process, terminate
 from coordinator.jobs.scheduler import SCHEDULERS, Board, FleetState, Job, Running
 from coordinator.jobs.speed import PlannerSpeed, board_spec, implied_speed, warm
 from coordinator.jobs.store import ACTIVE, DONE, JobRecord, JobStore
 from coordinator.jobs.submission import parse_job, request_text, submitted_job
 from edgetrain import trust
 from edgetrain.config import JobConfig, job_to_dict
-from edgetrain.emulator.launch import edgetrain_command
+from edgetrain.supervisor import (
+    ChildExited,
+    adopt,
+    create_time,
+    edgetrain_command,
+    exit_code,
+    first_port,
+    terminate,
+    wait_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +123,7 @@ class JobServer:
     def _adopt(self) -> None:
         """After a restart: keep coordinators still running, re-queue the rest to resume."""
         for job in self.store.in_state(*ACTIVE):
-            proc = process(job.pid, job.pid_started)
+            proc = adopt(job.pid, job.pid_started)
             if proc is not None and job.port:
                 self.procs[job.id] = proc
                 job.state = "running"
@@ -541,18 +549,18 @@ class JobServer:
 
     def _await_port(self, job: JobRecord, proc: subprocess.Popen, port_file: Path) -> None:
         """Mark the job running once its coordinator wrote its address (line 1 of its port file)."""
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline and proc.poll() is None:
-            port = first_port(port_file)
-            if port:
-                with self.lock:
-                    if job.state == "starting":
-                        job.port, job.state = port, "running"
-                        self.serving_since[job.id] = self.clock()
-                        self.store.save()
-                        self.changed.notify_all()
-                return
-            time.sleep(0.1)
-        if proc.poll() is None:
-            logger.error("[JobServer] job %s: its coordinator did not serve within %.0f s", job.id, START_TIMEOUT_S)
+        try:
+            wait_for(lambda: bool(first_port(port_file)), proc, timeout_s=START_TIMEOUT_S,
+                     what=f"job {job.id}'s coordinator")
+        except ChildExited:
+            return  # the scheduling loop reaps it and records how it ended
+        except TimeoutError as e:
+            logger.error("[JobServer] %s", e)
             terminate(proc)
+            return
+        with self.lock:
+            if job.state == "starting":
+                job.port, job.state = first_port(port_file), "running"
+                self.serving_since[job.id] = self.clock()
+                self.store.save()
+                self.changed.notify_all()

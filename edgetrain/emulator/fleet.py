@@ -32,9 +32,10 @@ from edgetrain.emulator.fleet_config import (
     board_to_dict,
     load_fleet,
 )
-from edgetrain.emulator.launch import EmulatedTrust, edgetrain_command
+from edgetrain.emulator.launch import EmulatedTrust
 from edgetrain.emulator.netns import HostNetwork, VirtualLan, destroy_resources, netns_available
 from edgetrain.emulator.throttle import DEFAULT_MEMORY_CGROUP_ROOT, remove_stale_cgroups
+from edgetrain.supervisor import ChildExited, edgetrain_command, terminate, wait_for_address
 
 logger = logging.getLogger(__name__)
 
@@ -132,12 +133,10 @@ class Supervisor:
             "--dashboard", self.dashboard or "none"),
             stdout=log, stderr=subprocess.STDOUT)
         self._save()
-        deadline = time.monotonic() + 120
-        while not (address_file.exists() and address_file.read_text().strip()):
-            if self.procs["coordinator"].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the coordinator did not start; see {self.log_dir / 'coordinator.log'}")
-            time.sleep(0.1)
-        self.state["coordinator"] = address_file.read_text().splitlines()[0].strip()  # line 2: pairing
+        try:
+            self.state["coordinator"] = wait_for_address(address_file, self.procs["coordinator"], 120)
+        except (ChildExited, TimeoutError) as e:
+            raise RuntimeError(f"{e}; see {self.log_dir / 'coordinator.log'}") from e
         # the URL holds the dashboard's token: the state file names the file (owner-only), not the URL
         self.state["dashboard_url_file"] = str(url_file) if self.dashboard and url_file.exists() else None
 
@@ -174,9 +173,8 @@ class Supervisor:
             self._board_file(updated)
         elif event.action == "leave":
             proc = self.procs.get(board.name)
-            if proc and proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=30)
+            if proc:
+                terminate(proc, grace_s=30)
         elif event.action == "join" and (board.name not in self.procs or self.procs[board.name].poll() is not None):
             self._start_board(board)
         self.state["events"].append({"at_s": event.at_s, "board": event.board, "action": event.action})
@@ -199,15 +197,7 @@ class Supervisor:
 
     def teardown(self) -> None:
         """Stop every process and remove every namespace, cgroup and file this fleet created."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+        terminate(*self.procs.values(), grace_s=10)
         if self.lan is not None:
             self.lan.destroy()
         remove_stale_cgroups()

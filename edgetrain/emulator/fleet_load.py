@@ -29,7 +29,7 @@ import psutil
 import yaml
 
 from edgetrain import trust
-from edgetrain.emulator.launch import edgetrain_command, wait_for_address
+from edgetrain.supervisor import edgetrain_command, wait_for_address
 
 SYNTHETIC_NOTE = "light boards: SYNTHETIC profiles and telemetry; real gRPC, mutual TLS and coordinator"
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from edgetrain.supervisor import edgetrain_command, stop, wait_for_address
 
 logger = logging.getLogger(__name__)
 
@@ -109,40 +109,6 @@ class EmulatedTrust:
         return ["--identity", str(identity)], env
 
 
-def edgetrain_command(*args: str) -> list[str]:
-    """The command line that runs `edgetrain ARGS` with this interpreter (roles start as processes)."""
-    return [sys.executable, "-m", "edgetrain", *args]
-
-
-def wait_for_address(port_file: Path, coordinator: subprocess.Popen, timeout_s: float = 300) -> str:
-    """The address a coordinator wrote to `port_file` once it serves (RuntimeError if it exited first)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if port_file.exists() and port_file.read_text().strip():
-            return port_file.read_text().splitlines()[0].strip()  # line 2: the pairing address
-        if coordinator.poll() is not None:
-            raise RuntimeError(f"the coordinator exited with code {coordinator.returncode} before serving")
-        time.sleep(0.1)
-    raise TimeoutError(f"the coordinator did not start serving within {timeout_s:.0f} s")
-
-
-def stop_processes(processes: Sequence[subprocess.Popen], grace_s: float, *, terminate_wait_s: float = 5) -> None:
-    """Let `processes` end by themselves for `grace_s`, then terminate what is left and, after
-    `terminate_wait_s`, kill it."""
-    deadline = time.monotonic() + grace_s
-    for proc in processes:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-    for proc in processes:
-        try:
-            proc.wait(timeout=terminate_wait_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-
-
 def run_on_emulated_boards(job: dict, boards: Sequence[tuple[float, float]], workdir: Path,
                            client_args: tuple[str, ...] = ("--probe-interval", "5")) -> Path:
     """Run the job mapping `job` on boards given as (fraction of a core, link Mbit/s), named
@@ -191,7 +157,7 @@ def run_local(run: LocalRun, *, job_name: str) -> int:
         logger.info("started %d emulated boards (%s); their logs are in %s", len(clients),
                     ", ".join(name for name, _ in boards), log_dir)
         code = coordinator.wait()
-        stop_processes(clients, grace_s=15)
+        stop(clients, grace_s=15)
         return code
     finally:
-        stop_processes([*clients, coordinator], grace_s=0)
+        stop([*clients, coordinator], grace_s=0)

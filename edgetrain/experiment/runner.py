@@ -37,9 +37,11 @@ from typing import Any
 import grpc
 import yaml
 
+from edgetrain import supervisor
 from edgetrain.emulator.fleet_config import BoardSpec, FleetSpec, board_to_dict
-from edgetrain.emulator.launch import EmulatedTrust, edgetrain_command, stop_processes
+from edgetrain.emulator.launch import EmulatedTrust
 from edgetrain.experiment.spec import Arm, Experiment, Run, SpecError, Trace
+from edgetrain.supervisor import edgetrain_command
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +268,7 @@ class _Processes:
 
     def stop(self, grace_s: float) -> None:
         """Let the boards end by themselves for `grace_s`, then terminate what is left."""
-        stop_processes([*self.boards, *([self.server] if self.server else [])], grace_s, terminate_wait_s=10)
+        supervisor.stop([*self.boards, *([self.server] if self.server else [])], grace_s, terminate_wait_s=10)
         shutil.rmtree(self.trust.directory, ignore_errors=True)  # the run's own throwaway authority
 
 
@@ -289,12 +291,7 @@ def run_edgetrain_arm(run: Run, fleet: FleetSpec, run_dir: Path, *, data_dir: Pa
             if over or (gone_since and time.monotonic() - gone_since > STOP_GRACE_S):
                 why = "its time cap passed long ago" if over else "board processes exited"
                 logger.warning("arm %s: stopping its coordinator: %s (logs in %s)", run.name, why, procs.logs)
-                procs.server.terminate()  # ends the job cleanly: final evaluation, summary
-                try:
-                    procs.server.wait(timeout=STOP_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    procs.server.kill()
-                    procs.server.wait(timeout=10)
+                supervisor.terminate(procs.server, grace_s=STOP_GRACE_S)  # ends the job cleanly
                 break
             time.sleep(POLL_S)
         progress.follow(run_dir / "metrics.jsonl")
@@ -358,8 +355,8 @@ def run_trace_arm(trace: Trace, fleet: FleetSpec, run_dir: Path, *, data_dir: Pa
         (run_dir / "trace.json").write_text(json.dumps(summary, indent=2))
         return 0 if len(ended) == len(jobs) else 1
     finally:
-        if procs.server is not None and procs.server.poll() is None:
-            procs.server.terminate()
+        if procs.server is not None:
+            supervisor.terminate(procs.server, grace_s=0)
         procs.stop(grace_s=0)
 
 
