@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/jobs.proto\x12\x0c\x65\x64getrain.v1\"!\n\rSubmitRequest\x12\x10\n\x08job_yaml\x18\x01 \x01(\t\"\x81\x03\n\x07JobView\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0f\n\x07request\x18\x05 \x01(\t\x12\r\n\x05state\x18\x06 \x01(\t\x12\x0e\n\x06\x62oards\x18\x07 \x03(\t\x12\x10\n\x08priority\x18\x08 \x01(\x01\x12\x11\n\tsubmitted\x18\t \x01(\x01\x12\x15\n\rplanned_start\x18\n \x01(\x01\x12\x18\n\x10predicted_finish\x18\x0b \x01(\x01\x12\x0f\n\x07started\x18\x0c \x01(\x01\x12\x10\n\x08\x66inished\x18\r \x01(\x01\x12\r\n\x05steps\x18\x0e \x01(\x03\x12\x12\n\nsteps_done\x18\x0f \x01(\x03\x12\x1f\n\x17predicted_samples_per_s\x18\x10 \x01(\x01\x12\x0f\n\x07message\x18\x11 \x01(\t\x12\x0f\n\x07run_dir\x18\x12 \x01(\t\x12\x10\n\x08launches\x18\x13 \x01(\x05\x12\x1e\n\x16measured_samples_per_s\x18\x14 \x01(\x01\"\x9a\x01\n\tBoardView\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05speed\x18\x02 \x01(\x01\x12\x17\n\x0flink_mbit_per_s\x18\x03 \x01(\x01\x12\x0b\n\x03job\x18\x04 \x01(\t\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\x15\n\rclaimed_speed\x18\x06 \x01(\x01\x12\x16\n\x0emeasured_speed\x18\x07 \x01(\x01\x12\x0c\n\x04\x66lag\x18\x08 \x01(\t\"\x11\n\x0fListJobsRequest\"\x91\x01\n\rListJobsReply\x12#\n\x04jobs\x18\x01 \x03(\x0b\x32\x15.edgetrain.v1.JobView\x12\'\n\x06\x62oards\x18\x02 \x03(\x0b\x32\x17.edgetrain.v1.BoardView\x12\x11\n\tscheduler\x18\x03 \x01(\t\x12\x0b\n\x03now\x18\x04 \x01(\x01\x12\x12\n\nplan_exact\x18\x05 \x01(\x08\"\x1b\n\rCancelRequest\x12\n\n\x02id\x18\x01 \x01(\t\"c\n\x0bJoinRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0breference_s\x18\x02 \x01(\x01\x12\x17\n\x0flink_mbit_per_s\x18\x03 \x01(\x01\x12\x18\n\x10protocol_version\x18\x04 \x01(\x05\"\x1b\n\tJoinReply\x12\x0e\n\x06poll_s\x18\x01 \x01(\x01\"2\n\x0eNextJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmax_wait_s\x18\x02 \x01(\x01\":\n\x08JobOffer\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x10\n\x08job_name\x18\x03 \x01(\t\"\x1d\n\nLobbyProbe\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"\x0f\n\rLobbyProbeAck2\x8c\x03\n\tJobServer\x12<\n\x06Submit\x12\x1b.edgetrain.v1.SubmitRequest\x1a\x15.edgetrain.v1.JobView\x12\x46\n\x08ListJobs\x12\x1d.edgetrain.v1.ListJobsRequest\x1a\x1b.edgetrain.v1.ListJobsReply\x12<\n\x06\x43\x61ncel\x12\x1b.edgetrain.v1.CancelRequest\x1a\x15.edgetrain.v1.JobView\x12:\n\x04Join\x12\x19.edgetrain.v1.JoinRequest\x1a\x17.edgetrain.v1.JoinReply\x12?\n\x07NextJob\x12\x1c.edgetrain.v1.NextJobRequest\x1a\x16.edgetrain.v1.JobOffer\x12>\n\x05Probe\x12\x18.edgetrain.v1.LobbyProbe\x1a\x1b.edgetrain.v1.LobbyProbeAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/jobs.proto\x12\x0c\x65\x64getrain.v1\":\n\rSubmitRequest\x12\x10\n\x08job_yaml\x18\x01 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x02 \x01(\t\"\x81\x03\n\x07JobView\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0f\n\x07request\x18\x05 \x01(\t\x12\r\n\x05state\x18\x06 \x01(\t\x12\x0e\n\x06\x62oards\x18\x07 \x03(\t\x12\x10\n\x08priority\x18\x08 \x01(\x01\x12\x11\n\tsubmitted\x18\t \x01(\x01\x12\x15\n\rplanned_start\x18\n \x01(\x01\x12\x18\n\x10predicted_finish\x18\x0b \x01(\x01\x12\x0f\n\x07started\x18\x0c \x01(\x01\x12\x10\n\x08\x66inished\x18\r \x01(\x01\x12\r\n\x05steps\x18\x0e \x01(\x03\x12\x12\n\nsteps_done\x18\x0f \x01(\x03\x12\x1f\n\x17predicted_samples_per_s\x18\x10 \x01(\x01\x12\x0f\n\x07message\x18\x11 \x01(\t\x12\x0f\n\x07run_dir\x18\x12 \x01(\t\x12\x10\n\x08launches\x18\x13 \x01(\x05\x12\x1e\n\x16measured_samples_per_s\x18\x14 \x01(\x01\"\x9a\x01\n\tBoardView\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05speed\x18\x02 \x01(\x01\x12\x17\n\x0flink_mbit_per_s\x18\x03 \x01(\x01\x12\x0b\n\x03job\x18\x04 \x01(\t\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\x15\n\rclaimed_speed\x18\x06 \x01(\x01\x12\x16\n\x0emeasured_speed\x18\x07 \x01(\x01\x12\x0c\n\x04\x66lag\x18\x08 \x01(\t\"\x11\n\x0fListJobsRequest\"\x91\x01\n\rListJobsReply\x12#\n\x04jobs\x18\x01 \x03(\x0b\x32\x15.edgetrain.v1.JobView\x12\'\n\x06\x62oards\x18\x02 \x03(\x0b\x32\x17.edgetrain.v1.BoardView\x12\x11\n\tscheduler\x18\x03 \x01(\t\x12\x0b\n\x03now\x18\x04 \x01(\x01\x12\x12\n\nplan_exact\x18\x05 \x01(\x08\"\x1b\n\rCancelRequest\x12\n\n\x02id\x18\x01 \x01(\t\"c\n\x0bJoinRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0breference_s\x18\x02 \x01(\x01\x12\x17\n\x0flink_mbit_per_s\x18\x03 \x01(\x01\x12\x18\n\x10protocol_version\x18\x04 \x01(\x05\"\x1b\n\tJoinReply\x12\x0e\n\x06poll_s\x18\x01 \x01(\x01\"2\n\x0eNextJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmax_wait_s\x18\x02 \x01(\x01\":\n\x08JobOffer\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x10\n\x08job_name\x18\x03 \x01(\t\"\x1d\n\nLobbyProbe\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"\x0f\n\rLobbyProbeAck2\x8c\x03\n\tJobServer\x12<\n\x06Submit\x12\x1b.edgetrain.v1.SubmitRequest\x1a\x15.edgetrain.v1.JobView\x12\x46\n\x08ListJobs\x12\x1d.edgetrain.v1.ListJobsRequest\x1a\x1b.edgetrain.v1.ListJobsReply\x12<\n\x06\x43\x61ncel\x12\x1b.edgetrain.v1.CancelRequest\x1a\x15.edgetrain.v1.JobView\x12:\n\x04Join\x12\x19.edgetrain.v1.JoinRequest\x1a\x17.edgetrain.v1.JoinReply\x12?\n\x07NextJob\x12\x1c.edgetrain.v1.NextJobRequest\x1a\x16.edgetrain.v1.JobOffer\x12>\n\x05Probe\x12\x18.edgetrain.v1.LobbyProbe\x1a\x1b.edgetrain.v1.LobbyProbeAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,29 +32,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.jobs_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITREQUEST']._serialized_start=35
-  _globals['_SUBMITREQUEST']._serialized_end=68
-  _globals['_JOBVIEW']._serialized_start=71
-  _globals['_JOBVIEW']._serialized_end=456
-  _globals['_BOARDVIEW']._serialized_start=459
-  _globals['_BOARDVIEW']._serialized_end=613
-  _globals['_LISTJOBSREQUEST']._serialized_start=615
-  _globals['_LISTJOBSREQUEST']._serialized_end=632
-  _globals['_LISTJOBSREPLY']._serialized_start=635
-  _globals['_LISTJOBSREPLY']._serialized_end=780
-  _globals['_CANCELREQUEST']._serialized_start=782
-  _globals['_CANCELREQUEST']._serialized_end=809
-  _globals['_JOINREQUEST']._serialized_start=811
-  _globals['_JOINREQUEST']._serialized_end=910
-  _globals['_JOINREPLY']._serialized_start=912
-  _globals['_JOINREPLY']._serialized_end=939
-  _globals['_NEXTJOBREQUEST']._serialized_start=941
-  _globals['_NEXTJOBREQUEST']._serialized_end=991
-  _globals['_JOBOFFER']._serialized_start=993
-  _globals['_JOBOFFER']._serialized_end=1051
-  _globals['_LOBBYPROBE']._serialized_start=1053
-  _globals['_LOBBYPROBE']._serialized_end=1082
-  _globals['_LOBBYPROBEACK']._serialized_start=1084
-  _globals['_LOBBYPROBEACK']._serialized_end=1099
-  _globals['_JOBSERVER']._serialized_start=1102
-  _globals['_JOBSERVER']._serialized_end=1498
+  _globals['_SUBMITREQUEST']._serialized_end=93
+  _globals['_JOBVIEW']._serialized_start=96
+  _globals['_JOBVIEW']._serialized_end=481
+  _globals['_BOARDVIEW']._serialized_start=484
+  _globals['_BOARDVIEW']._serialized_end=638
+  _globals['_LISTJOBSREQUEST']._serialized_start=640
+  _globals['_LISTJOBSREQUEST']._serialized_end=657
+  _globals['_LISTJOBSREPLY']._serialized_start=660
+  _globals['_LISTJOBSREPLY']._serialized_end=805
+  _globals['_CANCELREQUEST']._serialized_start=807
+  _globals['_CANCELREQUEST']._serialized_end=834
+  _globals['_JOINREQUEST']._serialized_start=836
+  _globals['_JOINREQUEST']._serialized_end=935
+  _globals['_JOINREPLY']._serialized_start=937
+  _globals['_JOINREPLY']._serialized_end=964
+  _globals['_NEXTJOBREQUEST']._serialized_start=966
+  _globals['_NEXTJOBREQUEST']._serialized_end=1016
+  _globals['_JOBOFFER']._serialized_start=1018
+  _globals['_JOBOFFER']._serialized_end=1076
+  _globals['_LOBBYPROBE']._serialized_start=1078
+  _globals['_LOBBYPROBE']._serialized_end=1107
+  _globals['_LOBBYPROBEACK']._serialized_start=1109
+  _globals['_LOBBYPROBEACK']._serialized_end=1124
+  _globals['_JOBSERVER']._serialized_start=1127
+  _globals['_JOBSERVER']._serialized_end=1523
 # @@protoc_insertion_point(module_scope)

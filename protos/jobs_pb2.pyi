@@ -7,10 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("job_yaml",)
+    __slots__ = ("job_yaml", "idempotency_key")
     JOB_YAML_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     job_yaml: str
-    def __init__(self, job_yaml: _Optional[str] = ...) -> None: ...
+    idempotency_key: str
+    def __init__(self, job_yaml: _Optional[str] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class JobView(_message.Message):
     __slots__ = ("id", "name", "model", "kind", "request", "state", "boards", "priority", "submitted", "planned_start", "predicted_finish", "started", "finished", "steps", "steps_done", "predicted_samples_per_s", "message", "run_dir", "launches", "measured_samples_per_s")

@@ -187,6 +187,25 @@ def test_jobs_survive_a_restart_of_the_job_server(in_process):
     assert second.stub.Submit(pb.SubmitRequest(job_yaml=job_yaml("d", 5, {"kind": "soft"}))).id == "j4"
 
 
+def test_a_retried_submit_queues_its_job_once_even_across_a_restart(in_process):
+    # Prepare
+    first = in_process()
+    a, b = job_yaml("a", 5, {"kind": "soft"}), job_yaml("b", 5, {"kind": "soft"})
+    # Execute: the same key twice, then another key; then the same key after a restart
+    once = first.stub.Submit(pb.SubmitRequest(job_yaml=a, idempotency_key="k1"))
+    again = first.stub.Submit(pb.SubmitRequest(job_yaml=a, idempotency_key="k1"))
+    other = first.stub.Submit(pb.SubmitRequest(job_yaml=a, idempotency_key="k2"))
+    first.close()
+    second = in_process()
+    after_restart = second.stub.Submit(pb.SubmitRequest(job_yaml=a, idempotency_key="k1"))
+    got, details = _code(lambda: second.stub.Submit(pb.SubmitRequest(job_yaml=b, idempotency_key="k1")))
+    # Assert
+    assert (once.id, again.id, other.id, after_restart.id) == ("j1", "j1", "j2", "j1")
+    assert [j.id for j in second.stub.ListJobs(pb.ListJobsRequest()).jobs] == ["j1", "j2"]
+    assert got == grpc.StatusCode.ALREADY_EXISTS
+    assert details == "Submit: idempotency key 'k1' already queued job j1 with a different job YAML"
+
+
 def test_a_corrupt_jobs_file_is_a_clear_error(tmp_path):
     from coordinator.jobs.store import StoreError
 

@@ -66,6 +66,10 @@ FIRST_STEP_TIMEOUT_S = 300.0
 board before it started (its coordinator waits for all of them): it is stopped and queued again."""
 
 
+class KeyReused(ValueError):
+    """A Submit's idempotency key was already used for a different job."""
+
+
 class JobServer:
     """Jobs, boards and the scheduling loop; its gRPC face is ``servicer.JobServerServicer``.
 
@@ -142,17 +146,24 @@ class JobServer:
 
     # --- users -------------------------------------------------------------------------------
 
-    def submit(self, text: str) -> JobRecord:
+    def submit(self, text: str, idempotency_key: str = "") -> JobRecord:
         """Queue a job YAML (ConfigError, nothing queued, when it is invalid, empty or leaves its
-        name, model or length to the defaults: ``submission.submitted_job``)."""
+        name, model or length to the defaults: ``submission.submitted_job``). A key already
+        submitted returns the job it queued (KeyReused when that job's YAML differs)."""
         config = submitted_job(text)
         warm(config.model)
         with self.lock:
+            known = self.store.by_key(idempotency_key)
+            if known is not None:
+                if known.yaml != text:
+                    raise KeyReused(f"idempotency key {idempotency_key!r} already queued job {known.id} "
+                                    "with a different job YAML")
+                return known
             now = self.clock()
             record = JobRecord(id=self.store.new_id(), name=config.name, yaml=text, model=config.model,
                                kind=config.schedule.kind, request=request_text(config),
                                priority=config.schedule.priority, submitted=now, steps=config.training.steps,
-                               global_batch=config.training.global_batch)
+                               global_batch=config.training.global_batch, idempotency_key=idempotency_key)
             self.store.add(record)
             self.arrivals.append(now)
             logger.info("[JobServer] job %s (%s, %s, %s) submitted", record.id, record.name, record.model,

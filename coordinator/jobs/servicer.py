@@ -19,7 +19,7 @@ import edgetrain
 from coordinator.advertiser import advertise_on
 from coordinator.dashboard.server import serve_dashboard
 from coordinator.dashboard.view import JobServerView
-from coordinator.jobs.server import JobServer
+from coordinator.jobs.server import JobServer, KeyReused
 from coordinator.jobs.store import JobRecord
 from coordinator.pairing import serve_gateway
 from edgetrain import transport, trust
@@ -49,7 +49,10 @@ class JobServerServicer(pb_grpc.JobServerServicer):
 
     def Submit(self, request: pb.SubmitRequest, context) -> pb.JobView:
         try:
-            return job_view(self.server.submit(request.job_yaml), self.server.runs_dir)
+            job = self.server.submit(request.job_yaml, request.idempotency_key)
+            return job_view(job, self.server.runs_dir)
+        except KeyReused as e:
+            transport.abort(context, grpc.StatusCode.ALREADY_EXISTS, f"Submit: {e}")
         except ConfigError as e:
             transport.abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"Submit: {e}")
 

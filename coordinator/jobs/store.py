@@ -67,6 +67,9 @@ class JobRecord:
 (`--resume-or-start`: the job ran before the job server restarted, perhaps not long enough for
 a checkpoint)."""
 
+    idempotency_key: str = ""
+    """The key of the Submit that queued it (a retried Submit with it returns this job)."""
+
     @property
     def run_name(self) -> str:
         return f"{self.id}-{self.name}"
@@ -113,6 +116,10 @@ class JobStore:
         tmp.write_text(json.dumps({"counter": self.counter,
                                    "jobs": [dataclasses.asdict(j) for j in self.jobs.values()]}, indent=1))
         os.replace(tmp, self.path)
+
+    def by_key(self, key: str) -> JobRecord | None:
+        """The job a Submit with idempotency key `key` queued (None: none, or no key)."""
+        return next((j for j in self.jobs.values() if key and j.idempotency_key == key), None)
 
     def in_state(self, *states: str) -> list[JobRecord]:
         return [j for j in self.jobs.values() if j.state in states]
