@@ -162,12 +162,11 @@ def run_live(scheduler: str, specs: list, trace: tuple[Job, ...], workdir: Path)
     import yaml
 
     from coordinator.jobs.speed import PlannerSpeed, board_spec
-    from edgetrain import transport, trust
+    from edgetrain import trust
     from edgetrain.config import job_from_dict
     from edgetrain.emulator.fleet_config import board_to_dict
+    from edgetrain.job_client import JobServerClient
     from edgetrain.supervisor import edgetrain_command, terminate, wait_for_address
-    from protos import jobs_pb2 as pb
-    from protos import jobs_pb2_grpc as pb_grpc
 
     work = workdir / scheduler
     work.mkdir(parents=True)
@@ -189,17 +188,16 @@ def run_live(scheduler: str, specs: list, trace: tuple[Job, ...], workdir: Path)
                 "client", "--coordinator", address, "--name", b.name, "--emulate", str(board_file), "--threads", "1",
                 "--probe-interval", "15", "--data-dir", str(work / "data")),
                 stdout=(work / f"{b.name}.log").open("w"), stderr=subprocess.STDOUT, env=env))
-        stub = pb_grpc.JobServerStub(transport.open_channel(
-            address, authority.operator_identity().security(trust.GATEWAY_SERVER_NAME)))
-        while len(stub.ListJobs(pb.ListJobsRequest()).boards) < len(specs):
+        client = JobServerClient(address, authority.operator_identity().security(trust.GATEWAY_SERVER_NAME))
+        while client.boards_joined() < len(specs):
             time.sleep(0.5)
         t0 = time.time()
         ids = {}
         for job in sorted(trace, key=lambda j: j.arrival):
             time.sleep(max(0.0, t0 + job.arrival - time.time()))
-            ids[stub.Submit(pb.SubmitRequest(job_yaml=job_yaml(job))).id] = job
+            ids[client.submit(job_yaml(job)).id] = job
         while True:
-            listing = stub.ListJobs(pb.ListJobsRequest())
+            listing = client.list_jobs()
             if all(j.state in ("finished", "failed", "cancelled") for j in listing.jobs):
                 break
             time.sleep(2.0)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import yaml
@@ -23,10 +24,13 @@ from coordinator.jobs.submission import require_written
 from edgetrain import transport
 from edgetrain.config import ConfigError, apply_overrides, job_from_dict
 from edgetrain.discovery import browse, default_interfaces, serves_jobs
+from edgetrain.job_client import JobServerClient
 from protos import jobs_pb2 as pb
-from protos import jobs_pb2_grpc as pb_grpc
 
 SERVER_ENV = "EDGETRAIN_SERVER"
+COMMAND_CALLS = transport.RetryPolicy(budget_s=5.0, max_s=1.0)
+"""A user waits for an answer: a job server unreachable for 5 s is reported, not waited for."""
+T = TypeVar("T")
 
 
 class JobsCommandError(RuntimeError):
@@ -68,13 +72,15 @@ def is_job_server(address: str, budget_s: float = 3.0, *,
         return False
 
 
-def _call(address: str, method: str, request, security: transport.Security) -> Any:
-    with transport.open_channel(address, security) as channel:
+def _ask(address: str, security: transport.Security, call: Callable[[JobServerClient], T]) -> T:
+    """`call(client)` on a client of the job server at `address`; a failure as a JobsCommandError."""
+    with JobServerClient(address, security, retry=COMMAND_CALLS) as client:
         try:
-            return getattr(pb_grpc.JobServerStub(channel), method)(request, timeout=60)
-        except grpc.RpcError as e:
-            detail = f"{e.code().name}: {e.details()}"
-            if e.code() == grpc.StatusCode.UNAVAILABLE:  # nothing there, or the handshake failed
+            return call(client)
+        except (grpc.RpcError, transport.Unreachable) as e:
+            error = e.__cause__ if isinstance(e, transport.Unreachable) else e
+            detail = transport.describe(error)
+            if isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.UNAVAILABLE:
                 detail += (" (dialed with mutual TLS and an operator credential: is it a job server of this fleet, "
                            "not one started with --insecure?)" if security.secure else
                            " (dialed without TLS, as --insecure asks: is it a job server started with --insecure?)")
@@ -101,14 +107,14 @@ def submit_job(path: Path, overrides: list[tuple[str, Any]], *, server: str | No
     except ConfigError as e:
         raise JobsCommandError(str(e)) from None
     address = find_server(server, cluster, interfaces, security)
-    view = _call(address, "Submit", pb.SubmitRequest(job_yaml=yaml.safe_dump(data)), security)
+    view = _ask(address, security, lambda client: client.submit(yaml.safe_dump(data)))
     return f"job {view.id} ({view.name}, {view.model}, {view.kind}: {view.request}) submitted to {address}"
 
 
 def cancel_job(job_id: str, *, server: str | None = None, cluster: str | None = None,
                interfaces: list[str] | None = None, security: transport.Security = transport.INSECURE) -> str:
     """Cancel job `job_id` at the job server; a line saying so."""
-    view = _call(find_server(server, cluster, interfaces, security), "Cancel", pb.CancelRequest(id=job_id), security)
+    view = _ask(find_server(server, cluster, interfaces, security), security, lambda client: client.cancel(job_id))
     return f"job {view.id} ({view.name}) cancelled"
 
 
@@ -124,7 +130,7 @@ def jobs_report(*, server: str | None = None, cluster: str | None = None, interf
     """The job server's jobs and boards as a table (or JSON); a board whose claimed speed its
     steps contradict, and a job far slower than predicted, are flagged."""
     address = find_server(server, cluster, interfaces, security)
-    reply: pb.ListJobsReply = _call(address, "ListJobs", pb.ListJobsRequest(), security)
+    reply = _ask(address, security, JobServerClient.list_jobs)
     from google.protobuf.json_format import MessageToDict
 
     if as_json:

@@ -126,15 +126,14 @@ def check_live(arms: Sequence[Arm], *, insecure: bool) -> None:
 def live_fleet(server: str) -> Fleet:
     """The boards of the live job server at `server` (asked with this machine's operator credential)."""
     from edgetrain import transport, trust
-    from protos import jobs_pb2 as pb
-    from protos import jobs_pb2_grpc as pb_grpc
+    from edgetrain.job_client import JobServerClient
 
     security = trust.operator_identity(None, None).security(trust.GATEWAY_SERVER_NAME)
-    with transport.open_channel(server, security) as channel:
+    with JobServerClient(server, security, timeout_s=30) as client:
         try:
-            reply = pb_grpc.JobServerStub(channel).ListJobs(pb.ListJobsRequest(), timeout=30)
-        except grpc.RpcError as e:
-            raise ConnectionError(f"job server {server}: {e.code().name}: {e.details()}") from None
+            reply = client.list_jobs()
+        except (grpc.RpcError, transport.Unreachable) as e:
+            raise ConnectionError(f"job server {server}: {transport.describe(e)}") from None
     return Fleet(name=f"live {server}", boards=tuple(
         {"name": b.name, "speed": b.speed, "mbit_per_s": b.link_mbit_per_s, "idle_w": None, "busy_w": None}
         for b in reply.boards))
@@ -305,9 +304,8 @@ def run_trace_arm(trace: Trace, fleet: FleetSpec, run_dir: Path, *, data_dir: Pa
     """A job server with `trace.scheduler` on the fleet's boards, fed the trace's jobs at their
     arrival times (counted from the moment every board joined); writes trace.json. 0 when every
     job finished."""
-    from edgetrain import transport, trust
-    from protos import jobs_pb2 as pb
-    from protos import jobs_pb2_grpc as pb_grpc
+    from edgetrain import trust
+    from edgetrain.job_client import JobServerClient
 
     procs = _Processes(run_dir, fleet, data_dir)
     try:
@@ -315,10 +313,9 @@ def run_trace_arm(trace: Trace, fleet: FleetSpec, run_dir: Path, *, data_dir: Pa
                                      str(run_dir / "state"), "--runs-dir", str(run_dir / "runs"))
         procs.start_boards(address)
         security = trust.Authority(procs.trust.authority_dir).operator_identity().security(trust.GATEWAY_SERVER_NAME)
-        with transport.open_channel(address, security) as channel:
-            stub = pb_grpc.JobServerStub(channel)
+        with JobServerClient(address, security) as client:
             deadline = time.monotonic() + START_TIMEOUT_S
-            while _joined(stub, pb) < len(fleet.boards):
+            while client.boards_joined() < len(fleet.boards):
                 if time.monotonic() > deadline or procs.server.poll() is not None:
                     raise RuntimeError(f"the boards did not join the job server; see {procs.logs}")
                 time.sleep(POLL_S)
@@ -328,9 +325,8 @@ def run_trace_arm(trace: Trace, fleet: FleetSpec, run_dir: Path, *, data_dir: Pa
             pending, ids = list(trace.jobs), []
             while True:
                 while pending and time.time() >= t0 + pending[0].at_s:
-                    ids.append(stub.Submit(pb.SubmitRequest(job_yaml=yaml.safe_dump(pending.pop(0).job)),
-                                           timeout=60).id)
-                listing = stub.ListJobs(pb.ListJobsRequest(), timeout=30)
+                    ids.append(client.submit(yaml.safe_dump(pending.pop(0).job)).id)
+                listing = client.list_jobs()
                 ours = [j for j in listing.jobs if j.id in ids]
                 progress.set(sum(j.steps_done for j in ours), total)
                 if not pending and all(j.state in FINISHED_STATES for j in ours):
@@ -340,7 +336,7 @@ def run_trace_arm(trace: Trace, fleet: FleetSpec, run_dir: Path, *, data_dir: Pa
                                    trace.scheduler, cap_s)
                     for j in ours:
                         if j.state not in FINISHED_STATES:
-                            stub.Cancel(pb.CancelRequest(id=j.id), timeout=60)
+                            client.cancel(j.id)
                     pending.clear()
                 time.sleep(POLL_S if pending else 2.0)
         jobs = [{"id": j.id, "name": j.name, "state": j.state, "boards": list(j.boards), "submitted": j.submitted,
@@ -360,32 +356,20 @@ def run_trace_arm(trace: Trace, fleet: FleetSpec, run_dir: Path, *, data_dir: Pa
         procs.stop(grace_s=0)
 
 
-def _joined(stub, pb) -> int:
-    """Boards the job server lists (0 while it does not serve yet)."""
-    try:
-        return len(stub.ListJobs(pb.ListJobsRequest(), timeout=10).boards)
-    except grpc.RpcError as e:
-        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            return 0
-        raise
-
-
 def run_live_arm(run: Run, run_dir: Path, *, server: str, progress: Progress) -> int:
     """An EdgeTrain arm submitted to the live job server `server` with this machine's operator
     credential; waits for it and copies its run directory when the server's runs directory is on
     this machine. 0 when the job finished."""
-    from edgetrain import transport, trust
-    from protos import jobs_pb2 as pb
-    from protos import jobs_pb2_grpc as pb_grpc
+    from edgetrain import trust
+    from edgetrain.job_client import JobServerClient
 
     security = trust.operator_identity(None, None).security(trust.GATEWAY_SERVER_NAME)
-    with transport.open_channel(server, security) as channel:
-        stub = pb_grpc.JobServerStub(channel)
-        view = stub.Submit(pb.SubmitRequest(job_yaml=yaml.safe_dump(run.job)), timeout=60)
+    with JobServerClient(server, security) as client:
+        view = client.submit(yaml.safe_dump(run.job))
         logger.info("arm %s: job %s submitted to %s", run.name, view.id, server)
         while view.state not in FINISHED_STATES:
             time.sleep(2.0)
-            view = next((j for j in stub.ListJobs(pb.ListJobsRequest(), timeout=30).jobs if j.id == view.id), view)
+            view = client.job(view.id) or view
             progress.set(view.steps_done, view.steps)
     source = Path(view.run_dir) if view.run_dir else None
     if source is not None and source.is_dir():
