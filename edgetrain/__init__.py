@@ -9,6 +9,8 @@
 - ``streaming.py`` bundles on the wire without torch: tensor metadata, checksummed chunks.
 - ``tensors.py``   named tensors packed into one payload and back.
 - ``discovery.py`` mDNS browsing: find coordinators and job servers without an address.
+- ``supervisor.py`` start, watch and stop role processes: address files, adoption, terminate.
+- ``job_client.py`` the one job-server client (retries, a Submit's idempotency key).
 - ``models.py``    CIFAR ResNet-18 / MobileNetV2 / a BN-free small CNN as ordered block lists,
                    with per-block parameter count, FLOPs and activation size.
 - ``cifar_nets.py`` ResNet-18 and MobileNetV2 for 32x32 images, as torchvision defines them

@@ -13,7 +13,7 @@ server's fleet authority (mutual TLS; boards pair with the job server only), or 
 the job server runs ``--insecure``.
 
 A board's claimed speed is checked against the steps of the jobs it ran alone
-(``coordinator.jobs.lobby``): a claim far off is flagged and the board planned by the measurement.
+(``coordinator.jobs.claims``): a claim far off is flagged and the board planned by the measurement.
 
 Jobs live in ``<state-dir>/jobs.json`` (``coordinator.jobs.store``): a restarted job server adopts
 job coordinators that are still running and re-queues the others to resume from their newest
@@ -31,24 +31,24 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import psutil
-import yaml
 
-from coordinator.jobs.lobby import LobbyBoard, fleet_ratio, step_rate, upload_mbit
+from coordinator.jobs.claims import ClaimChecker, judge, judgements
+from coordinator.jobs.launcher import JobLauncher
+from coordinator.jobs.lobby import LobbyBoard
+from coordinator.jobs.runfiles import RunFiles
 from coordinator.jobs.scheduler import SCHEDULERS, Board, FleetState, Job, Running
-from coordinator.jobs.speed import PlannerSpeed, board_spec, implied_speed, warm
+from coordinator.jobs.speed import PlannerSpeed, board_spec, warm
 from coordinator.jobs.store import ACTIVE, DONE, JobRecord, JobStore
 from coordinator.jobs.submission import parse_job, request_text, submitted_job
 from edgetrain import trust
-from edgetrain.config import JobConfig, job_to_dict
+from edgetrain.config import JobConfig
 from edgetrain.supervisor import (
     ChildExited,
     adopt,
     create_time,
-    edgetrain_command,
     exit_code,
     first_port,
     terminate,
@@ -83,13 +83,15 @@ class JobServer:
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, got {scheduler!r}")
         self.state_dir, self.runs_dir, self.data_dir = Path(state_dir), Path(runs_dir), Path(data_dir)
-        self.host = host
         self.scheduler_name = scheduler
         self.poll_s, self.board_timeout_s = poll_s, board_timeout_s
         self.clock = clock
-        self.authority = authority
         self.job_dashboards = job_dashboards
         """HOST (or None): each job's coordinator serves its run's dashboard on HOST, a free port."""
+        self.runs = RunFiles(self.runs_dir)
+        self.claims = ClaimChecker(self.runs, poll_s)
+        self.launcher = JobLauncher(state_dir=self.state_dir, runs_dir=self.runs_dir, data_dir=self.data_dir,
+                                    host=host, authority=authority, job_dashboards=job_dashboards)
         self.store = JobStore(self.state_dir / "jobs.json")
         self.boards: dict[str, LobbyBoard] = {}
         self.procs: dict[str, subprocess.Popen | psutil.Process] = {}
@@ -101,11 +103,6 @@ class JobServer:
         self.plan_exact = False
         self.arrivals = [j.submitted for j in self.store.jobs.values()]
         self._reference_s = reference_s
-        self._claims_checked = -math.inf
-        self._implied: dict[tuple[str, float, float], float] = {}
-        """Speed implied by (job id, measured samples/s, link): the planner is asked once."""
-        self._measured_done: set[str] = set()
-        """Finished jobs whose steps were read for their board's measurement."""
         self._adopt()
 
     # --- reference speed ---------------------------------------------------------------------
@@ -141,7 +138,7 @@ class JobServer:
 
     def _requeue(self, job: JobRecord, why: str) -> None:
         job.state, job.resume, job.message = "waiting", True, why
-        self._progress(job)
+        self.runs.progress(job)
         job.boards, job.pid, job.port = [], 0, 0
 
     # --- users -------------------------------------------------------------------------------
@@ -191,7 +188,7 @@ class JobServer:
     def snapshot(self) -> tuple[list[JobRecord], list[LobbyBoard]]:
         with self.lock:
             for job in self.store.in_state("running"):
-                self._progress(job)
+                self.runs.progress(job)
             return list(self.store.jobs.values()), list(self.boards.values())
 
     # --- boards ------------------------------------------------------------------------------
@@ -208,15 +205,15 @@ class JobServer:
         claimed = self.reference_s / reference_s
         with self.lock:
             old = self.boards.get(name)
-            before = self._judgements()
+            before = judgements(self.boards)
             self.boards[name] = LobbyBoard(name=name, claimed_speed=claimed, mbit_per_s=mbit_per_s,
                                            last_seen=self.clock(), job=old.job if old else "",
                                            implied_speed=old.implied_speed if old else 0.0,
                                            measured_in=old.measured_in if old else "")
             logger.info("[JobServer] board %s joined: claims %.2f of a core here, link %s", name, claimed,
                         f"{mbit_per_s:.0f} Mbit/s" if mbit_per_s else "unknown")
-            self._judge(before)
-            if old is None or not old.alive or old.mbit_per_s != mbit_per_s:
+            changed = judge(self.boards, before)
+            if changed or old is None or not old.alive or old.mbit_per_s != mbit_per_s:
                 self._event()
 
     def next_job(self, name: str, max_wait_s: float) -> JobRecord | None:
@@ -250,7 +247,8 @@ class JobServer:
         while not stop.is_set():
             with self.lock:
                 self._reap()
-                self._check_claims()
+                if self.claims.check(list(self.store.jobs.values()), self.boards):
+                    self._event()
                 self._restart_stalled()
                 self._expire()
                 if self.dirty:
@@ -280,10 +278,10 @@ class JobServer:
                 continue
             del self.procs[job_id]
             job = self.store.jobs[job_id]
-            self._progress(job)
+            self.runs.progress(job)
             job.finished = self.clock()
-            job.overhead_s = self._measured_overhead(job)
-            summary = self._summary(job)
+            job.overhead_s = self.runs.measured_overhead(job)
+            summary = self.runs.summary(job)
             if summary is not None and summary.get("stopped"):  # it stopped before its last step
                 job.state = "failed"
                 job.message = f"stopped after {summary.get('steps_applied', '?')} applied steps: {summary['stopped']}"
@@ -293,20 +291,12 @@ class JobServer:
                 job.message = f"test accuracy {acc:.3f}" if isinstance(acc, (int, float)) else ""
             else:
                 job.state = "failed"
-                job.message = f"its coordinator exited with code {code}; see {self._log(job)}"
+                job.message = f"its coordinator exited with code {code}; see {self.launcher.log(job)}"
             logger.info("[JobServer] job %s %s after %.0f s", job_id, job.state, job.finished - job.started)
             self._free_boards(job)
             self.store.save()
-            self._claims_checked = -math.inf  # its last steps count
+            self.claims.due()  # its last steps count
             self._event()
-
-    def _summary(self, job: JobRecord) -> dict | None:
-        """The summary its coordinator wrote at its end (None: none, or unreadable)."""
-        try:
-            summary = json.loads((self.runs_dir / job.run_name / "summary.json").read_text())
-        except (OSError, ValueError):
-            return None
-        return summary if isinstance(summary, dict) else None
 
     def _restart_stalled(self) -> None:
         now = self.clock()
@@ -314,7 +304,7 @@ class JobServer:
             since = self.serving_since.get(job.id, job.started)
             if job.id not in self.procs or now - since < FIRST_STEP_TIMEOUT_S or job.stepped:
                 continue
-            job.stepped = self._stepped_since(job, job.started)
+            job.stepped = self.runs.stepped_since(job, job.started)
             if job.stepped:
                 continue
             logger.warning("[JobServer] job %s: no step %.0f s after its coordinator started serving; a board "
@@ -342,103 +332,10 @@ class JobServer:
             if board.job == job.id:
                 board.job, board.last_seen = "", now  # it has board_timeout_s to come back
 
-    def _train_records(self, job: JobRecord) -> list[dict]:
-        """Every step record its coordinator logged in metrics.jsonl ([] when unreadable)."""
-        try:
-            with (self.runs_dir / job.run_name / "metrics.jsonl").open("rb") as f:
-                return [json.loads(line) for line in f if b'"kind": "train"' in line]
-        except (OSError, ValueError):
-            return []
-
-    def _train_steps(self, job: JobRecord) -> list[tuple[int, float]]:
-        """(step, time) of every step its coordinator logged ([] when unreadable)."""
-        try:
-            return [(int(r["step"]), float(r["time"])) for r in self._train_records(job)]
-        except (KeyError, TypeError, ValueError):
-            return []
-
-    def _progress(self, job: JobRecord) -> None:
-        """Its steps done (what its coordinator logged, at least what it had before) and the
-        samples/s its coordinator measured in this launch."""
-        records = self._train_records(job)
-        job.steps_done = max([job.steps_done] + [int(r["step"]) + 1 for r in records if isinstance(r.get("step"), int)])
-        rate = step_rate(records, job.started) if job.started else 0.0
-        if rate:
-            job.measured_samples_per_s = rate
-
-    def _measured_overhead(self, job: JobRecord) -> float:
-        """Launch to exit minus its training steps, from its coordinator's step log (0: unknown)."""
-        times = [t for _, t in self._train_steps(job)]
-        if len(times) < 2 or not job.started or job.resume:
-            return 0.0
-        training = (times[-1] - times[0]) * len(times) / (len(times) - 1)
-        return max(0.0, job.finished - job.started - training)
-
     def overhead_estimate(self) -> float:
         """Median time besides training of the last jobs that measured it."""
         measured = [j.overhead_s for j in sorted(self.store.jobs.values(), key=lambda j: j.finished) if j.overhead_s > 0]
         return statistics.median(measured[-5:]) if measured else DEFAULT_OVERHEAD_S
-
-    def _stepped_since(self, job: JobRecord, since: float) -> bool:
-        """Whether its coordinator logged a step after `since`."""
-        return any(t >= since for _, t in self._train_steps(job))
-
-    def _check_claims(self) -> None:
-        """At most every poll_s: each board's speed as its latest job alone measured it
-        (``coordinator.jobs.lobby``); a board whose claim is far off is flagged and from then on
-        planned by the measurement."""
-        if time.monotonic() - self._claims_checked < self.poll_s:
-            return
-        self._claims_checked = time.monotonic()
-        before = self._judgements()
-        latest: dict[str, JobRecord] = {}
-        for job in sorted(self.store.jobs.values(), key=lambda j: j.started):
-            if job.started and len(job.boards) == 1 and job.state not in ("waiting", "starting"):
-                latest[job.boards[0]] = job
-        for name, job in latest.items():
-            board = self.boards.get(name)
-            if board is None or (job.state in DONE and job.id in self._measured_done and board.measured_in == job.id):
-                continue
-            records = self._train_records(job)
-            rate, link = step_rate(records, job.started), max(board.mbit_per_s, upload_mbit(records, job.started))
-            if job.state in DONE:
-                self._measured_done.add(job.id)
-            if not rate:
-                continue
-            key = (job.id, round(rate, 4), round(link, 1))
-            if key not in self._implied:
-                try:
-                    self._implied[key] = implied_speed(parse_job(job.yaml), name, link, rate)
-                except Exception:  # a measurement must never stop the server  # noqa: BLE001
-                    logger.exception("[JobServer] cannot judge board %s by job %s", name, job.id)
-                    self._implied[key] = 0.0
-            if self._implied[key]:
-                board.implied_speed, board.measured_in = self._implied[key], job.id
-        self._judge(before)
-
-    def _judgements(self) -> dict[str, tuple[bool, float]]:
-        """Each board's (flagged, planned speed)."""
-        return {name: (b.far_off, b.speed) for name, b in self.boards.items()}
-
-    def _judge(self, before: dict[str, tuple[bool, float]]) -> None:
-        """Calibrate every board by the fleet's ratio of measured to claimed speed, log the boards
-        flagged or cleared since `before`, and plan again when a planned speed changed."""
-        ratio = fleet_ratio(list(self.boards.values()))
-        changed = False
-        for name, board in self.boards.items():
-            board.fleet_ratio = ratio
-            flagged, planned = before.get(name, (False, board.claimed_speed))
-            if board.far_off and not flagged:
-                logger.warning("[JobServer] board %s %s: planned at the measured speed", name, board.flag)
-            elif flagged and not board.far_off:
-                logger.info("[JobServer] board %s: its claim %.2f agrees with its steps in job %s (%.2f) again", name,
-                            board.claimed_speed, board.measured_in, board.measured_speed)
-            changed |= board.speed != planned
-        if changed:
-            self._event()
-
-    def _log(self, job: JobRecord) -> Path:
-        return self.state_dir / "logs" / f"{job.run_name}.log"
 
     # --- scheduling --------------------------------------------------------------------------
 
@@ -517,29 +414,10 @@ class JobServer:
         """The URL (token included) of the job's own dashboard while its coordinator runs."""
         if job.state not in ("starting", "running") or not self.job_dashboards:
             return None
-        try:
-            return (self.runs_dir / job.run_name / "dashboard.url").read_text().strip() or None
-        except OSError:
-            return None
+        return self.runs.dashboard_url(job)
 
     def _launch(self, job: JobRecord, config: JobConfig, boards: list[str], now: float) -> None:
-        run_config = replace(config, name=job.run_name,
-                             training=replace(config.training, min_clients=len(boards)))
-        job_dir = self.state_dir / "jobs"
-        job_dir.mkdir(parents=True, exist_ok=True)
-        config_file = job_dir / f"{job.run_name}.yaml"
-        config_file.write_text(yaml.safe_dump(job_to_dict(run_config)))
-        port_file = job_dir / f"{job.run_name}.address"
-        port_file.unlink(missing_ok=True)
-        self._log(job).parent.mkdir(parents=True, exist_ok=True)
-        with self._log(job).open("a") as log:
-            proc = subprocess.Popen(edgetrain_command(
-                "coordinator", "--config", str(config_file), "--bind", f"{self.host}:0", "--port-file", str(port_file),
-                "--runs-dir", str(self.runs_dir), "--data-dir", str(self.data_dir), "--no-advertise",
-                *self.coordinator_trust_args(), *(["--resume-or-start"] if job.resume else []),
-                "--dashboard", f"{self.job_dashboards}:0" if self.job_dashboards else "none"), stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True)
+        proc, port_file = self.launcher.start(job, config, boards)
         self.procs[job.id] = proc
         job.state, job.boards, job.started, job.message, job.stepped = "starting", boards, now, "", False
         job.measured_samples_per_s = 0.0
@@ -550,13 +428,6 @@ class JobServer:
         logger.info("[JobServer] job %s starts on %s (predicted finish in %.0f s)", job.id, ", ".join(boards),
                     job.predicted_finish - now)
         threading.Thread(target=self._await_port, args=(job, proc, port_file), daemon=True).start()
-
-    def coordinator_trust_args(self) -> list[str]:
-        """How a job's coordinator serves: under this server's authority, with no pairing port of
-        its own (boards pair with the job server), or plaintext when this server is."""
-        if self.authority is None:
-            return ["--insecure"]
-        return ["--authority", str(self.authority.directory), "--pair-bind", "none"]
 
     def _await_port(self, job: JobRecord, proc: subprocess.Popen, port_file: Path) -> None:
         """Mark the job running once its coordinator wrote its address (line 1 of its port file)."""
