@@ -29,7 +29,7 @@ import psutil
 import yaml
 
 from edgetrain import trust
-from edgetrain.supervisor import edgetrain_command, wait_for_address
+from edgetrain.supervisor import edgetrain_command, terminate, wait_for_address
 
 SYNTHETIC_NOTE = "light boards: SYNTHETIC profiles and telemetry; real gRPC, mutual TLS and coordinator"
 
@@ -141,15 +141,7 @@ class _CpuMeter:
 
 
 def _end(processes: Sequence[subprocess.Popen]) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.terminate()
-    for process in processes:
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    terminate(*processes, grace_s=15)
 
 
 def summarize(results: list[dict], devices: list[dict], *, boards: int, processes: int, seconds: float,

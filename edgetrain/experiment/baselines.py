@@ -40,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import edgetrain
+from edgetrain import supervisor
 from edgetrain.config import ConfigError, job_from_dict, job_to_dict
 from edgetrain.data import dataset_is_synthetic
 from edgetrain.emulator.fleet_config import BoardSpec, FleetSpec
@@ -268,16 +269,7 @@ def _supervise(launcher: subprocess.Popen, merger: _Merger, ranks_dir: Path) -> 
 
 def _stop_all(procs: list[subprocess.Popen]) -> None:
     """SIGTERM every process still running, SIGKILL after KILL_GRACE_S; reap them all."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + KILL_GRACE_S
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    supervisor.terminate(*procs, grace_s=KILL_GRACE_S)
 
 
 def _fail(run_dir: Path, merger: _Merger, label: str, error: str, *, network: str, links_emulated: bool) -> int:
