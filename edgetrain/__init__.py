@@ -2,7 +2,8 @@
 
 - ``catalog.py``   what a job can name (models, datasets, codecs) and the specs that pick them,
                    without torch, so job files are checked without it.
-- ``config.py``    job configuration (keyword-only dataclasses) and YAML loading.
+- ``config/``     job configuration (keyword-only dataclasses), the one YAML loader and the
+                   mapping -> checked dataclass conversion every config file uses.
 - ``transport.py`` every gRPC server, channel, credential, retry and resumable transfer.
 - ``serde.py``     conversions between plain data and the wire messages.
 - ``errors.py``    typed reasons that cross the wire (refusals, board failures).
