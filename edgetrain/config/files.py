@@ -141,4 +141,6 @@ def _type_name(typ: Any) -> str:
         return f"a mapping ({typ.__name__})"
     if typing.get_origin(typ) in (list, tuple):
         return f"a list of {_type_name(typing.get_args(typ)[0])}"
+    if typ is dict:
+        return "mapping"
     return getattr(typ, "__name__", str(typ))
