@@ -60,6 +60,7 @@ from pathlib import Path
 import yaml
 
 from edgetrain.catalog import SYNTHETIC_HARD_TEST_SIZE, SYNTHETIC_HARD_TRAIN_SIZE
+from edgetrain.config import load_yaml
 from edgetrain.emulator.launch import plain_demo_job, run_on_emulated_boards
 
 SPEEDS = (0.5, 0.3, 0.2, 0.1)
@@ -176,7 +177,7 @@ def static_plans(preset: Path) -> dict:
     from edgetrain.plan import Plan, StagePlan
 
     fleet = load_fleet(preset)
-    job = yaml.safe_load(preset.read_text())["job"]
+    job = load_yaml(preset)["job"]
     costs = machine_costs(job["model"])
     boards = boards_from_fleet(list(fleet.boards), costs.model, costs.one_core, cpu_s_per_byte=costs.cpu_s_per_byte)
     batch = job["training"]["global_batch"]
@@ -206,7 +207,7 @@ def fleet_arms(key: str, args: argparse.Namespace, workdir: Path) -> dict:
     fleet file's plan with its groups as channel groups."""
     preset = FLEETS[key]
     plans = static_plans(preset)
-    job = yaml.safe_load(preset.read_text())["job"]
+    job = load_yaml(preset)["job"]
     job["training"].update(steps=args.fleet_steps, eval_every=0, checkpoint_every_s=0)
     def fixed(plan) -> dict:
         return {"planner.enabled": False, **{f"pipeline.{k}": v for k, v in plan.to_pipeline_section().items()}}

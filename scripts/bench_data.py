@@ -74,6 +74,7 @@ from pathlib import Path
 
 import yaml
 
+from edgetrain.config import load_yaml
 from edgetrain.emulator.launch import DEMO_SPEEDS, LocalRun, plain_demo_job, run_local
 
 REPO = Path(__file__).resolve().parent.parent
@@ -350,7 +351,7 @@ def bench_local(args: argparse.Namespace, workdir: Path) -> dict:
     manifest, splits = read_store(gateway, FED_DATASET)
     images, labels = splits["train"]
     files = file_rows(source / "train", images, labels, manifest.classes)
-    fleet = yaml.safe_load(COMPUTE_FLEET.read_text())["boards"]
+    fleet = load_yaml(COMPUTE_FLEET)["boards"]
     say(f"# local: {args.train_size}+{args.test_size} SYNTHETIC JPEG images written and imported as {FED_DATASET!r} "
         f"({imported.seconds:.1f} s; {time.perf_counter() - started:.0f} s in all), every file matched to its store "
         f"row; {args.fed_model}, {args.rounds} rounds of fedavg ({args.local_steps} local steps of 16), "

@@ -66,6 +66,8 @@ from pathlib import Path
 
 import yaml
 
+from edgetrain.config import load_yaml
+
 REPO = Path(__file__).resolve().parent.parent
 FLEETS = {"compute": REPO / "experiments" / "fleets" / "compute.yaml",
           "bandwidth": REPO / "experiments" / "fleets" / "bandwidth.yaml",
@@ -84,7 +86,7 @@ TRAIN_SIZE = 4096
 
 
 def fleet_boards(fleet: str) -> list[dict]:
-    return yaml.safe_load(FLEETS[fleet].read_text())["boards"]
+    return load_yaml(FLEETS[fleet])["boards"]
 
 
 def fleet_speeds(fleet: str) -> list[float]:

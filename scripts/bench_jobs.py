@@ -163,7 +163,7 @@ def run_live(scheduler: str, specs: list, trace: tuple[Job, ...], workdir: Path)
 
     from coordinator.jobs.speed import PlannerSpeed, board_spec
     from edgetrain import transport, trust
-    from edgetrain.config import job_from_dict
+    from edgetrain.config import job_from_dict, parse_yaml
     from edgetrain.emulator.fleet_config import board_to_dict
     from edgetrain.emulator.launch import edgetrain_command
     from protos import jobs_pb2 as pb
@@ -214,7 +214,7 @@ def run_live(scheduler: str, specs: list, trace: tuple[Job, ...], workdir: Path)
         overhead_s = statistics.median(setups) if setups else 20.0
         # the simulator on the same trace, with the server's measured boards and the planner's speeds
         boards = {bv.name: board_spec(bv.name, bv.speed, bv.link_mbit_per_s) for bv in listing.boards}
-        configs = {j.id: job_from_dict(yaml.safe_load(job_yaml(ids[j.id]))) for j in jobs}
+        configs = {j.id: job_from_dict(parse_yaml(job_yaml(ids[j.id]), "job")) for j in jobs}
         sim_trace = tuple(Job(id=j.id, arrival=j.submitted - t0, kind=ids[j.id].kind, model=ids[j.id].model,
                               work=float(j.steps * LIVE_BATCH), boards=ids[j.id].boards, count=ids[j.id].count,
                               min_boards=ids[j.id].min_boards, max_boards=ids[j.id].max_boards, overhead_s=overhead_s)

@@ -56,8 +56,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 from coordinator.planning.cost import predict
 from coordinator.planning.inputs import (
     boards_from_fleet,
@@ -67,6 +65,7 @@ from coordinator.planning.inputs import (
     transfer_cpu_s_per_byte,
 )
 from coordinator.planning.planner import plan_optimal
+from edgetrain.config import load_yaml
 from edgetrain.emulator.fleet_config import BoardSpec
 from edgetrain.emulator.launch import DEMO_JOB, run_on_emulated_boards
 from edgetrain.emulator.shaping import LinkSpec
@@ -185,7 +184,7 @@ def measured_ideal(model_name: str, batch: int, seconds: float = 30.0) -> list[f
 def run_mode(mode: str, fleet: str, model_name: str, links, batch: int, args, workdir: Path, model,
              one_core) -> dict:
     name = f"bench-plan-{fleet}-{model_name}-{mode}"  # one run directory each: metrics.jsonl is appended to
-    job = yaml.safe_load(DEMO_JOB.read_text())
+    job = load_yaml(DEMO_JOB)
     job.update(name=name, model=model_name)
     job["dataset"].update(train_size=2048, test_size=256, augment=False)
     job["training"].update(steps=args.steps, min_clients=len(SPEEDS), eval_every=0, global_batch=batch,

@@ -32,6 +32,7 @@ from pathlib import Path
 import psutil
 import yaml
 
+from edgetrain.config import load_yaml
 from edgetrain.emulator.launch import DEMO_JOB, LocalRun, run_local
 
 SPEEDS = (0.5, 0.3, 0.2, 0.1)
@@ -89,7 +90,7 @@ class CpuWatch:
 
 def run_arm(secure: bool, index: int, args: argparse.Namespace, workdir: Path) -> dict:
     name = f"bench-tls-{'mtls' if secure else 'insecure'}-{index}"
-    job = yaml.safe_load(DEMO_JOB.read_text())
+    job = load_yaml(DEMO_JOB)
     job.update(name=name, model=args.model)
     job["dataset"].update(train_size=4096, test_size=256)
     job["training"].update(steps=args.steps, min_clients=len(SPEEDS), eval_every=0, global_batch=args.batch,
