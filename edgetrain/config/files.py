@@ -140,7 +140,8 @@ def _type_name(typ: Any) -> str:
     if dataclasses.is_dataclass(typ):
         return f"a mapping ({typ.__name__})"
     if typing.get_origin(typ) in (list, tuple):
-        return f"a list of {_type_name(typing.get_args(typ)[0])}"
+        item = typing.get_args(typ)[0]
+        return f"a list of mappings ({item.__name__})" if dataclasses.is_dataclass(item) else f"a list of {_type_name(item)}"
     if typ is dict:
         return "mapping"
     return getattr(typ, "__name__", str(typ))
