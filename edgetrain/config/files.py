@@ -67,7 +67,8 @@ def from_mapping(cls: type[T], data: Any, where: str = "") -> T:
     value must match the field's type: int, float (an int is taken), str, bool, list, dict,
     ``X | None``, a nested dataclass (a mapping, built the same way), or ``list[X]`` /
     ``tuple[X, ...]`` (each item checked, its path ``key[i]``). Fields without a default are
-    required. The dataclass's ``__post_init__`` checks ranges and relations with ``require``.
+    required. The dataclass's ``__post_init__`` checks ranges and relations with ``require``
+    (a ValueError it raises, as LinkSpec's and BatterySpec's do, is reported the same way).
     Any error is one ConfigError ``WHERE: key.path: message`` with the bad value in it, e.g.
     ``job.yaml: training.steps: expected int, got str 'ten'`` or
     ``job.yaml: training: split='fast': must be one of ('proportional', 'equal')``.
