@@ -23,8 +23,8 @@ preset's job (MobileNetV2, global batch 64, SYNTHETIC data), `--fleet-steps` ste
 - `with_channel` / `without_channel`: the planner's plan for the fleet file (as `edgetrain plan`
   makes it, from this machine's measured model costs) with channel groups allowed / not allowed,
   each run as the job's fixed plan, one after the other in one run. (The live planner plans
-  from the boards' join-time profiles, which differ from run to run by up to 20% here: two
-  live arms differed by that much with the same rules, so fixed plans are compared.) When both
+  from the boards' join-time profiles, which differ from run to run, so fixed plans are
+  compared: docs/benchmarks.md#comparing-arms.) When both
   plans are the same, the two arms measure the run-to-run spread;
 - `channel_forced`: the plan without channel groups, each of its groups of several boards turned
   into a channel group: what a channel group costs here in practice, beside the cost model's

@@ -4,8 +4,8 @@ The demo job (MobileNetV2 on SYNTHETIC CIFAR-shaped data, four emulated boards a
 and 0.1 of a core) runs with its dashboard served, and within the same run the page is open in
 headless Chromium (live updates every second) and closed (the browser on about:blank) in
 alternating windows of `--window` steps: A B A B ... Comparing windows of one run removes what
-differs between runs (the boards' join-time profiles and so their shares vary by up to 18% from
-run to run on this machine). A window's figure is the median samples/s of its steps after the
+differs between runs (the boards' join-time profiles, and so their shares:
+docs/benchmarks.md#comparing-arms). A window's figure is the median samples/s of its steps after the
 first (which straddles the switch); the arms are compared by the median over windows and by the
 median ratio of each open window to the closed window after it, with the spread of those ratios.
 Each window also records the CPU the browser (all its processes) and the coordinator (which

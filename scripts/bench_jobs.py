@@ -1,6 +1,6 @@
 """Benchmark: several jobs sharing the fleet — the rolling scheduler against its baselines (issue 7).
 
-SIMULATED, not measured: every number comes from ``coordinator/job_sim.py`` with a throughput
+SIMULATED, not measured: every number comes from the job simulator (``edgetrain/emulator/``) with a throughput
 model, no board trains anything. The model (``scaled_sum_oracle``):
     per-board samples/s = relative speed × one core's speed on the model, with one core doing
         ResNet-18 at 25 samples/s and MobileNetV2 at 105 samples/s;

@@ -92,9 +92,8 @@ class TrainingConfig:
     """Most samples a board puts through the model at once: a larger shard is computed in equal
     chunks of at most this size, gradients accumulated, in a fraction of the memory. Each pass
     has a fixed cost, and one too large for the CPU's caches costs more per sample: which size is
-    fastest depends on the model and the board (scripts/bench_forward_batch.py times it; on one
-    x86 core ResNet-18 ran fastest in chunks of 64, MobileNetV2 in whole passes). 0: a whole
-    shard at once."""
+    fastest depends on the model and the board (scripts/bench_forward_batch.py times it:
+    docs/benchmarks.md#forward_batch). 0: a whole shard at once."""
     stream_upload: bool | str = "auto"
     """Whether a board computing a data-parallel shard with an uncompressed update uploads its
     gradients as backward produces them (last layer first, as DDP's buckets), so the upload runs
