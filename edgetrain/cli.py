@@ -455,7 +455,7 @@ def _report(args: argparse.Namespace) -> int:
     for run_dir in args.run_dirs:
         if not any((run_dir / name).is_file() for name in ("arm.json", "metrics.jsonl", "trace.json")):
             raise ConfigError(f"{run_dir}: not a run directory (no arm.json, metrics.jsonl or trace.json)")
-    from edgetrain.experiment.results import build_report
+    from edgetrain.experiment.report import build_report
 
     parents = {d.resolve().parent for d in args.run_dirs}
     out = args.out or (parents.pop() if len(parents) == 1 else Path("report"))
