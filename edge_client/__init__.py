@@ -5,7 +5,9 @@
                     transfers).
 - ``worker.py``     the board runtime (register, profile, heartbeat, work loop): DP shards,
                     federated rounds, pipeline stages; codecs with error feedback, deltas.
-- ``stage.py``      running this board's pipeline stage for one step (schedules, activations).
+- ``stage.py``      running this board's pipeline stage for one step: ``StageExecutor`` runs the
+                    schedule's forward and backward ops and the exchanges with neighbouring stages.
+- ``stage_exchange.py`` a stage's sends to its peers in one step, a channel group's exchange.
 - ``endpoint.py``   the StagePeer endpoint every board serves: mailbox, state hand-over and pull.
 - ``stage_state.py`` the stage a board owns: parameters, buffers, SGD applied on commit.
 - ``lobby.py``      a board in a job server's lobby: wait for a job, work for it, come back.

@@ -31,7 +31,8 @@
 - ``speed_reference.py`` the fixed workload a job server times boards with.
 - ``emulator/``    the emulated fleet: fleet files, fleet up/down, namespaces, CPU quotas, links,
                    batteries, local runs.
-- ``cli.py``       the ``edgetrain`` command; the only module here that imports a role.
+- ``cli.py``       the ``edgetrain`` command: its parser and dispatch; with ``commands/`` (one
+                   module per group of commands) the only code here that imports a role.
 """
 
 __version__ = "0.1.0"
