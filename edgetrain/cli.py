@@ -370,12 +370,17 @@ def _client(args: argparse.Namespace) -> int:
                             identity=args.identity, join_token=join, insecure=args.insecure,
                             pair_address=args.pair_address, give_up_after_s=args.give_up_after,
                             download=args.download, emulated_speed=args.speed,
-                            board_file=str(args.emulate) if args.emulate else None,
                             probe_interval_s=args.probe_interval, stage_bind=args.stage_bind,
                             power_w=tuple(args.power_watts) if args.power_watts else None,
                             local_data=args.local_data, deterministic=args.deterministic)
-    reason = run_client(args.coordinator, options, threads=args.threads, cluster=args.cluster,
-                        interfaces=args.interface)
+    where = {"threads": args.threads, "cluster": args.cluster, "interfaces": args.interface}
+    if args.emulate or args.speed:  # an emulated board: its throttle, link and battery installed here
+        from edgetrain.emulator.board import run_emulated_client
+
+        reason = run_emulated_client(args.coordinator, options, board_file=str(args.emulate) if args.emulate else None,
+                                     speed=args.speed, **where)
+    else:
+        reason = run_client(args.coordinator, options, **where)
     return 3 if reason == BATTERY_EMPTY else 0
 
 
@@ -418,7 +423,6 @@ def _local(args: argparse.Namespace) -> int:
 
 
 def _experiment(args: argparse.Namespace) -> int:
-    from edgetrain.emulator.fleet_config import load_fleet
     from edgetrain.experiment.runner import (
         Options,
         check_live,
@@ -427,6 +431,7 @@ def _experiment(args: argparse.Namespace) -> int:
         run_experiment,
     )
     from edgetrain.experiment.spec import load_experiment
+    from edgetrain.fleet_file import load_fleet
 
     exp = load_experiment(args.experiment)
     names = [a.name for a in exp.arms]
@@ -486,7 +491,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _fleet(args: argparse.Namespace) -> int:
     from edgetrain.emulator.fleet import fleet_down, fleet_up, supervise
-    from edgetrain.emulator.fleet_config import load_fleet
+    from edgetrain.fleet_file import load_fleet
 
     if args.fleet_command == "supervise":
         return supervise(Path(args.fleet), args.state_dir / f"{load_fleet(args.fleet).name}.json",

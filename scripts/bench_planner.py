@@ -67,9 +67,8 @@ from coordinator.planning.inputs import (
     transfer_cpu_s_per_byte,
 )
 from coordinator.planning.planner import plan_optimal
-from edgetrain.emulator.fleet_config import BoardSpec
 from edgetrain.emulator.launch import DEMO_JOB, run_on_emulated_boards
-from edgetrain.emulator.shaping import LinkSpec
+from edgetrain.fleet_file import BoardSpec, LinkSpec
 from edgetrain.plan import BoardCost, Plan, StagePlan
 from edgetrain.split import SpeedEstimate, split_proportional
 

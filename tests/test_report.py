@@ -18,7 +18,6 @@ from PIL import Image
 
 from coordinator.planning.inputs import machine_costs
 from edgetrain.config import ConfigError
-from edgetrain.emulator.fleet_config import load_fleet
 from edgetrain.experiment.results import (
     INSECURE_LABEL,
     _fleet_file,
@@ -28,6 +27,7 @@ from edgetrain.experiment.results import (
     describe_plan,
     load_run,
 )
+from edgetrain.fleet_file import load_fleet
 
 BATCH = 32
 
