@@ -1,5 +1,6 @@
-"""The layers: the roles (coordinator/, edge_client/) never reach the layer above them (the
-emulated fleet, experiments, the command line), and a board installs without the gateway's extras.
+"""The layers: the core (edgetrain/) imports no role, the roles (coordinator/, edge_client/) never
+reach the layer above them (the emulated fleet, experiments, the command line), and a board
+installs without the gateway's extras.
 
 Each check runs in a fresh interpreter, so an import made at import time anywhere (lazily, through
 importlib) shows in its sys.modules; imports inside functions are caught by reading the sources.
@@ -78,6 +79,23 @@ def _reaches_above(path: Path) -> list[str]:
 def test_role_sources_name_no_module_of_the_layer_above() -> None:
     found = [line for role in ROLES for path in sorted((ROOT / role).rglob("*.py")) for line in _reaches_above(path)]
     assert found == [], f"role sources reach the layer above: {found}"
+
+
+def _imports_a_role(path: Path) -> list[str]:
+    """Lines of `path` that import coordinator or edge_client, anywhere in the file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                 [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+        if any(name.partition(".")[0] in ROLES for name in names):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+def test_the_core_imports_neither_a_role_nor_the_layer_above() -> None:
+    core = [path for path in sorted((ROOT / "edgetrain").glob("*.py")) if path.name not in ("cli.py", "__main__.py")]
+    found = [line for path in core for line in (*_reaches_above(path), *_imports_a_role(path))]
+    assert found == [], f"core modules reach a role or the layer above: {found}"
 
 
 def test_a_board_starts_without_the_gateway_extras() -> None:
