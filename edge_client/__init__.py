@@ -1,6 +1,7 @@
 """The board role: joins a coordinator (or a job server's lobby) and computes what it is assigned.
 
-- ``main.py``       entry point: CPU limit, find the coordinator, work, always clean up.
+- ``main.py``       entry point: install the board's hardware seams (edgetrain.board_hardware),
+                    find the coordinator, work, always clean up.
 - ``connection.py`` every RPC to the coordinator, over edgetrain.transport (retries, resumable
                     transfers).
 - ``worker.py``     the board runtime (register, profile, heartbeat, work loop): DP shards,
@@ -13,7 +14,7 @@
 - ``lobby.py``      a board in a job server's lobby: wait for a job, work for it, come back.
 - ``profiler.py``   join-time profile: training speed at the job's batch sizes, memory.
 - ``telemetry.py``  psutil readings, link meter and probe, telemetry samples.
-- ``emulation.py``  an emulated board's link, battery and energy (from its board file).
-- ``light_boards.py`` many light fake boards in one process (real calls, synthetic profile and
-                    telemetry) for the load benchmark.
+
+The board knows no emulator: an emulated board's throttle, link shaping and battery are handed to
+it by edgetrain.emulator.board.
 """

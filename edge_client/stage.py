@@ -41,10 +41,10 @@ from edge_client.endpoint import MailKey, StageEndpoint, StageFailure
 from edge_client.shard import Update
 from edge_client.stage_exchange import GroupExchange, Outbox
 from edge_client.stage_state import StageStateError
+from edgetrain.board_hardware import ComputeThrottle
 from edgetrain.channels import ChannelSplit, member_slices, split_parameters
 from edgetrain.compression import ErrorFeedback, parse_codec
 from edgetrain.data import make_batch
-from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.errors import FailureKind
 from edgetrain.pipeline import FORWARD, Op, routes, schedule, stage_parameter_prefixes
 from edgetrain.tensors import pack, unpack
@@ -88,7 +88,7 @@ class StageRunner:
     gradients with its result (the coordinator's replica, if any, pulls them: StagePeer.PullStep);
     otherwise the stage's parameters are downloaded and their gradients uploaded."""
 
-    def __init__(self, model: nn.Module, dataset, job: BoardJob, endpoint: StageEndpoint, limiter: CpuLimiter) -> None:
+    def __init__(self, model: nn.Module, dataset, job: BoardJob, endpoint: StageEndpoint, limiter: ComputeThrottle) -> None:
         self.model = model
         self.dataset = dataset
         self.job = job

@@ -173,7 +173,7 @@ def static_plans(preset: Path) -> dict:
     from coordinator.planning.cost import predict
     from coordinator.planning.inputs import boards_from_fleet, machine_costs
     from coordinator.planning.planner import plan_optimal
-    from edgetrain.emulator.fleet_config import load_fleet
+    from edgetrain.fleet_file import load_fleet
     from edgetrain.plan import Plan, StagePlan
 
     fleet = load_fleet(preset)

@@ -1,6 +1,6 @@
 """Benchmark: one coordinator holding hundreds of boards' registration and telemetry.
 
-Light fake boards (the emulator's, edgetrain/emulator/) in several processes, each board its own thread,
+Light fake boards (edgetrain/emulator/light_boards.py) in several processes, each board its own thread,
 channel and certificate under the run's fleet CA, register with a real coordinator (`python -m
 edgetrain coordinator`, mutual TLS, a job that never starts training), report a SYNTHETIC
 profile, send a heartbeat with SYNTHETIC telemetry every second and, as idle real boards do,

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 from coordinator.jobs.scheduler import SCHEDULERS, Board, Job
-from coordinator.jobs.simulator import (
+from edgetrain.emulator.job_simulator import (
     SimResult,
     TraceSpec,
     poisson_trace,
@@ -127,7 +127,7 @@ LIVE_BATCH = 32
 
 def live_trace(seed: int, load: float) -> tuple[list, tuple[Job, ...]]:
     """The live trace on the lab-jobs boards (relative speeds from the preset)."""
-    from edgetrain.emulator.fleet_config import load_fleet
+    from edgetrain.fleet_file import load_fleet
 
     specs = load_fleet(LIVE_FLEET).boards
     boards = [Board(b.name, b.name) for b in specs]
@@ -164,8 +164,8 @@ def run_live(scheduler: str, specs: list, trace: tuple[Job, ...], workdir: Path)
     from coordinator.jobs.speed import PlannerSpeed, board_spec
     from edgetrain import transport, trust
     from edgetrain.config import job_from_dict, parse_yaml
-    from edgetrain.emulator.fleet_config import board_to_dict
     from edgetrain.emulator.launch import edgetrain_command
+    from edgetrain.fleet_file import board_to_dict
     from protos import jobs_pb2 as pb
     from protos import jobs_pb2_grpc as pb_grpc
 

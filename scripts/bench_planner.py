@@ -66,9 +66,8 @@ from coordinator.planning.inputs import (
 )
 from coordinator.planning.planner import plan_optimal
 from edgetrain.config import load_yaml
-from edgetrain.emulator.fleet_config import BoardSpec
 from edgetrain.emulator.launch import DEMO_JOB, run_on_emulated_boards
-from edgetrain.emulator.shaping import LinkSpec
+from edgetrain.fleet_file import BoardSpec, LinkSpec
 from edgetrain.plan import BoardCost, Plan, StagePlan
 from edgetrain.split import SpeedEstimate, split_proportional
 

@@ -37,9 +37,9 @@ from typing import Any
 import grpc
 import yaml
 
-from edgetrain.emulator.fleet_config import BoardSpec, FleetSpec, board_to_dict
 from edgetrain.emulator.launch import EmulatedTrust, edgetrain_command, stop_processes
 from edgetrain.experiment.spec import Arm, Experiment, Run, SpecError, Trace
+from edgetrain.fleet_file import BoardSpec, FleetSpec, board_to_dict
 
 logger = logging.getLogger(__name__)
 

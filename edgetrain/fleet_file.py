@@ -1,4 +1,7 @@
-"""What an emulated fleet is: boards (CPU speed, link, battery), the job, scripted events.
+"""What a fleet is: boards (CPU speed, link, battery), the gateway, the job, scripted events.
+
+The description only: the planner (`edgetrain plan FLEET.yaml`) and the job server's speed
+estimate read it; the emulated fleet (edgetrain.emulator) enforces it on the boards it runs.
 
 ```yaml
 name: lab
@@ -33,12 +36,65 @@ from typing import Any
 import yaml
 
 from edgetrain.config import ConfigError, JobConfig, job_from_dict, load_job
-from edgetrain.emulator.battery import BatterySpec
-from edgetrain.emulator.shaping import LinkSpec
 from edgetrain.power import GATEWAY_BUSY_W, GATEWAY_IDLE_W
 
 NETWORK_MODES = ("auto", "namespaces", "loopback")
 EVENT_ACTIONS = ("link", "leave", "join")
+
+
+@dataclass(kw_only=True, frozen=True)
+class LinkSpec:
+    """A board's link to the LAN, the same in both directions (emulated by edgetrain.emulator)."""
+
+    mbit_per_s: float
+    """Link rate in Mbit/s (10^6 bit/s)."""
+    delay_ms: float = 0.0
+    """One-way delay; an RPC waits twice this."""
+    loss: float = 0.0
+    """Probability that a transfer chunk is lost and must be resent, in [0, 1)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.mbit_per_s) and self.mbit_per_s > 0):
+            raise ValueError(f"mbit_per_s must be a finite number > 0, got {self.mbit_per_s}")
+        if not (math.isfinite(self.delay_ms) and self.delay_ms >= 0):
+            raise ValueError(f"delay_ms must be a finite number >= 0, got {self.delay_ms}")
+        if not 0 <= self.loss < 1:
+            raise ValueError(f"loss must be in [0, 1), got {self.loss}")
+
+    @property
+    def bytes_per_s(self) -> float:
+        """The rate in bytes per second."""
+        return self.mbit_per_s * 1e6 / 8
+
+
+@dataclass(kw_only=True, frozen=True)
+class BatterySpec:
+    """A board's battery and its power draw (emulated by edgetrain.emulator.battery)."""
+
+    capacity_wh: float
+    """Usable capacity, watt-hours."""
+    idle_w: float
+    """Power draw while not training, watts."""
+    busy_w: float
+    """Power draw while training, watts."""
+    initial_percent: float = 100.0
+    """Charge when the board starts."""
+    plugged: bool = False
+    """On mains power: the board's draw comes from the mains and the battery does not drain."""
+    charge_w: float = 0.0
+    """Net charging power into the battery while plugged, watts (0: the charge level stays)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.capacity_wh) and self.capacity_wh > 0):
+            raise ValueError(f"capacity_wh must be a finite number > 0, got {self.capacity_wh}")
+        for name in ("idle_w", "busy_w", "charge_w"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if self.busy_w < self.idle_w:
+            raise ValueError(f"busy_w ({self.busy_w}) must be >= idle_w ({self.idle_w})")
+        if not 0 <= self.initial_percent <= 100:
+            raise ValueError(f"initial_percent must be in [0, 100], got {self.initial_percent}")
 
 
 @dataclass(kw_only=True, frozen=True)
