@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("coordinator", "edge_client")
-ABOVE = r"edgetrain\.(emulator|experiment|cli)(\.\w+)*"
+ABOVE = r"edgetrain\.(emulator|experiment|commands|cli)(\.\w+)*"
 """Modules of the layer above the roles: the emulated fleet (with its light boards and job
 simulator), experiments, and the `edgetrain` command."""
 GATEWAY_ONLY = ("matplotlib", "tensorboard", "prometheus_client", "selenium", "torchvision")
@@ -71,7 +71,7 @@ def _reaches_above(path: Path) -> list[str]:
             continue
         if any(re.fullmatch(ABOVE, name) for name in names) or (
                 isinstance(node, ast.ImportFrom) and node.module == "edgetrain"
-                and {alias.name for alias in node.names} & {"emulator", "experiment", "cli"}):
+                and {alias.name for alias in node.names} & {"emulator", "experiment", "commands", "cli"}):
             found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     return found
 
@@ -93,7 +93,8 @@ def _imports_a_role(path: Path) -> list[str]:
 
 
 def test_the_core_imports_neither_a_role_nor_the_layer_above() -> None:
-    core = [path for path in sorted((ROOT / "edgetrain").glob("*.py")) if path.name not in ("cli.py", "__main__.py")]
+    sources = [*(ROOT / "edgetrain").glob("*.py"), *(ROOT / "edgetrain" / "config").glob("*.py")]
+    core = [path for path in sorted(sources) if path.name not in ("cli.py", "__main__.py")]
     found = [line for path in core for line in (*_reaches_above(path), *_imports_a_role(path))]
     assert found == [], f"core modules reach a role or the layer above: {found}"
 

@@ -57,7 +57,7 @@ def local(args: argparse.Namespace) -> int:
 def fleet(args: argparse.Namespace) -> int:
     """fleet up, down, supervise: an emulated fleet on this machine."""
     from edgetrain.emulator.fleet import fleet_down, fleet_up, supervise
-    from edgetrain.emulator.fleet_config import load_fleet
+    from edgetrain.fleet_file import load_fleet
 
     if args.fleet_command == "supervise":
         return supervise(Path(args.fleet), args.state_dir / f"{load_fleet(args.fleet).name}.json",
@@ -89,7 +89,6 @@ def fleet(args: argparse.Namespace) -> int:
 
 def experiment(args: argparse.Namespace) -> int:
     """experiment run: an experiment's arms on a fleet, then its report."""
-    from edgetrain.emulator.fleet_config import load_fleet
     from edgetrain.experiment.runner import (
         Options,
         check_live,
@@ -98,6 +97,7 @@ def experiment(args: argparse.Namespace) -> int:
         run_experiment,
     )
     from edgetrain.experiment.spec import load_experiment
+    from edgetrain.fleet_file import load_fleet
 
     exp = load_experiment(args.experiment)
     names = [a.name for a in exp.arms]

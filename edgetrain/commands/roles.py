@@ -64,10 +64,16 @@ def client(args: argparse.Namespace) -> int:
                             identity=args.identity, join_token=join, insecure=args.insecure,
                             pair_address=args.pair_address, give_up_after_s=args.give_up_after,
                             download=args.download, emulated_speed=args.speed,
-                            board_file=str(args.emulate) if args.emulate else None,
                             probe_interval_s=args.probe_interval, stage_bind=args.stage_bind,
                             power_w=tuple(args.power_watts) if args.power_watts else None,
                             local_data=args.local_data, deterministic=args.deterministic)
-    reason = run_client(args.coordinator, options, threads=args.threads, cluster=args.cluster,
-                        interfaces=args.interface)
+    where = {"threads": args.threads, "cluster": args.cluster, "interfaces": args.interface}
+    if args.emulate or args.speed:  # an emulated board: its throttle, link and battery installed here
+        from edgetrain.emulator.board import run_emulated_client
+
+        reason = run_emulated_client(args.coordinator, options,
+                                     board_file=str(args.emulate) if args.emulate else None,
+                                     speed=args.speed, **where)
+    else:
+        reason = run_client(args.coordinator, options, **where)
     return 3 if reason == BATTERY_EMPTY else 0
