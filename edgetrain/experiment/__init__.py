@@ -10,6 +10,8 @@ baselines.py  the baselines users would otherwise run: PyTorch DDP (gloo), one b
               the gateway alone (centralized)
 results.py    one row per run directory (time and energy to the target accuracy, throughput, the
               plan), results.csv and report.md over an experiment's arms and repeats
+bench_output.py  what scripts/bench_*.py share: --smoke, --record (docs/results/), the JSON
+              last line, SIGTERM handled as Ctrl-C
 plots.py      the report's figures (matplotlib, Agg): accuracy vs time and energy, samples/s vs the
               fleet's ideal, the planner's Pareto front, a per-board timeline of a few steps
 
