@@ -61,6 +61,7 @@ import yaml
 
 from edgetrain.catalog import SYNTHETIC_HARD_TEST_SIZE, SYNTHETIC_HARD_TRAIN_SIZE
 from edgetrain.emulator.launch import plain_demo_job, run_on_emulated_boards
+from edgetrain.experiment.bench_output import add_bench_args, finish, run_child, stop_on_sigterm
 
 SPEEDS = (0.5, 0.3, 0.2, 0.1)
 """Fractions of a core of the emulated boards (and the workers' shares of each batch)."""
@@ -220,8 +221,7 @@ def fleet_arms(key: str, args: argparse.Namespace, workdir: Path) -> dict:
     exp_file = workdir / f"bench-channel-{key}.yaml"
     exp_file.write_text(yaml.safe_dump(experiment))
     out = workdir / f"results-{key}"
-    code = subprocess.run([sys.executable, "-m", "edgetrain", "experiment", "run", str(exp_file), "--out", str(out)],
-                          check=False).returncode
+    code = run_child([sys.executable, "-m", "edgetrain", "experiment", "run", str(exp_file), "--out", str(out)])
     if code != 0:
         print(f"# {key}: the experiment ended with exit code {code}; arms without steps are reported as null",
               flush=True)

@@ -17,7 +17,7 @@ counts too). For the pipeline also the bubble: measured as the
 stage hosts' time waiting for neighbours over their time in the step's schedule, and the
 theory (S-1)/(M+S-1). The last line printed is one JSON object.
 
-    python scripts/bench_pipeline.py [--steps 8] [--warmup 2] [--microbatches 4] [--modes equal,pipeline]
+    python scripts/bench_pipeline.py [--steps 8] [--warmup 2] [--microbatches 4] [--modes equal,pipeline] [--smoke] [--record]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from edgetrain.emulator.launch import plain_demo_job, run_on_emulated_boards
+from edgetrain.experiment.bench_output import add_bench_args, finish, stop_on_sigterm
 from edgetrain.pipeline import bubble_fraction
 
 BOARDS = ((0.5, 100), (0.3, 50), (0.2, 50), (0.1, 20))
@@ -42,7 +43,7 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     name = f"bench-pipe-{mode}"
     job = plain_demo_job()
     job.update(name=name, model="resnet18")
-    job["dataset"].update(train_size=4096, test_size=256, augment=False)
+    job["dataset"].update(train_size=64 if args.smoke else 4096, test_size=16 if args.smoke else 256, augment=False)
     job["training"].update(steps=args.steps, min_clients=len(BOARDS), eval_every=0, global_batch=args.batch,
                            log_every=1, split="equal" if mode == "equal" else "proportional",
                            heartbeat_timeout_s=60.0)
@@ -91,7 +92,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--modes", default=",".join(MODES))
+    add_bench_args(parser)
     args = parser.parse_args()
+    if args.smoke:  # two steps of the pipeline alone, small micro-batches
+        args.steps, args.warmup, args.batch, args.microbatches, args.modes = 2, 0, 8, 2, "pipeline"
+    stop_on_sigterm()
     modes = args.modes.split(",")
     if any(m not in MODES for m in modes):
         parser.error(f"modes must be among {MODES}")
@@ -118,7 +123,7 @@ def main() -> None:
         if "proportional" in results:
             out["pipeline_over_proportional"] = round(
                 results["pipeline"]["samples_per_s"] / results["proportional"]["samples_per_s"], 2)
-    print(json.dumps(out))
+    finish(__file__, out, args)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ from edgetrain.catalog import (
     SYNTHETIC_HARD_TRAIN_SIZE,
 )
 from edgetrain.experiment.results import collect
+from edgetrain.experiment.bench_output import add_bench_args, finish, run_child, stop_on_sigterm
 
 REPO = Path(__file__).resolve().parent.parent
 FLEETS = {"compute": REPO / "experiments" / "fleets" / "compute.yaml",
@@ -119,8 +120,7 @@ def run_experiment(workdir: Path, name: str, fleet: Path, arms: list[str], seeds
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     out = workdir / name
-    code = subprocess.run([sys.executable, "-m", "edgetrain", "experiment", "run", str(path), "--out", str(out)],
-                          cwd=REPO).returncode
+    code = run_child([sys.executable, "-m", "edgetrain", "experiment", "run", str(path), "--out", str(out)], cwd=REPO)
     if code != 0:
         print(f"experiment {name} exited with code {code}; reading whatever it finished", file=sys.stderr)
     run_dirs = sorted(p for p in out.iterdir() if (p / "metrics.jsonl").exists()) if out.exists() else []

@@ -81,3 +81,21 @@ def finish(script: str, out: dict, args: argparse.Namespace) -> dict:
             f.write(json.dumps(stamped) + "\n")
     print(json.dumps(out), flush=True)
     return out
+
+
+def run_child(command: list[str], *, grace_s: float = 60.0, **popen_kwargs) -> int:
+    """subprocess.run for a child that starts processes of its own (`edgetrain experiment run`):
+    when this benchmark is interrupted, the child gets SIGTERM (which it handles as Ctrl-C, stopping
+    what it started) and `grace_s` to end before SIGKILL; subprocess.run would SIGKILL it at once
+    and orphan its coordinator and boards."""
+    child = subprocess.Popen(command, **popen_kwargs)
+    try:
+        return child.wait()
+    except BaseException:
+        child.terminate()
+        try:
+            child.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        raise
