@@ -36,6 +36,8 @@ BOARDS = ((0.5, 100), (0.3, 50), (0.2, 50), (0.1, 20))
 STAGES = [{"blocks": 5, "boards": ["board0"]}, {"blocks": 2, "boards": ["board1"]},
           {"blocks": 3, "boards": ["board2"]}]
 """ResNet-18's 10 blocks: stem + layer1 + layer2 | layer3 | layer4 + head."""
+SMOKE_BOARDS = tuple((speed, 1000) for speed, _ in BOARDS)
+"""--smoke: the same boards on fast links (the stage hand-over of slow links takes a minute)."""
 MODES = ("equal", "proportional", "pipeline")
 
 
@@ -50,7 +52,7 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     if mode == "pipeline":
         job["pipeline"] = {"stages": STAGES, "microbatches": args.microbatches, "schedule": "1f1b",
                            "stage_timeout_s": 600}
-    run_dir = run_on_emulated_boards(job, BOARDS, workdir)
+    run_dir = run_on_emulated_boards(job, SMOKE_BOARDS if args.smoke else BOARDS, workdir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "train" and r["step"] >= args.warmup]
     summary = json.loads((run_dir / "summary.json").read_text())
