@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from edgetrain.emulator.netns import netns_available
+from edgetrain.emulator.throttle import DEFAULT_CGROUP_ROOT, DEFAULT_MEMORY_CGROUP_ROOT
 from edgetrain.experiment.bench_output import RESULTS_ENV, benchmark_name, commit_id
 
 REPO = Path(__file__).resolve().parent.parent
@@ -154,7 +155,7 @@ def test_sigterm_stops_every_process_and_namespace_the_benchmark_started(tmp_pat
             for child in _descendants(proc.pid):
                 started.setdefault(child.pid, child)
             boards = [p for p in started.values() if _alive(p) and "client" in _cmdline(p)]
-            if len(boards) >= 4:
+            if len(boards) >= 4 and all(_cpu_s(p) > 1.0 for p in boards):  # past their imports
                 break
             time.sleep(0.2)
         assert proc.poll() is None and len(boards) >= 4, "the benchmark did not start its boards"
@@ -173,6 +174,7 @@ def test_sigterm_stops_every_process_and_namespace_the_benchmark_started(tmp_pat
         survivors = [p for p in started.values() if _alive(p)]
         assert not survivors, f"still running: {[_cmdline(p) for p in survivors]}"
         assert not ours & _namespaces()
+        assert not _cgroups_of(started), "a CPU or memory group of a board it started is left"
     finally:
         for p in [*started.values()]:
             if _alive(p):
@@ -180,6 +182,21 @@ def test_sigterm_stops_every_process_and_namespace_the_benchmark_started(tmp_pat
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _cgroups_of(processes: dict[int, psutil.Process]) -> list[Path]:
+    """The emulator's CPU and memory groups (named ...-<pid>) of these processes still present."""
+    roots = [Path(DEFAULT_CGROUP_ROOT, "edgetrain"), Path(DEFAULT_MEMORY_CGROUP_ROOT, "edgetrain")]
+    return [group for root in roots if root.is_dir() for group in root.iterdir()
+            if group.is_dir() and group.name.rsplit("-", 1)[-1] in {str(pid) for pid in processes}]
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    try:
+        times = proc.cpu_times()
+    except psutil.Error:
+        return 0.0
+    return times.user + times.system
 
 
 def _cmdline(proc: psutil.Process) -> str:
