@@ -69,7 +69,7 @@ BATCH = 64
 
 def _job(name: str, codec: str, steps: int, seed: int, smoke: bool = False) -> dict:
     job = plain_demo_job()
-    job.update(name=f"bench-codec-{name}", model="mobilenet_v2", seed=seed)
+    job.update(name=f"bench-codec-{name}", model="small_cnn" if smoke else "mobilenet_v2", seed=seed)
     job["dataset"] = {"name": "synthetic-hard", "train_size": 256 if smoke else SYNTHETIC_HARD_TRAIN_SIZE,
                       "test_size": 64 if smoke else SYNTHETIC_HARD_TEST_SIZE, "augment": True}
     job["training"].update(steps=steps, min_clients=len(SPEEDS), eval_every=0, global_batch=BATCH, log_every=25,
@@ -250,7 +250,7 @@ def main() -> None:
     parser.add_argument("--parts", help="fleets, codecs or both (comma-separated; default both, with --smoke codecs)")
     add_bench_args(parser)
     args = parser.parse_args()
-    if args.smoke:  # two steps of PowerSGD in process and on the boards; the fleets part only when named
+    if args.smoke:  # two steps of PowerSGD on a small CNN in process and on the boards; fleets only when named
         args.steps, args.fleet_steps, args.warmup, args.codecs = 2, 2, 0, "powersgd"
         args.parts = args.parts or "codecs"
     args.parts = args.parts or "fleets,codecs"
@@ -279,7 +279,7 @@ def main() -> None:
     unknown = [n for n in names if n not in CODECS]
     if unknown:
         parser.error(f"unknown codec(s) {unknown}; choose from {list(CODECS)}")
-    print(f"# mobilenet_v2 on synthetic-hard (SYNTHETIC data), batch {BATCH} over workers {SPEEDS}, "
+    print(f"# {'small_cnn' if args.smoke else 'mobilenet_v2'} on synthetic-hard (SYNTHETIC data), batch {BATCH} over workers {SPEEDS}, "
           f"{args.steps} steps in process, {args.fleet_steps} on the emulated boards, seed {args.seed}", flush=True)
     codecs: dict[str, dict] = {n: {} for n in names}
     # samples/s first, on a quiet machine; then the accuracy arms, two at a time (one core each)

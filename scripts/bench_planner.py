@@ -248,9 +248,9 @@ def main() -> None:
         _board_standalone(float(fraction), model_name, int(batch), float(seconds))
         return
     ideal_s = 30.0
-    if args.smoke:  # planning at 4 boards on one fleet; one two-step proportional run on the compute fleet
+    if args.smoke:  # planning at 4 boards on one fleet; a two-step proportional run of a small CNN, compute fleet
         args.steps, args.warmup, args.batch_compute, args.fleets = 2, 1, 16, "compute"
-        args.models, args.modes, ideal_s = "mobilenet_v2", "proportional", 0.5
+        args.models, args.modes, ideal_s = "small_cnn", "proportional", 0.5
     stop_on_sigterm()
     print("# (a) planning: ResNet-18 block costs measured here; random fleets", flush=True)
     resnet = measure_model_cost("resnet18")
