@@ -36,8 +36,9 @@ BOARDS = ((0.5, 100), (0.3, 50), (0.2, 50), (0.1, 20))
 STAGES = [{"blocks": 5, "boards": ["board0"]}, {"blocks": 2, "boards": ["board1"]},
           {"blocks": 3, "boards": ["board2"]}]
 """ResNet-18's 10 blocks: stem + layer1 + layer2 | layer3 | layer4 + head."""
-SMOKE_BOARDS = tuple((speed, 1000) for speed, _ in BOARDS)
-"""--smoke: the same boards on fast links (the stage hand-over of slow links takes a minute)."""
+SMOKE_BOARDS = tuple((0.5, 1000) for _ in BOARDS)
+"""--smoke: half a core each on fast links (ResNet-18's profiling at 0.1 of a core and the stage
+hand-over on slow links take a minute)."""
 MODES = ("equal", "proportional", "pipeline")
 
 
@@ -99,10 +100,11 @@ def main() -> None:
     if args.smoke:  # two steps of the pipeline alone, small micro-batches
         args.steps, args.warmup, args.batch, args.microbatches, args.modes = 2, 0, 8, 2, "pipeline"
     stop_on_sigterm()
+    boards = SMOKE_BOARDS if args.smoke else BOARDS
     modes = args.modes.split(",")
     if any(m not in MODES for m in modes):
         parser.error(f"modes must be among {MODES}")
-    print(f"# resnet18, global batch {args.batch}, {args.steps} steps, boards (core, Mbit/s) {BOARDS}; "
+    print(f"# resnet18, global batch {args.batch}, {args.steps} steps, boards (core, Mbit/s) {boards}; "
           "data: SYNTHETIC", flush=True)
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_pipe_") as tmp:
@@ -112,7 +114,7 @@ def main() -> None:
             print(f"{mode:>13}: {r['samples_per_s']:.2f} samples/s, {r['bytes_per_sample'] / 1e6:.2f} MB/sample, "
                   f"shares {list(r['shares'].values())}", flush=True)
     out = {"model": "resnet18", "steps": args.steps, "global_batch": args.batch, "synthetic_data": True,
-           "boards": [{"speed": s, "mbit_per_s": m} for s, m in BOARDS], "stages": STAGES,
+           "boards": [{"speed": s, "mbit_per_s": m} for s, m in boards], "stages": STAGES,
            "microbatches": args.microbatches,
            **{f"{m}_samples_per_s": round(r["samples_per_s"], 3) for m, r in results.items()},
            "bytes_per_sample": {m: round(r["bytes_per_sample"]) for m, r in results.items()}}
