@@ -32,7 +32,7 @@ planner enabled) submitted at their arrival times. It prints each scheduler's me
 JCT and makespan beside the simulator's prediction for the same trace (the planner's predicted
 speeds, the measured setup time), and adds them to the JSON line under "live".
 
-    python scripts/bench_jobs.py [--seed 3] [--load 0.9] [--live [--live-schedulers rolling,first_fit]]
+    python scripts/bench_jobs.py [--seed 3] [--load 0.9] [--live [--live-schedulers rolling,first_fit]] [--smoke] [--record]
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from edgetrain.emulator.job_simulator import (
     scaled_sum_oracle,
     simulate,
 )
+from edgetrain.experiment.bench_output import add_bench_args, finish, stop_on_sigterm
 
 ONE_CORE = {"resnet18": 25.0, "mobilenet_v2": 105.0}
 """Samples/s of one host core, per model."""
@@ -240,11 +241,14 @@ def main() -> None:
     parser.add_argument("--load", type=float, default=0.9)
     parser.add_argument("--live", action="store_true", help="also run a short trace on emulated boards")
     parser.add_argument("--live-schedulers", default="rolling,first_fit,static,fifo")
+    add_bench_args(parser)
     args = parser.parse_args()
-    print(f"lab fleet, 8 boards, 40 jobs, load {args.load} (simulated)")
-    small = run(1, 40, args.seed, args.load)
-    print(f"64 boards, 500 jobs, load {args.load} (simulated)")
-    large = run(8, 500, args.seed, args.load)
+    stop_on_sigterm()
+    small_jobs, large_copies, large_jobs = (8, 2, 16) if args.smoke else (40, 8, 500)
+    print(f"lab fleet, 8 boards, {small_jobs} jobs, load {args.load} (simulated)")
+    small = run(1, small_jobs, args.seed, args.load)
+    print(f"{8 * large_copies} boards, {large_jobs} jobs, load {args.load} (simulated)")
+    large = run(large_copies, large_jobs, args.seed, args.load)
     out = {**_maps(small), "large": _maps(large), "simulated": True}
     if args.live:
         specs, trace = live_trace(args.seed, args.load)
@@ -259,7 +263,7 @@ def main() -> None:
                       f"(setup {r['overhead_s']:.0f} s){'  FAILED: ' + '; '.join(r['failed']) if r['failed'] else ''}",
                       flush=True)
         out["live"] = live
-    print(json.dumps(out))
+    finish(__file__, out, args)
 
 
 if __name__ == "__main__":
