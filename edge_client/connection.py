@@ -32,8 +32,8 @@ import edgetrain
 from edge_client.credentials import BoardCredentials, trusted_calls
 from edge_client.telemetry import LinkMeter
 from edgetrain import serde, transport
+from edgetrain.board_hardware import LinkShaping
 from edgetrain.config import ConfigError
-from edgetrain.emulator.shaping import LinkShaper
 from edgetrain.errors import Refusal
 from edgetrain.streaming import RawChunk, TensorMeta, TransferError, UploadAbandoned, iter_chunks
 from edgetrain.telemetry import TelemetrySample
@@ -68,7 +68,7 @@ class CoordinatorConnection:
     with `credentials` (the board's fleet identity), plaintext without (`--insecure`)."""
 
     def __init__(self, address: str, *, retry: transport.RetryPolicy = CALLS,
-                 transfers: transport.RetryPolicy = transport.TRANSFERS, shaper: LinkShaper | None = None,
+                 transfers: transport.RetryPolicy = transport.TRANSFERS, shaper: LinkShaping | None = None,
                  link: LinkMeter | None = None, credentials: BoardCredentials | None = None) -> None:
         self.address = address
         self.retry = retry

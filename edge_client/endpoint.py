@@ -28,7 +28,7 @@ import torch
 
 from edge_client.stage_state import StageState, StageStateError
 from edgetrain import serde, transport, trust
-from edgetrain.emulator.shaping import LinkShaper
+from edgetrain.board_hardware import LinkShaping
 from edgetrain.errors import FailureKind, Refusal
 from edgetrain.streaming import TransferError, iter_chunks
 from edgetrain.tensors import pack, unpack
@@ -190,7 +190,7 @@ class StagePeerServicer(spb_grpc.StagePeerServicer):
     """Receives stage tensors into the mailbox and moves owned state; bad streams get precise
     status codes."""
 
-    def __init__(self, mailbox: Mailbox, shaper: LinkShaper | None = None, state: StageState | None = None,
+    def __init__(self, mailbox: Mailbox, shaper: LinkShaping | None = None, state: StageState | None = None,
                  chunk_bytes: int = transport.DEFAULT_CHUNK_BYTES, admission: Admission | None = None) -> None:
         self.mailbox = mailbox
         self.shaper = shaper
@@ -351,7 +351,7 @@ class StageEndpoint:
     TLS and admits callers by their certificates (see the module docstring); without, plaintext
     (`--insecure`)."""
 
-    def __init__(self, bind: str = "0.0.0.0:0", *, shaper: LinkShaper | None = None,
+    def __init__(self, bind: str = "0.0.0.0:0", *, shaper: LinkShaping | None = None,
                  chunk_bytes: int = transport.DEFAULT_CHUNK_BYTES,
                  credentials: transport.Credentials | None = None) -> None:
         self.mailbox = Mailbox()

@@ -17,12 +17,11 @@ import grpc
 import edgetrain
 from edge_client.connection import CoordinatorConnection, CoordinatorUnreachable
 from edge_client.credentials import BoardCredentials, trusted_calls
-from edge_client.emulation import BoardEmulation
 from edge_client.local_data import LocalData
 from edge_client.telemetry import LinkMeter, probe_link
 from edge_client.worker import BATTERY_EMPTY, ClientOptions, EdgeWorker
 from edgetrain import transport
-from edgetrain.emulator.throttle import CpuLimiter
+from edgetrain.board_hardware import BoardHardware
 from edgetrain.speed_reference import reference_seconds
 from protos import jobs_pb2 as pb
 from protos import jobs_pb2_grpc as pb_grpc
@@ -40,10 +39,10 @@ LOBBY_RETRY = transport.RetryPolicy(budget_s=120.0, max_s=2.0,
 class Lobby:
     """The board's side of the job server."""
 
-    def __init__(self, address: str, options: ClientOptions, limiter: CpuLimiter, emulation: BoardEmulation,
+    def __init__(self, address: str, options: ClientOptions, hardware: BoardHardware,
                  link: LinkMeter, credentials: BoardCredentials | None = None, *,
                  local: LocalData | None = None) -> None:
-        self.address, self.options, self.limiter, self.emulation, self.link = address, options, limiter, emulation, link
+        self.address, self.options, self.hardware, self.link = address, options, hardware, link
         self.credentials = credentials
         self.local = local
         """The board's own images, if it trains on those (every job it works for)."""
@@ -70,15 +69,13 @@ class Lobby:
         return self.credentials.checked(call) if self.credentials is not None else call
 
     def _send_probe(self, payload: bytes) -> None:
-        shaper = self.emulation.shaper
-        if shaper:
-            shaper.rpc_delay()
-            shaper.before_send(len(payload))
+        self.hardware.shaper.rpc_delay()
+        self.hardware.shaper.before_send(len(payload))
         with trusted_calls(self.credentials):
             self._stub.Probe(pb.LobbyProbe(payload=payload), timeout=60)
 
     def join(self) -> None:
-        reference = reference_seconds(self.limiter.working)
+        reference = reference_seconds(self.hardware.throttle.working)
         mbit = probe_link(self._send_probe, self.link)
         request = pb.JoinRequest(name=self.options.name, reference_s=reference,
                                  link_mbit_per_s=mbit if mbit == mbit else 0.0,
@@ -119,9 +116,9 @@ class Lobby:
             offer = self.next_offer()
             logger.info("[Client] %s works for job %s (coordinator port %d)", self.options.name, offer.job_name,
                         offer.port)
-            conn = CoordinatorConnection(f"{host}:{offer.port}", shaper=self.emulation.shaper, link=self.link,
+            conn = CoordinatorConnection(f"{host}:{offer.port}", shaper=self.hardware.shaper, link=self.link,
                                          retry=JOB_RETRY, credentials=self.credentials)
-            worker = EdgeWorker(conn, self.options, self.limiter, self.emulation, self.local)
+            worker = EdgeWorker(conn, self.options, self.hardware, self.local)
             try:
                 reason = worker.run()
                 logger.info("[Client] job %s ended: %s", offer.job_name, reason)

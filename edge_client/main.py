@@ -1,5 +1,6 @@
-"""Edge client entry point: emulate if asked, obtain the board's fleet credentials (pairing with a
-join token the first time), find the coordinator, work, always clean up."""
+"""Edge client entry point: install the board's hardware seams (real ones, or the emulated ones
+the layer above hands it), obtain the board's fleet credentials (pairing with a join token the
+first time), find the coordinator, work, always clean up."""
 
 from __future__ import annotations
 
@@ -10,20 +11,19 @@ from dataclasses import replace
 import edgetrain
 from edge_client.connection import CALLS, CoordinatorConnection, CoordinatorUnreachable
 from edge_client.credentials import BoardCredentials, obtain, trusted_calls
-from edge_client.emulation import BoardEmulation
 from edge_client.lobby import Lobby
 from edge_client.local_data import LocalData
 from edge_client.profiler import set_threads, torch_threads_for
 from edge_client.telemetry import LinkMeter
 from edge_client.worker import BATTERY_EMPTY, ClientOptions, EdgeWorker
 from edgetrain import transport
+from edgetrain.board_hardware import BoardHardware
 from edgetrain.discovery import (
     CoordinatorNotFound,
     default_interfaces,
     find_coordinator,
     serves_jobs,
 )
-from edgetrain.emulator.throttle import limit_cpu, limit_memory
 from edgetrain.training import exact_arithmetic, runtime
 
 logger = logging.getLogger(__name__)
@@ -112,8 +112,8 @@ def _locate(address: str | None, last: str | None, browse: bool, cluster: str | 
         return found, serves_jobs(found, security=security, retry=LOCATE_RETRY)
 
 
-def run_client(address: str | None, options: ClientOptions, *, threads: int | None = None,
-               cluster: str | None = None, interfaces: list[str] | None = None) -> str:
+def run_client(address: str | None, options: ClientOptions, *, hardware: BoardHardware | None = None,
+               threads: int | None = None, cluster: str | None = None, interfaces: list[str] | None = None) -> str:
     """Work for the coordinator at `address` (found over mDNS when None) until its job ends; at
     a job server (`edgetrain coordinator --jobs`), serve one job after another.
 
@@ -130,14 +130,15 @@ def run_client(address: str | None, options: ClientOptions, *, threads: int | No
     with its own credentials and gets work. Returns the coordinator's reason for finishing, or
     BATTERY_EMPTY when an emulated battery ran flat.
 
+    `hardware` is the machine the board computes on (edgetrain.board_hardware; None: this real
+    board, its energy modelled from `options.power_w` when its battery cannot measure it); its
+    throttle and memory cap are installed while the client runs.
+
     With `options.local_data` the board trains on its own images only, decoded once before it
     looks for a coordinator (edge_client.local_data: LocalDataError, one line, when they cannot be
     used, and when they are gone mid-job).
     """
-    emulation = BoardEmulation.from_file(options.board_file, options.power_w, speed=options.emulated_speed)
-    if emulation.board:
-        options = replace(options, emulated_speed=emulation.board.speed,
-                          local_data=options.local_data or emulation.board.local_data)
+    hardware = hardware or BoardHardware.real(options.power_w)
     local = LocalData(options.local_data, options.data_dir).prepare() if options.local_data else None
     set_threads(threads or torch_threads_for(options.emulated_speed))
     if options.deterministic:
@@ -147,12 +148,7 @@ def run_client(address: str | None, options: ClientOptions, *, threads: int | No
     link = LinkMeter()
     browse = address is None or bool(interfaces)
     where = " or ".join(filter(None, (address, "over mDNS" if browse else "")))
-    with limit_cpu(options.emulated_speed, name=options.name) as limiter, \
-            limit_memory(emulation.memory_cap_bytes, name=options.name) as memory:
-        emulation.memory = memory
-        if options.emulated_speed:
-            logger.info("[Client] %s emulates %.2f of a core (%s)", options.name, options.emulated_speed,
-                        limiter.mode)
+    with hardware.installed(options.name):
         credentials = _credentials(address, options, cluster, interfaces)
         fleet = credentials.ca_fingerprint if credentials else ""
         security = credentials.gateway() if credentials else transport.INSECURE
@@ -175,14 +171,14 @@ def run_client(address: str | None, options: ClientOptions, *, threads: int | No
                     credentials.start_renewal()
                 try:
                     if jobs:
-                        lobby = Lobby(found, options, limiter, emulation, link, credentials, local=local)
+                        lobby = Lobby(found, options, hardware, link, credentials, local=local)
                         try:
                             return lobby.serve()
                         finally:
                             lobby.close()
-                    conn = CoordinatorConnection(found, shaper=emulation.shaper, link=link, credentials=credentials)
+                    conn = CoordinatorConnection(found, shaper=hardware.shaper, link=link, credentials=credentials)
                     if worker is None:
-                        worker = EdgeWorker(conn, options, limiter, emulation, local)
+                        worker = EdgeWorker(conn, options, hardware, local)
                     worker.conn = conn
                     try:
                         return worker.run()

@@ -11,13 +11,13 @@ import psutil
 import torch
 from torch import nn
 
+from edgetrain.board_hardware import ComputeThrottle
 from edgetrain.data import make_batch
-from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.training import DeviceCopies, compute_shard, model_device
 from edgetrain.work import BoardProfile
 
 
-def time_training_step(model: nn.Module, dataset, batch_size: int, limiter: CpuLimiter, *,
+def time_training_step(model: nn.Module, dataset, batch_size: int, limiter: ComputeThrottle, *,
                        repeats: int = 3, max_forward_batch: int = 0) -> float:
     """Fastest wall seconds of one forward + backward at `batch_size`, after one warm-up step.
 
@@ -35,7 +35,7 @@ def time_training_step(model: nn.Module, dataset, batch_size: int, limiter: CpuL
     return min(samples)
 
 
-def profile_device(model: nn.Module, dataset, batch_sizes: Sequence[int], limiter: CpuLimiter, *,
+def profile_device(model: nn.Module, dataset, batch_sizes: Sequence[int], limiter: ComputeThrottle, *,
                    max_forward_batch: int = 0, memory: Callable[[], tuple[int, int]] | None = None) -> BoardProfile:
     """Time training at each batch size, the way shards are computed (in chunks of at most
     `max_forward_batch`); the model's weights are overwritten before real work."""

@@ -23,9 +23,9 @@ import torch
 from edge_client.arriving import ArrivingParameters, Download
 from edge_client.streamed import StreamChoice, StreamedUpdate
 from edgetrain import transport
+from edgetrain.board_hardware import ComputeThrottle
 from edgetrain.compression import ErrorFeedback, parse_codec
 from edgetrain.data import make_batch
-from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.errors import Refusal
 from edgetrain.models import BlockModel
 from edgetrain.streaming import TensorMeta, TransferError, check_metas
@@ -61,7 +61,7 @@ class Update:
 class ShardRunner:
     """The board's copy of the served parameters and what the model currently holds."""
 
-    def __init__(self, model: torch.nn.Module, dataset, job: BoardJob, limiter: CpuLimiter) -> None:
+    def __init__(self, model: torch.nn.Module, dataset, job: BoardJob, limiter: ComputeThrottle) -> None:
         self.model = model
         self.dataset = dataset
         self.job = job

@@ -31,7 +31,6 @@ import contextlib
 import logging
 import time
 import zlib
-from concurrent import futures
 from dataclasses import dataclass
 
 import torch
@@ -40,13 +39,14 @@ from torch import nn
 from edge_client.arriving import Download
 from edge_client.endpoint import MailKey, StageEndpoint, StageFailure
 from edge_client.shard import Update
+from edge_client.stage_exchange import GroupExchange, Outbox
 from edge_client.stage_state import StageStateError
+from edgetrain.board_hardware import ComputeThrottle
 from edgetrain.channels import ChannelSplit, member_slices, split_parameters
 from edgetrain.compression import ErrorFeedback, parse_codec
 from edgetrain.data import make_batch
-from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.errors import FailureKind
-from edgetrain.pipeline import routes, schedule, stage_parameter_prefixes
+from edgetrain.pipeline import FORWARD, Op, routes, schedule, stage_parameter_prefixes
 from edgetrain.tensors import pack, unpack
 from edgetrain.training import (
     BUFFER_PREFIX,
@@ -88,7 +88,7 @@ class StageRunner:
     gradients with its result (the coordinator's replica, if any, pulls them: StagePeer.PullStep);
     otherwise the stage's parameters are downloaded and their gradients uploaded."""
 
-    def __init__(self, model: nn.Module, dataset, job: BoardJob, endpoint: StageEndpoint, limiter: CpuLimiter) -> None:
+    def __init__(self, model: nn.Module, dataset, job: BoardJob, endpoint: StageEndpoint, limiter: ComputeThrottle) -> None:
         self.model = model
         self.dataset = dataset
         self.job = job
@@ -185,10 +185,6 @@ class StageRunner:
         return result
 
 
-def _rows(host: StageHost, m: int) -> tuple[int, int]:
-    return host.rows[m]
-
-
 def run_stage(model: nn.Module, work: Assignment, dataset, endpoint: StageEndpoint, device_id: str,
               job_id: str, limiter=None, max_forward_batch: int = 0) -> StageResult:
     """Run this board's stage of one pipeline step (see the module docstring).
@@ -201,7 +197,7 @@ def run_stage(model: nn.Module, work: Assignment, dataset, endpoint: StageEndpoi
     board reports it and stays available.
     """
     try:
-        return _run_stage(model, work, dataset, endpoint, device_id, job_id, limiter, max_forward_batch)
+        return StageExecutor(model, work, dataset, endpoint, device_id, job_id, limiter, max_forward_batch).run()
     except StageFailure:
         raise
     except torch.cuda.OutOfMemoryError as e:  # the GPU's memory: the board stays, the planner re-plans
@@ -216,252 +212,227 @@ def run_stage(model: nn.Module, work: Assignment, dataset, endpoint: StageEndpoi
         raise StageFailure(FailureKind.INTERNAL, f"{type(e).__name__}: {e}") from e
 
 
-def _run_stage(model: nn.Module, work: Assignment, dataset, endpoint: StageEndpoint, device_id: str,
-               job_id: str, limiter, max_forward_batch: int) -> StageResult:
-    st = work.stage
-    s, stages, m_count = st.stage, st.stages, len(st.microbatch_sizes)
-    first, last = s == 0, s == stages - 1
-    me = next(i for i, h in enumerate(st.hosts) if h.device_id == device_id)
-    mine = st.hosts[me]
-    group = st.hosts
-    starts = [sum(st.microbatch_sizes[:m]) for m in range(m_count)]
-    working = limiter.working if limiter is not None else contextlib.nullcontext
-    copies = DeviceCopies(model_device(model))
-    blocks = model.block_modules(st.first_block, st.end_block)
-    for block in blocks:
-        for p in block.parameters():
-            p.grad = None
-    model.train()
+class StageExecutor:
+    """This board's stage in one pipeline step, run op by op as the schedule orders them
+    (edgetrain.pipeline.schedule): each forward and backward of a micro-batch is a method, and
+    the exchanges with neighbouring stages (and a channel group's members) go through the
+    endpoint. Use once: `run` returns what the stage computed."""
 
-    local_x, local_y, offsets = None, None, {}
-    rows = [(m, *_rows(mine, m)) for m in range(m_count)]
-    if (first or last) and any(e > b for _, b, e in rows):  # inputs and labels from the board's own data
-        idx = [int(st.indices[starts[m] + r]) for m, b, e in rows for r in range(b, e)]
-        local_x, local_y = make_batch(dataset, idx, augment=work.augment, seed=work.data_seed, step=work.step)
-        local_x, local_y = copies.to_device(local_x), copies.to_device(local_y)
+    def __init__(self, model: nn.Module, work: Assignment, dataset, endpoint: StageEndpoint, device_id: str,
+                 job_id: str, limiter=None, max_forward_batch: int = 0) -> None:
+        st = work.stage
+        self.model, self.work, self.stage, self.dataset, self.endpoint = model, work, st, dataset, endpoint
+        self.device_id = device_id
+        self.max_forward_batch = max_forward_batch
+        self.first, self.last = st.stage == 0, st.stage == st.stages - 1
+        self.member = next(i for i, h in enumerate(st.hosts) if h.device_id == device_id)
+        """This board's index among the stage's hosts."""
+        self.host = st.hosts[self.member]
+        self.rows = [self.host.rows[m] for m in range(len(st.microbatch_sizes))]
+        """This host's [begin, end) rows of each micro-batch."""
+        self.working = limiter.working if limiter is not None else contextlib.nullcontext
+        """The context of computing (an emulated board's CPU limiter holds the board to its speed)."""
+        self.copies = DeviceCopies(model_device(model))
+        self.blocks = model.block_modules(st.first_block, st.end_block)
+        self.outbox = Outbox(endpoint, job_id, work)
+        self.inputs: torch.Tensor | None = None
+        self.labels: torch.Tensor | None = None
+        """The inputs and labels of this host's rows from the board's own data (first or last stage)."""
+        self.offsets: dict[int, tuple[int, int]] = {}
+        """Each micro-batch's [begin, end) rows of `inputs` and `labels`."""
+        self.held: dict[int, tuple[torch.Tensor | None, torch.Tensor] | None] = {}
+        """What each micro-batch keeps from its forward for its backward: its input (None on the
+        first stage) and its output (its loss on the last stage); None when its backward ran with
+        it (the whole model here)."""
+        self.held_bytes = self.peak_bytes = 0
+        """Bytes of activations held for backward now, and the most at any time."""
+        self.wait_s = 0.0
+        """Seconds waiting for peers."""
+        self.loss_sum, self.correct, self.rows_done = 0.0, 0, 0
+        """Summed loss, correct predictions and rows of the micro-batches scored here (last stage)."""
+        self.exchange: GroupExchange | None = None
+        self.split: ChannelSplit | None = None
+        if self.host.channels is not None:
+            self.exchange = GroupExchange(endpoint, work, device_id, self.member, self.outbox, self.copies)
+            self.split = ChannelSplit(self.blocks, [h.channels for h in st.hosts], self.host.channels, self.exchange)
+
+    def run(self) -> StageResult:
+        """Run every op of the stage's schedule, wait for the sends to finish, and collect the
+        stage's gradients."""
+        st = self.stage
+        for block in self.blocks:
+            for p in block.parameters():
+                p.grad = None
+        self.model.train()
+        self._load_local_batch()
+        try:
+            with self.split if self.split is not None else contextlib.nullcontext():
+                for op in schedule(st.schedule, st.stages, len(st.microbatch_sizes), st.stage):
+                    self.run_op(op)
+            self.wait_s += self.outbox.drain()
+        except BaseException:
+            self.outbox.cancel()
+            raise
+        return self._result()
+
+    def run_op(self, op: Op) -> None:
+        """One op of the schedule (nothing for a micro-batch this host has no rows of)."""
+        m = op.microbatch
+        begin, end = self.rows[m]
+        if end == begin:
+            return
+        if self.split is not None:
+            self.split.microbatch = m
+        if op.kind == FORWARD and self.first and self.last:
+            self.forward_and_backward(m)
+        elif op.kind == FORWARD:
+            self.forward(m)
+        else:
+            self.backward(m)
+
+    def forward_and_backward(self, m: int) -> None:
+        """The whole model here: micro-batch m's forward and backward at once, in chunks of at most
+        `max_forward_batch` rows."""
+        begin, end = self.offsets[m]
+        bounds = chunk_bounds(begin, end, self.max_forward_batch)
+        with self.working():
+            for lo, hi in zip(bounds, bounds[1:]):
+                out = _forward(self.blocks, self.inputs[lo:hi], self.split, _seed(self.work, m, lo), self.copies.device)
+                self._score(out, self.labels[lo:hi]).backward()
+                self.peak_bytes = max(self.peak_bytes, _bytes(out))
+        self.rows_done += end - begin
+        self.held[m] = None
+
+    def forward(self, m: int) -> None:
+        """Micro-batch m's forward: its input from the board's data (first stage) or the previous
+        stage; its output to the next stage, or scored against the labels (last stage)."""
+        if self.first:
+            begin, end = self.offsets[m]
+            inputs = self.inputs[begin:end]
+        else:
+            inputs = self._receive(m, backward=False).requires_grad_()
+        with self.working():
+            out = _forward(self.blocks, inputs, self.split, _seed(self.work, m, 0), self.copies.device)
+            if self.last:
+                begin, end = self.offsets[m]
+                out = self._score(out, self.labels[begin:end])
+                self.rows_done += end - begin
+            self.held[m] = (None if self.first else inputs, out)
+        if not self.last:
+            self._send(m, False, out.detach())
+        self.held_bytes += _bytes(*self.held[m])
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def backward(self, m: int) -> None:
+        """Micro-batch m's backward: the gradient of its output from the next stage (the loss's
+        own on the last stage); the gradient of its input to the previous stage."""
+        held = self.held.pop(m)
+        if held is None:  # done with its forward
+            return
+        inputs, out = held
+        grad = None if self.last else self._receive(m, backward=True)
+        with self.working():
+            out.backward(grad)
+        if not self.first:
+            self._send(m, True, inputs.grad)
+        self.held_bytes -= _bytes(*held)
+
+    def _score(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss of `out` (its summed cross-entropy over the pipeline's samples, so that all
+        hosts' gradients add up to the mean loss's), counted into the step's loss and accuracy."""
+        samples = self.stage.pipeline_samples
+        loss = nn.functional.cross_entropy(out, labels, reduction="sum") / samples
+        self.loss_sum += float(loss.detach()) * samples
+        self.correct += int((out.detach().argmax(dim=1) == labels).sum())
+        return loss
+
+    def _load_local_batch(self) -> None:
+        """Inputs and labels of this host's rows from the board's own data (a first or last stage)."""
+        st, work = self.stage, self.work
+        if not (self.first or self.last) or not any(end > begin for begin, end in self.rows):
+            return
+        starts = [sum(st.microbatch_sizes[:m]) for m in range(len(st.microbatch_sizes))]
+        indices = [int(st.indices[starts[m] + r]) for m, (begin, end) in enumerate(self.rows) for r in range(begin, end)]
+        inputs, labels = make_batch(self.dataset, indices, augment=work.augment, seed=work.data_seed, step=work.step)
+        self.inputs, self.labels = self.copies.to_device(inputs), self.copies.to_device(labels)
         at = 0
-        for m, b, e in rows:
-            offsets[m] = (at, at + e - b)
-            at += e - b
+        for m, (begin, end) in enumerate(self.rows):
+            self.offsets[m] = (at, at + end - begin)
+            at += end - begin
 
-    def key(m: int, backward: bool, begin: int, end: int) -> MailKey:
-        return MailKey(work.step, work.attempt, st.pipeline, m, backward, s, begin, end, device_id)
-
-    sends: list[futures.Future] = []
-    shipped = [0]
-
-    def check_sends() -> None:
-        for future in sends:
-            if future.done() and future.exception() is not None:
-                raise future.exception()
-
-    def routes_between(senders, receivers, m: int):
-        return routes([_rows(h, m) for h in senders], _channel_group(senders),
-                      [_rows(h, m) for h in receivers], _channel_group(receivers))
-
-    def receive(m: int, backward: bool, peers) -> torch.Tensor:
+    def _receive(self, m: int, backward: bool) -> torch.Tensor:
+        """This host's rows of micro-batch m from the neighbouring stage's hosts: activations from
+        the previous stage, or (backward) the gradients of this stage's output from the next."""
+        st, work = self.stage, self.work
+        peers = st.next_hosts if backward else st.prev_hosts
+        started = time.perf_counter()
         pieces = []
-        for sender, receiver, begin, end in routes_between(peers, group, m):
-            if receiver != me:
+        for sender, receiver, begin, end in _routes(peers, st.hosts, m):
+            if receiver != self.member:
                 continue
             peer = peers[sender]
-            key = MailKey(work.step, work.attempt, st.pipeline, m, backward, s + (1 if backward else -1), begin, end,
-                       peer.device_id)
+            key = MailKey(work.step, work.attempt, st.pipeline, m, backward, st.stage + (1 if backward else -1), begin,
+                          end, peer.device_id)
             what = (f"{'gradients' if backward else 'activations'} of micro-batch {m} rows {begin}-{end} from "
                     f"stage {key.from_stage} host {peer.device_id}")
-            pieces.append((begin, endpoint.mailbox.take(key, st.timeout_s, what, check_sends)))
+            pieces.append((begin, self.endpoint.mailbox.take(key, st.timeout_s, what, self.outbox.check)))
         pieces.sort(key=lambda piece: piece[0])
-        return copies.to_device(torch.cat([t for _, t in pieces]) if len(pieces) > 1 else pieces[0][1])
+        received = self.copies.to_device(torch.cat([t for _, t in pieces]) if len(pieces) > 1 else pieces[0][1])
+        self.wait_s += time.perf_counter() - started
+        return received
 
-    def ship(m: int, backward: bool, tensor: torch.Tensor, peers) -> None:
-        my_begin, _ = _rows(mine, m)
-        tensor = copies.to_host(tensor)
-        for sender, receiver, begin, end in routes_between(group, peers, m):
-            if sender != me:
+    def _send(self, m: int, backward: bool, tensor: torch.Tensor) -> None:
+        """Ship this host's rows of micro-batch m to the hosts of the neighbouring stage that need
+        them: activations to the next stage, or (backward) input gradients to the previous."""
+        st, work = self.stage, self.work
+        peers = st.prev_hosts if backward else st.next_hosts
+        my_begin = self.rows[m][0]
+        tensor = self.copies.to_host(tensor)
+        for sender, receiver, begin, end in _routes(st.hosts, peers, m):
+            if sender != self.member:
                 continue
-            peer = peers[receiver]
-            shipped[0] += (end - begin) * tensor[0].numel() * tensor.element_size()
-            sends.append(endpoint.send(peer.address, job_id, key(m, backward, begin, end),
-                                       tensor[begin - my_begin:end - my_begin], st.timeout_s))
+            key = MailKey(work.step, work.attempt, st.pipeline, m, backward, st.stage, begin, end, self.device_id)
+            self.outbox.send(peers[receiver].address, key, tensor[begin - my_begin:end - my_begin])
 
-    split = None
-    if mine.channels is not None:
-        exchange = _GroupExchange(endpoint, work, job_id, device_id, me, sends, shipped, check_sends, copies)
-        split = ChannelSplit(blocks, [h.channels for h in group], mine.channels, exchange)
-
-    saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
-    held = peak = 0
-    wait_s = 0.0
-    loss_sum, correct, rows_done = 0.0, 0, 0
-    try:
-        with split if split is not None else contextlib.nullcontext():
-            for op in schedule(st.schedule, stages, m_count, s):
-                m = op.microbatch
-                b, e = _rows(mine, m)
-                if e == b:
-                    continue  # this host has no rows of this micro-batch
-                if split is not None:
-                    split.microbatch = m
-                if op.kind == "F" and first and last:  # the whole model here: forward and backward now, in chunks
-                    bounds = chunk_bounds(*offsets[m], max_forward_batch)
-                    with working():
-                        for c_lo, c_hi in zip(bounds, bounds[1:]):
-                            out = _forward(blocks, local_x[c_lo:c_hi], split, _seed(work, m, c_lo), copies.device)
-                            y = local_y[c_lo:c_hi]
-                            loss = nn.functional.cross_entropy(out, y, reduction="sum") / st.pipeline_samples
-                            loss.backward()
-                            loss_sum += float(loss.detach()) * st.pipeline_samples
-                            correct += int((out.detach().argmax(dim=1) == y).sum())
-                            peak = max(peak, out.numel() * out.element_size())
-                    rows_done += e - b
-                    saved[m] = None
-                elif op.kind == "F":
-                    if first:
-                        lo, hi = offsets[m]
-                        inp = local_x[lo:hi]
-                    else:
-                        started = time.perf_counter()
-                        inp = receive(m, False, st.prev_hosts).requires_grad_()
-                        wait_s += time.perf_counter() - started
-                    with working():
-                        out = _forward(blocks, inp, split, _seed(work, m, 0), copies.device)
-                        if last:
-                            lo, hi = offsets[m]
-                            y = local_y[lo:hi]
-                            loss = nn.functional.cross_entropy(out, y, reduction="sum") / st.pipeline_samples
-                            loss_sum += float(loss.detach()) * st.pipeline_samples
-                            correct += int((out.detach().argmax(dim=1) == y).sum())
-                            rows_done += e - b
-                            saved[m] = (None if first else inp, loss)
-                        else:
-                            saved[m] = (None if first else inp, out)
-                    if not last:
-                        ship(m, False, out.detach(), st.next_hosts)
-                    held += sum(t.numel() * t.element_size() for t in saved[m] if t is not None and t.dim())
-                    peak = max(peak, held)
-                elif saved[m] is None:  # done with its forward
-                    del saved[m]
-                else:
-                    inp, out = saved.pop(m)
-                    grad = None
-                    if not last:
-                        started = time.perf_counter()
-                        grad = receive(m, True, st.next_hosts)
-                        wait_s += time.perf_counter() - started
-                    with working():
-                        out.backward(grad)
-                    if not first:
-                        ship(m, True, inp.grad, st.prev_hosts)
-                    held -= sum(t.numel() * t.element_size() for t in (inp, out) if t is not None and t.dim())
-        started = time.perf_counter()
-        deadline = started + st.timeout_s
-        for future in sends:  # drain the sends, giving up at the timeout or when the attempt is closed
-            while True:
-                try:
-                    future.result(timeout=0.5)
-                    break
-                except futures.TimeoutError:
-                    if endpoint.mailbox.superseded(work.step, work.attempt):
-                        raise StageFailure(FailureKind.SUPERSEDED, f"step {work.step} attempt {work.attempt} was closed by the "
-                                           "coordinator while sending to a neighbouring stage") from None
-                    if time.perf_counter() > deadline:
-                        raise StageFailure(FailureKind.NEIGHBOUR_TIMEOUT, f"sending to a neighbouring stage did not finish within "
-                                           f"{st.timeout_s:g} s") from None
-        wait_s += time.perf_counter() - started
-    except BaseException:
-        for future in sends:
-            future.cancel()
-        raise
-    if split is not None:
-        wait_s += exchange.wait_s
-        if not split.leader:  # what every member computed alike counts once: the leader reports it
-            for p in split.replicated_parameters(blocks):
-                p.grad = None
-            loss_sum, correct, rows = 0.0, 0, []
-    prefixes = stage_parameter_prefixes(model.block_names, st.first_block, st.end_block)
-    tensors = {}
-    for name, p in model.named_parameters():
-        if name.startswith(prefixes):
-            tensors[GRAD_PREFIX + name] = copies.to_host(p.grad.detach() if p.grad is not None else torch.zeros_like(p))
-    for name, buf in model.named_buffers():
-        if name.startswith(prefixes) and buf.is_floating_point():
-            tensors[BUFFER_PREFIX + name] = copies.to_host(buf.detach())
-    samples = sum(e - b for _, b, e in rows)
-    shard = ShardResult(loss=loss_sum / rows_done if rows_done else 0.0, correct=correct, samples=samples,
-                        tensors=tensors)
-    return StageResult(shard, wait_s, peak, shipped[0])
+    def _result(self) -> StageResult:
+        """The step's rows, loss, accuracy and the stage's gradients and buffers; a channel group's
+        member other than the leader reports only its slices (the leader counts the rest)."""
+        st = self.stage
+        samples = sum(end - begin for begin, end in self.rows)
+        if self.split is not None:
+            self.wait_s += self.exchange.wait_s
+            if not self.split.leader:  # what every member computed alike counts once: the leader reports it
+                for p in self.split.replicated_parameters(self.blocks):
+                    p.grad = None
+                self.loss_sum, self.correct, samples = 0.0, 0, 0
+        prefixes = stage_parameter_prefixes(self.model.block_names, st.first_block, st.end_block)
+        tensors = {}
+        for name, p in self.model.named_parameters():
+            if name.startswith(prefixes):
+                grad = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+                tensors[GRAD_PREFIX + name] = self.copies.to_host(grad)
+        for name, buf in self.model.named_buffers():
+            if name.startswith(prefixes) and buf.is_floating_point():
+                tensors[BUFFER_PREFIX + name] = self.copies.to_host(buf.detach())
+        loss = self.loss_sum / self.rows_done if self.rows_done else 0.0
+        shard = ShardResult(loss=loss, correct=self.correct, samples=samples, tensors=tensors)
+        return StageResult(shard, self.wait_s, self.peak_bytes, self.outbox.bytes_sent)
 
 
-def _channel_group(hosts) -> bool:
+def _bytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes of the tensors that hold activations (not None, not a scalar loss)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None and t.dim())
+
+
+def _channel_group(hosts: tuple[StageHost, ...]) -> bool:
     return bool(hosts) and hosts[0].channels is not None
 
 
-class _GroupExchange:
-    """A channel group's exchanges (edgetrain.channels.Exchange) through the members' StagePeer
-    endpoints: each message goes to every other member, keyed by the split-layer call it belongs to."""
-
-    def __init__(self, endpoint: StageEndpoint, work: Assignment, job_id: str, device_id: str, me: int,
-                 sends: list, shipped: list, check_sends, copies: DeviceCopies) -> None:
-        self.endpoint, self.work, self.job_id, self.device_id, self.me = endpoint, work, job_id, device_id, me
-        self.copies = copies
-        self.group = work.stage.hosts
-        self.sends, self.shipped, self.check_sends = sends, shipped, check_sends
-        self.wait_s = 0.0
-        """Seconds spent waiting for the other members' tensors."""
-
-    def _key(self, m: int, tag: int, backward: bool, rows: int, device_id: str) -> MailKey:
-        st = self.work.stage
-        return MailKey(self.work.step, self.work.attempt, st.pipeline, m, backward, st.stage, 0, rows, device_id, tag)
-
-    def _send(self, m: int, tag: int, backward: bool, tensor: torch.Tensor, to: list[int]) -> None:
-        key = self._key(m, tag, backward, tensor.shape[0], self.device_id)
-        tensor = self.copies.to_host(tensor)
-        for j in to:
-            self.shipped[0] += tensor.numel() * tensor.element_size()
-            self.sends.append(self.endpoint.send(self.group[j].address, self.job_id, key, tensor,
-                                                 self.work.stage.timeout_s))
-
-    def _take(self, m: int, tag: int, backward: bool, rows: int, j: int) -> torch.Tensor:
-        started = time.perf_counter()
-        host = self.group[j]
-        what = (f"{'input gradient' if backward else 'output channels'} of split layer {tag} of micro-batch {m} "
-                f"from channel group member {host.name or host.device_id}")
-        try:
-            return self.copies.to_device(self.endpoint.mailbox.take(self._key(m, tag, backward, rows, host.device_id),
-                                                                    self.work.stage.timeout_s, what, self.check_sends))
-        finally:
-            self.wait_s += time.perf_counter() - started
-
-    def gather(self, microbatch: int, tag: int, local: torch.Tensor, bounds, dim: int) -> torch.Tensor:
-        if bounds[self.me][1] > bounds[self.me][0]:
-            self._send(microbatch, tag, False, local, [j for j in range(len(self.group)) if j != self.me])
-        parts = []
-        for j, (lo, hi) in enumerate(bounds):
-            if hi <= lo:
-                continue
-            part = local if j == self.me else self._take(microbatch, tag, False, local.shape[0], j)
-            want = list(local.shape)
-            want[dim] = hi - lo
-            if list(part.shape) != want:
-                raise ValueError(f"output channels of split layer {tag} from channel group member "
-                                 f"{self.group[j].name or self.group[j].device_id}: shape {list(part.shape)}, "
-                                 f"expected {want}")
-            parts.append(part)
-        return torch.cat(parts, dim=dim)
-
-    def all_reduce(self, microbatch: int, tag: int, partial: torch.Tensor) -> torch.Tensor:
-        self._send(microbatch, tag, True, partial, [j for j in range(len(self.group)) if j != self.me])
-        parts = [partial if j == self.me else self._take(microbatch, tag, True, partial.shape[0], j)
-                 for j in range(len(self.group))]
-        for j, part in enumerate(parts):
-            if part.shape != partial.shape:
-                raise ValueError(f"input gradient of split layer {tag} from channel group member "
-                                 f"{self.group[j].name or self.group[j].device_id}: shape {list(part.shape)}, "
-                                 f"expected {list(partial.shape)}")
-        total = parts[0].clone()  # the same order on every member: the same sum, bit for bit
-        for part in parts[1:]:
-            total += part
-        return total
+def _routes(senders: tuple[StageHost, ...], receivers: tuple[StageHost, ...], m: int) -> list[tuple[int, int, int, int]]:
+    """The transfers of micro-batch m's rows from one stage's hosts to the next's
+    (edgetrain.pipeline.routes)."""
+    return routes([h.rows[m] for h in senders], _channel_group(senders),
+                  [h.rows[m] for h in receivers], _channel_group(receivers))
 
 
 def _forward(blocks, x: torch.Tensor, split: ChannelSplit | None = None, seed: int = 0,

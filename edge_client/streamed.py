@@ -177,14 +177,12 @@ class StreamChoice:
     own CPU (copying, framing, encrypting) comes out of the CPU backward needs, and streaming adds
     a hook per parameter and thread hand-offs on top: on the emulated fleet's loopback links,
     where a board's transfers are bound by its CPU quota, streaming every update gained nothing
-    (0.83, 0.92 and 1.05 of the throughput of whole uploads in three runs, all within the
-    machine's run-to-run drift; docs/benchmarks.md, bench_dp). So "auto" sends whole
+    (docs/benchmarks.md#dp). So "auto" sends whole
     updates and times them: an upload during which the process used less than `LINK_BOUND_SHARE`
     (a quarter) of the CPU the board had (wall seconds x its cores, or its emulated fraction of one) waited
     mostly on something other than the board — its link, or a coordinator busy serving many boards
-    (on the 16-board loopback fleet 9 of 16 boards switched for that reason; streaming hides either
-    wait behind backward) — and the board streams the updates that follow, sending one whole again
-    every `RECHECK_EVERY` to see whether the transfer still waits elsewhere.
+    (streaming hides either wait behind backward) — and the board streams the updates that follow,
+    sending one whole again every `RECHECK_EVERY` to see whether the transfer still waits elsewhere.
     """
 
     LINK_BOUND_SHARE = 0.25

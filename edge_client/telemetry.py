@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import psutil
 
-from edgetrain.emulator.battery import BatteryReading, real_battery
+from edgetrain.board_hardware import BatteryReading, real_battery
 from edgetrain.telemetry import TelemetrySample
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,6 @@ import grpc
 
 from edge_client.connection import CoordinatorConnection, CoordinatorUnreachable
 from edge_client.dataset import board_dataset
-from edge_client.emulation import BoardEmulation
 from edge_client.endpoint import StageEndpoint, StageFailure
 from edge_client.local_data import LocalData, LocalDataError, LocalDataGone
 from edge_client.profiler import profile_device
@@ -31,8 +30,8 @@ from edge_client.stage import StageRunner
 from edge_client.streamed import StreamedUpdate
 from edge_client.telemetry import TelemetryCollector, probe_link
 from edgetrain import transport, trust
+from edgetrain.board_hardware import BoardHardware
 from edgetrain.config import ConfigError
-from edgetrain.emulator.throttle import CpuLimiter
 from edgetrain.errors import FailureKind, Refusal
 from edgetrain.models import build_model
 from edgetrain.streaming import TransferError, UploadAbandoned
@@ -57,8 +56,6 @@ class ClientOptions:
     """Fraction of one core this board emulates (None: a real board at full speed)."""
     poll_s: float = 10.0
     """Longest a work poll waits on the coordinator."""
-    board_file: str | None = None
-    """Board file of an emulated board (speed, link, battery), written by `edgetrain fleet`."""
     probe_interval_s: float = 30.0
     """How often the link is probed when no large transfer measured it recently."""
     power_w: tuple[float, float] | None = None
@@ -121,19 +118,19 @@ class EdgeWorker:
     """Runs one board's part of a job — data-parallel shards, federated rounds, pipeline stages —
     until the coordinator says it is finished."""
 
-    def __init__(self, conn: CoordinatorConnection, options: ClientOptions, limiter: CpuLimiter,
-                 emulation: BoardEmulation, local: LocalData | None = None) -> None:
+    def __init__(self, conn: CoordinatorConnection, options: ClientOptions, hardware: BoardHardware,
+                 local: LocalData | None = None) -> None:
         self.conn = conn
         self.options = options
         self.local = local
         """The board's own images, decoded (None: it trains on the job's dataset)."""
-        self.limiter = limiter
-        self.emulation = emulation
+        self.hardware = hardware
+        """The machine it computes on: throttle, memory, link, battery, energy."""
         self.telemetry = TelemetryCollector(link=conn.link, emulated_speed=options.emulated_speed,
-                                            battery=emulation.read_battery, energy_j=emulation.energy.energy_j,
-                                            energy_measured=lambda: emulation.energy.measured,
-                                            power_w=emulation.energy.power_w,
-                                            memory=lambda: emulation.memory.reading())
+                                            battery=hardware.read_battery, energy_j=hardware.energy.energy_j,
+                                            energy_measured=lambda: hardware.energy.measured,
+                                            power_w=hardware.energy.power_w,
+                                            memory=lambda: hardware.memory.reading())
         self.device_id = ""
         self.endpoint: StageEndpoint | None = None
         """This board's pipeline peer endpoint (started on the first run)."""
@@ -229,16 +226,16 @@ class EdgeWorker:
         model = build_model(job.model, num_classes=job.num_classes or 10).to(device)
         logger.info("[Client] %s trains job %s with %s (job device %s)", self.options.name, job.job_id, runtime(device),
                     job.device)
-        self._profile = profile_device(model, dataset, list(job.profile_batch_sizes), self.limiter,
+        self._profile = profile_device(model, dataset, list(job.profile_batch_sizes), self.hardware.throttle,
                                        max_forward_batch=job.max_forward_batch,
-                                       memory=self.emulation.memory.reading)
+                                       memory=self.hardware.memory.reading)
         if self.local is not None:  # what leaves the board about its data: the count (and per class)
             counts = self.local.class_counts(job.class_names) if job.share_class_counts else ()
             self._profile = replace(self._profile, local_samples=self.local.samples, local_class_counts=counts)
             logger.info("[Client] %s trains on its own %d images (%s); they stay on this board", self.options.name,
                         self.local.samples, "class counts shared" if counts else "class counts not shared")
-        self._shards = ShardRunner(model, dataset, job, self.limiter)
-        self._stages = StageRunner(model, dataset, job, self.endpoint, self.limiter)
+        self._shards = ShardRunner(model, dataset, job, self.hardware.throttle)
+        self._stages = StageRunner(model, dataset, job, self.endpoint, self.hardware.throttle)
         self.endpoint.state.attach(model, job.job_id)
         freeze_heap()
 
@@ -248,7 +245,7 @@ class EdgeWorker:
         threading.Thread(target=self._probes, args=(beat, stop, lost), daemon=True).start()
         while not stop.wait(interval_s):
             try:
-                self.emulation.refresh()
+                self.hardware.refresh()
                 newest = self.conn.heartbeat(self.device_id, self.telemetry.sample())
                 beat.set()  # a probe, if one is due, runs now: between heartbeats, not across one
                 if newest is not None:
@@ -292,7 +289,7 @@ class EdgeWorker:
         while True:
             if self._lost.is_set():
                 raise Rejoin()
-            if self.emulation.battery_empty:
+            if self.hardware.battery_empty:
                 raise BatteryEmpty()
             work = _rejoin_if_forgotten(lambda: self.conn.get_work(self.device_id, self.options.poll_s))
             if isinstance(work, Finished):
@@ -305,7 +302,7 @@ class EdgeWorker:
         """Joules since the last step's reading (the first step: since the board profiled);
         None when unknown, or when the source changed in between (a battery counter that stopped
         measuring on mains power: the difference of two sources means nothing)."""
-        meter = self.emulation.energy
+        meter = self.hardware.energy
         energy, measured = meter.energy_j(), meter.measured
         mark, self._energy_mark = self._energy_mark, (energy, measured) if energy is not None else None
         if energy is None or mark is None or mark[1] != measured:
@@ -325,7 +322,7 @@ class EdgeWorker:
                 raise
         try:
             self.endpoint.expect(work)
-            with self.emulation.energy.busy():
+            with self.hardware.energy.busy():
                 # one computation on the model at a time: the coordinator's LoadState / PullState
                 # of an owned stage wait for it (they first end superseded attempts)
                 with self.endpoint.state.lock:

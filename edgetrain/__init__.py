@@ -2,7 +2,8 @@
 
 - ``catalog.py``   what a job can name (models, datasets, codecs) and the specs that pick them,
                    without torch, so job files are checked without it.
-- ``config.py``    job configuration (keyword-only dataclasses) and YAML loading.
+- ``config/``     job configuration (keyword-only dataclasses), the one YAML loader and the
+                   mapping -> checked dataclass conversion every config file uses.
 - ``transport.py`` every gRPC server, channel, credential, retry and resumable transfer.
 - ``serde.py``     conversions between plain data and the wire messages.
 - ``errors.py``    typed reasons that cross the wire (refusals, board failures).
@@ -30,9 +31,18 @@
 - ``sampling.py``  which sample indices make up each step (every sample once per epoch).
 - ``telemetry.py`` a board's telemetry sample (None = unknown).
 - ``speed_reference.py`` the fixed workload a job server times boards with.
-- ``emulator/``    the emulated fleet: fleet files, fleet up/down, namespaces, CPU quotas, links,
-                   batteries, local runs.
-- ``cli.py``       the ``edgetrain`` command; the only module here that imports a role.
+- ``board_hardware.py`` the seams a board computes through (compute throttle, memory, link
+                   shaper, battery, energy) with a real board's defaults; its real battery.
+- ``fleet_file.py`` what a fleet is (boards, links, batteries, gateway, events): fleet and
+                   board files, read by the planner, the job server and the emulator.
+
+The layer above the roles (it may import them; no role imports it):
+
+- ``emulator/``    the emulated fleet: fleet up/down, namespaces, CPU quotas, links, batteries,
+                   emulated boards, local runs, light boards and the job-scheduling simulator.
+- ``experiment/``  experiments against baselines, their results and plots.
+- ``cli.py``       the ``edgetrain`` command: its parser and dispatch; ``commands/`` holds its
+                   handlers (one module per group of commands).
 """
 
 __version__ = "0.1.0"

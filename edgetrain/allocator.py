@@ -3,11 +3,9 @@
 glibc's malloc serves a large request (above its mmap threshold, which adapts up to 32 MiB) with a
 fresh mmap and unmaps it when freed, and trims the heap's free top back to the kernel. A training
 step frees and re-allocates the same activations, gradients and transfer buffers every step, so
-every step touches fresh pages: one page fault per 4 KiB. Measured on this project's 2-core VMs
-(docs/benchmarks.md, bench_dp): MobileNetV2 on one core at batch 128 trained 74.8 samples/s with
-glibc's defaults and 98.6 with freed memory kept, in one run; a 9 MB tensor clone cost 8.9 ms of
-CPU against 0.5 ms for a copy into an existing tensor. On a board that pays for every page fault out of the
-same slice of a core as its training, that cost is taken from compute.
+every step touches fresh pages: one page fault per 4 KiB, and a fresh tensor costs many times a
+copy into an existing one. On a board that pays for every page fault out of the same slice of a
+core as its training, that cost is taken from compute (one core's gain: docs/benchmarks.md#dp).
 
 `keep_freed_memory()` raises both thresholds (mallopt M_MMAP_THRESHOLD and M_TRIM_THRESHOLD) so
 that memory, once the first steps touched it, stays mapped: the process's resident memory stays

@@ -1,6 +1,6 @@
 """What a job can name — models, datasets, codecs — and the specs that pick them, without torch.
 
-Job configuration (``config.py``) is checked against these names and specs, so a command that
+Job configuration (``config/``) is checked against these names and specs, so a command that
 only reads or validates a job (``edgetrain submit``, ``edgetrain plan`` with cached measurements)
 never imports torch. The modules that build what is named here need torch and use these names:
 ``models.py`` builds a model of ``MODEL_NAMES``, ``data.py`` loads a ``DatasetSpec``,

@@ -19,7 +19,8 @@
   edgetrain report RUN_DIR...                  results.csv, report.md and plots from finished runs
   edgetrain dashboard                          the URLs (with their access tokens) of the dashboards served here
 
-Role modules and torch are imported by the handler that needs them, never at the top: `--help`,
+This module is the parser and the dispatch; the handlers live in edgetrain/commands/. Role
+modules and torch are imported by the handler that needs them, never at the top: `--help`,
 `devices`, `submit`, `jobs`, `cancel`, `dashboard` and `fleet down` start without torch.
 """
 
@@ -28,11 +29,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 
 # gRPC's C core logs informational lines (e.g. every refused TLS handshake) to stderr by default;
@@ -40,9 +37,10 @@ from pathlib import Path
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from edgetrain.allocator import keep_freed_memory  # noqa: E402
-from edgetrain.config import ConfigError, load_job, parse_override  # noqa: E402
+from edgetrain.commands import authority, emulated, operator, roles  # noqa: E402
+from edgetrain.config import ConfigError  # noqa: E402
 from edgetrain.dataset_import import add_data_arguments, run_data_command  # noqa: E402
-from edgetrain.emulator.launch import DEMO_JOB, DEMO_SPEEDS, LocalRun, run_local  # noqa: E402
+from edgetrain.emulator.launch import DEMO_JOB, DEMO_SPEEDS  # noqa: E402
 from edgetrain.trust import TrustError  # noqa: E402
 
 
@@ -289,299 +287,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _coordinator(args: argparse.Namespace) -> int:
-    import threading
-
-    from coordinator.main import run_coordinator
-    from coordinator.training.checkpoint import CheckpointError
-    from coordinator.training.rounds import JobAborted
-    from edgetrain.discovery import default_interfaces
-    from edgetrain.trust import gateway_authority
-
-    authority = gateway_authority(args.authority, insecure=args.insecure)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # end the job cleanly: boards are told it ended
-    host = args.bind.rsplit(":", 1)[0]
-    advertise = None if args.no_advertise else (
-        args.advertise or (default_interfaces() if host in ("0.0.0.0", "") else [host]))
-    if args.jobs:
-        from coordinator.jobs.servicer import serve_jobs
-
-        serve_jobs(bind=args.bind, state_dir=args.state_dir, runs_dir=args.runs_dir, data_dir=args.data_dir,
-                   scheduler=args.scheduler, port_file=args.port_file, stop=stop, cluster=args.cluster,
-                   advertise=advertise, authority=authority, pair_bind=args.pair_bind,
-                   dashboard=None if args.dashboard == "none" else args.dashboard)
-        return 0
-    job = load_job(args.config, dict(parse_override(o) for o in args.set))
-    try:
-        run_coordinator(job, bind=args.bind, data_dir=args.data_dir, runs_dir=args.runs_dir, port_file=args.port_file,
-                        resume=args.resume, resume_or_start=args.resume_or_start, stop=stop, cluster=args.cluster,
-                        advertise=advertise, authority=authority, pair_bind=args.pair_bind,
-                        dashboard=None if args.dashboard == "none" else args.dashboard)
-    except CheckpointError as e:
-        print(f"edgetrain coordinator: error: {e}", file=sys.stderr)
-        return 2
-    except JobAborted as e:
-        print(f"edgetrain coordinator: job {job.name} stopped: {e}", file=sys.stderr)
-        return 4
-    return 0
-
-
-def _operator_security(args: argparse.Namespace):
-    """What `submit`, `jobs`, `cancel` and `devices` dial with: an operator credential, or nothing
-    with --insecure."""
-    from edgetrain import transport, trust
-
-    if args.insecure:
-        return transport.INSECURE
-    return trust.operator_identity(args.identity, args.authority).security(trust.GATEWAY_SERVER_NAME)
-
-
-def _jobs(args: argparse.Namespace) -> int:
-    from coordinator.jobs.command import JobsCommandError, cancel_job, jobs_report, submit_job
-
-    security = _operator_security(args)
-    try:
-        if args.command == "submit":
-            print(submit_job(args.config, [parse_override(o) for o in args.set], server=args.server,
-                             cluster=args.cluster, interfaces=args.interface, security=security))
-        elif args.command == "cancel":
-            print(cancel_job(args.id, server=args.server, cluster=args.cluster, interfaces=args.interface,
-                             security=security))
-        else:
-            print(jobs_report(server=args.server, cluster=args.cluster, interfaces=args.interface, as_json=args.json,
-                              security=security))
-    except JobsCommandError as e:
-        print(f"edgetrain {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def _client(args: argparse.Namespace) -> int:
-    import socket
-
-    from edge_client.main import BATTERY_EMPTY, run_client
-    from edge_client.worker import ClientOptions
-
-    join = args.join
-    if join and join.startswith("@"):
-        join = Path(join[1:]).read_text().strip()
-    options = ClientOptions(name=args.name or socket.gethostname(), data_dir=args.data_dir,
-                            identity=args.identity, join_token=join, insecure=args.insecure,
-                            pair_address=args.pair_address, give_up_after_s=args.give_up_after,
-                            download=args.download, emulated_speed=args.speed,
-                            board_file=str(args.emulate) if args.emulate else None,
-                            probe_interval_s=args.probe_interval, stage_bind=args.stage_bind,
-                            power_w=tuple(args.power_watts) if args.power_watts else None,
-                            local_data=args.local_data, deterministic=args.deterministic)
-    reason = run_client(args.coordinator, options, threads=args.threads, cluster=args.cluster,
-                        interfaces=args.interface)
-    return 3 if reason == BATTERY_EMPTY else 0
-
-
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM ends the command as Ctrl-C does, so the processes it started are stopped on the way
-    out (a plain SIGTERM would leave its coordinator and boards running)."""
-    def interrupt(*_: object) -> None:
-        raise KeyboardInterrupt
-
-    try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _local(args: argparse.Namespace) -> int:
-    job_file = getattr(args, "config", DEMO_JOB)
-    overrides = list(args.set)
-    if args.dataset:  # an imported dataset: all of it (the job's sizes were for its own dataset)
-        overrides = [f"dataset.name={args.dataset}", "dataset.train_size=null", "dataset.test_size=null", *overrides]
-    job = load_job(job_file, dict(parse_override(o) for o in overrides))
-    if args.dataset:
-        from edgetrain.data import dataset_classes
-
-        dataset_classes(replace(job.dataset, data_dir=str(args.data_dir)))  # FileNotFoundError: says which import
-    run = LocalRun(job_file=job_file, speeds=args.speeds, overrides=tuple(overrides), runs_dir=args.runs_dir,
-                   data_dir=args.data_dir, insecure=args.insecure,
-                   dashboard=None if args.dashboard == "none" else args.dashboard)
-    with _sigterm_as_interrupt():
-        code = run_local(run, job_name=job.name)
-    if code == 0:
-        print(f"results: {args.runs_dir / job.name}/ (metrics.jsonl, summary.json, checkpoints/)")
-    return code
-
-
-def _experiment(args: argparse.Namespace) -> int:
-    from edgetrain.emulator.fleet_config import load_fleet
-    from edgetrain.experiment.runner import (
-        Options,
-        check_live,
-        emulated_fleet,
-        live_fleet,
-        run_experiment,
-    )
-    from edgetrain.experiment.spec import load_experiment
-
-    exp = load_experiment(args.experiment)
-    names = [a.name for a in exp.arms]
-    unknown = [a for a in args.arms if a not in names]
-    if unknown:
-        raise ConfigError(f"{exp.source}: --arms: no arm {unknown[0]!r} (arms: {', '.join(names)})")
-    arms = [a for a in exp.arms if not args.arms or a.name in args.arms]
-    if args.live:
-        check_live(arms, insecure=args.insecure)
-        if not args.server:
-            raise ConfigError("--live needs the job server's address: --server HOST:PORT (or $EDGETRAIN_SERVER)")
-        fleet = live_fleet(args.server)
-    else:
-        path = args.fleet or exp.fleet_file
-        if path is None:
-            raise ConfigError(f"{exp.source}: no fleet: name one in the file (fleet: FILE) or pass --fleet FLEET.yaml")
-        fleet = emulated_fleet(load_fleet(path))
-    runs = exp.runs(list(args.arms), boards=len(fleet.boards))
-    with _sigterm_as_interrupt():
-        return run_experiment(exp, runs, fleet, Options(out_dir=args.out, arms=args.arms, live=args.live,
-                                                        server=args.server, insecure=args.insecure,
-                                                        data_dir=args.data_dir))
-
-
-def _report(args: argparse.Namespace) -> int:
-    for run_dir in args.run_dirs:
-        if not any((run_dir / name).is_file() for name in ("arm.json", "metrics.jsonl", "trace.json")):
-            raise ConfigError(f"{run_dir}: not a run directory (no arm.json, metrics.jsonl or trace.json)")
-    from edgetrain.experiment.results import build_report
-
-    parents = {d.resolve().parent for d in args.run_dirs}
-    out = args.out or (parents.pop() if len(parents) == 1 else Path("report"))
-    print(f"report: {build_report(args.run_dirs, out, target_accuracy=args.target)}")
-    return 0
-
-
-def _devices(args: argparse.Namespace) -> int:
-    from coordinator.devices import devices_report
-
-    print(devices_report(coordinator=args.coordinator, interfaces=args.interface, as_json=args.json,
-                         security=_operator_security(args)))
-    return 0
-
-
-def _plan(args: argparse.Namespace) -> int:
-    from coordinator.planning.command import plan_report
-
-    try:
-        print(plan_report(args.fleet, model=args.model, objective=args.objective, batch=args.batch,
-                          stage_state=args.stage_state, replicate=args.replicate, as_json=args.json,
-                          remeasure=args.remeasure))
-    except ValueError as e:
-        print(f"edgetrain plan: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def _fleet(args: argparse.Namespace) -> int:
-    from edgetrain.emulator.fleet import fleet_down, fleet_up, supervise
-    from edgetrain.emulator.fleet_config import load_fleet
-
-    if args.fleet_command == "supervise":
-        return supervise(Path(args.fleet), args.state_dir / f"{load_fleet(args.fleet).name}.json",
-                         args.runs_dir, args.data_dir, insecure=args.insecure,
-                         dashboard=None if args.dashboard == "none" else args.dashboard)
-    if args.fleet_command == "up":
-        state = fleet_up(Path(args.fleet), state_dir=args.state_dir, runs_dir=args.runs_dir,
-                         data_dir=args.data_dir, insecure=args.insecure,
-                         dashboard=None if args.dashboard == "none" else args.dashboard)
-        page = (f"\ndashboard: {Path(state['dashboard_url_file']).read_text().strip()} (the token in it grants "
-                f"access)") if state.get("dashboard_url_file") else ""
-        if load_fleet(args.fleet).jobs:
-            server = f"--server {state['coordinator']} {' '.join(state['operator_args'])}"
-            print(f"fleet {state['name']} is up ({state['mode']} network): job server {state['coordinator']}, "
-                  f"{len(state['pids']) - 1} boards; `edgetrain submit JOB.yaml {server}` "
-                  f"queues a job, `edgetrain jobs {server}` shows them, "
-                  f"`edgetrain fleet down {state['name']}` stops it{page}")
-            return 0
-        print(f"fleet {state['name']} is up ({state['mode']} network): coordinator {state['coordinator']}, "
-              f"{len(state['pids']) - 1} boards; `edgetrain devices --coordinator {state['coordinator']} "
-              f"{' '.join(state['operator_args'])}` shows them, "
-              f"`edgetrain fleet down {state['name']}` stops it{page}")
-        return 0
-    name = load_fleet(args.fleet).name if args.fleet.endswith((".yaml", ".yml")) else args.fleet
-    removed = fleet_down(name, state_dir=args.state_dir)
-    print(f"fleet {name}: " + ("removed " + ", ".join(removed) if removed else "nothing was running"))
-    return 0
-
-
-def _dashboard_urls(args: argparse.Namespace) -> int:
-    """Print each live dashboard's URL: a coordinator or job server writes it (owner-only) while
-    its page is served and removes it when the page closes."""
-    files = sorted({*args.runs_dir.glob("*/dashboard.url"), *args.runs_dir.glob("*/job-server/dashboard.url"),
-                    *(d / "dashboard.url" for d in args.state_dir if (d / "dashboard.url").exists())})
-    found = [(f.parent.name if f.parent.name != "job-server" else f"{f.parent.parent.name} (job server)",
-              f.read_text().strip()) for f in files]
-    if not found:
-        where = ", ".join(str(p) for p in [args.runs_dir, *args.state_dir])
-        print(f"edgetrain dashboard: no dashboard is being served from {where} (start one with --dashboard, "
-              f"or pass --runs-dir / --state-dir)", file=sys.stderr)
-        return 1
-    for name, url in found:
-        print(f"{name}  {url}")
-    return 0
-
-
-def _trust(args: argparse.Namespace) -> int:
-    """init, token, boards, operator: the fleet authority's records (no torch, no network)."""
-    import datetime as dt
-    import time
-
-    from edgetrain import trust
-
-    directory = args.authority or trust.default_authority_dir()
-    if args.command == "init":
-        authority = trust.Authority.create(directory, fleet=args.fleet)
-        token = authority.new_token(note="made by edgetrain init")
-        print(f"fleet authority made in {authority.directory}\nCA fingerprint (sha256): {authority.fingerprint}\n"
-              f"on each board:  edgetrain client --join {token}\n"
-              f"(that token pairs one board within 24 h; `edgetrain token new` makes more)")
-        return 0
-    authority = trust.Authority(directory)
-    if args.command == "token":
-        if args.token_command == "new":
-            print(authority.new_token(ttl_s=args.ttl, uses=args.uses, note=args.note))
-        elif args.token_command == "revoke":
-            authority.revoke_token(args.id)
-            print(f"token {args.id} revoked")
-        else:
-            now = time.time()
-            for token_id, record in sorted(authority.tokens().items(), key=lambda kv: kv[1]["created"]):
-                state = "expired" if record["expires"] < now else (
-                    "used up" if record["uses_left"] < 1 else f"{(record['expires'] - now) / 3600:.1f} h left")
-                print(f"{token_id}  {state:>12}  uses left {record['uses_left']}  "
-                      f"paired {', '.join(record['used_by']) or '-'}  {record['note']}")
-        return 0
-    if args.command == "boards":
-        if args.boards_command == "revoke":
-            serials = authority.revoke(args.name)
-            print(f"{args.name}: {len(serials)} certificate(s) revoked; it is refused from its next call on "
-                  "(a new join token lets it pair again)")
-            return 0
-        revoked = authority.revoked_names()
-        for serial, record in sorted(authority.certificates().items(), key=lambda kv: kv[1]["issued"]):
-            until = dt.datetime.fromtimestamp(record["not_after"], dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
-            state = "revoked" if authority.is_revoked(serial) or record["name"] in revoked else (
-                "expired" if record["not_after"] < time.time() else "valid")
-            print(f"{record['name']:<24} {record['role']:<9} until {until} UTC  {state}")
-        return 0
-    path = authority.issue_identity(args.name, trust.OPERATOR).save(args.out)
-    print(f"operator credential for {args.name} written to {path}; on that machine save it as "
-          f"~/.edgetrain/operator.pem (or pass --identity {path.name})")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `edgetrain` console script."""
     args = _parser().parse_args(argv)
@@ -591,11 +296,12 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if getattr(args, "return_freed_memory", True) is False:  # the long-running roles (_memory_arg)
         keep_freed_memory()
-    handlers = {"coordinator": _coordinator, "client": _client, "local": _local, "demo": _local,
-                "data": run_data_command,
-                "devices": _devices, "fleet": _fleet, "plan": _plan, "submit": _jobs, "jobs": _jobs, "cancel": _jobs,
-                "init": _trust, "token": _trust, "boards": _trust, "operator": _trust}
-    handlers.update(experiment=_experiment, report=_report, dashboard=_dashboard_urls)
+    handlers = {"coordinator": roles.coordinator, "client": roles.client, "local": emulated.local,
+                "demo": emulated.local, "data": run_data_command, "devices": operator.devices,
+                "fleet": emulated.fleet, "plan": operator.plan, "submit": operator.jobs, "jobs": operator.jobs,
+                "cancel": operator.jobs, "init": authority.records, "token": authority.records,
+                "boards": authority.records, "operator": authority.records, "experiment": emulated.experiment,
+                "report": emulated.report, "dashboard": operator.dashboard_urls}
     try:
         return handlers[args.command](args)
     except (ConfigError, FileNotFoundError) as e:

@@ -128,10 +128,9 @@ _BUILDERS: dict[str, Callable[[int], NamedBlocks]] = {
 
 IMAGE_FORMATS: dict[str, torch.memory_format] = {"mobilenet_v2": torch.channels_last}
 """Models whose images (and so every activation after them) are laid out channels-last: on a CPU
-that sends MobileNetV2's depthwise and 1x1 convolutions to oneDNN's kernels. Measured on one core
-here (x86-64, torch 2.14, forward + backward, scripts/bench_memory_format.py, two runs): MobileNetV2
-at batch 12/58/128 trained 1.58-1.97x faster than in the default layout; ResNet-18 0.96-1.12x, within
-the machine's drift, so it keeps the default. The parameters keep their layout (MobileNetV2's 1x1 and depthwise weights are
+that sends MobileNetV2's depthwise and 1x1 convolutions to oneDNN's kernels, which makes it train
+much faster on one x86 core; ResNet-18's convolutions are oneDNN's in either layout, so it keeps
+the default (scripts/bench_memory_format.py; docs/benchmarks.md#memory_format). The parameters keep their layout (MobileNetV2's 1x1 and depthwise weights are
 the same bytes either way), so nothing on the wire changes; the arithmetic is the same up to float
 rounding."""
 

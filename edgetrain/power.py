@@ -43,8 +43,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # fleet_config imports the core's config; power must stay importable on its own
-    from edgetrain.emulator.fleet_config import BoardSpec
+if TYPE_CHECKING:  # fleet_file imports the core's config; power must stay importable on its own
+    from edgetrain.fleet_file import BoardSpec
 
 BOARD_IDLE_W = 2.7
 """Idle draw of a Raspberry-Pi-class board, W (Pi 4 Model B: 540 mA at 5 V)."""

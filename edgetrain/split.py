@@ -72,7 +72,7 @@ def refine_speed(estimate: SpeedEstimate, samples: int, compute_s: float, comm_s
     one, its fixed and per-sample parts alike. A step's own samples hardly vary, so they cannot
     tell the two parts apart; fitting only the rate to them put all of a difference between run
     and profile on the per-sample cost and mispredicted every share a board had not run yet
-    (docs/benchmarks.md, "Speed estimates scaled as a whole").
+    (docs/benchmarks.md#dp).
 
     The first observed communication time is taken as it is: blending it with the 0 that stood
     for "not observed yet" would under-predict a slow board's transfers for several steps (at
@@ -113,9 +113,8 @@ def split_proportional(total: int, speeds: Mapping[str, SpeedEstimate]) -> dict[
 
 SHARE_CHANGE_GAIN = 0.02
 """A new proportional split replaces the shares in use only if it predicts a step at least this
-much faster (at least: see share_change_gain). Every new local batch size costs the board time:
-measured at 0.5 of a core, MobileNetV2 shards whose size changed every step (105-130) trained 20%
-slower than shards of a fixed 118, as the kernels and buffers for each new shape are set up anew."""
+much faster (at least: see share_change_gain). Every new local batch size costs the board time,
+as the kernels and buffers for each new shape are set up anew (docs/benchmarks.md#dp)."""
 
 
 def share_change_gain(rate_noise: float, devices: int, weight: float = REFINE_WEIGHT) -> float:
@@ -128,9 +127,8 @@ def share_change_gain(rate_noise: float, devices: int, weight: float = REFINE_WE
     to the estimates of some steps ago, so against the current ones each device's predicted time
     is off by up to sqrt(2) e, and the slowest of n such devices, the predicted step, by about
     sqrt(2 ln n) times that: a fresh split predicts a gain of 2 sqrt(ln n) e from noise alone. Below
-    it a new split chases noise: the 16 identical boards of bench_dp.py had their shares changed
-    in 21 of 24 steps with a fixed 2%, and every change of a local batch size costs its board
-    (SHARE_CHANGE_GAIN). SHARE_CHANGE_GAIN is the floor."""
+    it a new split chases noise, re-splitting identical boards nearly every step, and every change
+    of a local batch size costs its board (SHARE_CHANGE_GAIN). SHARE_CHANGE_GAIN is the floor."""
     if devices < 2 or not math.isfinite(rate_noise) or rate_noise <= 0:
         return SHARE_CHANGE_GAIN
     return max(SHARE_CHANGE_GAIN, 2 * math.sqrt(math.log(devices) * weight / (2 - weight)) * rate_noise)

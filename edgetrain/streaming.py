@@ -3,7 +3,7 @@
 A bundle is an ordered mapping name -> tensor. On the wire it is a header (one `TensorMeta` per
 tensor: dtype, shape and byte range) followed by the concatenated raw bytes of all tensors, sent
 in chunks of 256 KiB - 1 MiB, each with a zlib crc32 unless the channel is TLS (whose records are
-authenticated already: the checksum would cost a board 3.6 ms of a core per 9 MB MobileNetV2
+authenticated already: the checksum would cost a board milliseconds of its core per MobileNetV2
 transfer, each way, for nothing). `ChunkAssembler` receives such a stream,
 rejects bad chunks precisely and remembers the last good byte, so a broken transfer resumes from
 there instead of from zero (edgetrain.transport runs those resumable loops). Nothing here

@@ -45,9 +45,9 @@ class ShardResult:
 def freeze_heap() -> None:
     """Exempt everything alive now (imports, model, dataset) from later full garbage collections.
 
-    A full collection walks every tracked object: about 350,000 in a process that imported torch,
-    grpc and the models, 0.14 s of one core here, so 1.4 s on a board at a tenth of a core, all
-    boards about the same step into a job. Called once set-up is done, it leaves the collector
+    A full collection walks every tracked object: hundreds of thousands in a process that imported
+    torch, grpc and the models, a noticeable pause on a board at a tenth of a core, and all boards
+    reach it at about the same step into a job. Called once set-up is done, it leaves the collector
     only what the job allocates since.
     """
     gc.collect()
@@ -167,9 +167,8 @@ def compute_shard(model: nn.Module, x: torch.Tensor, y: torch.Tensor, max_batch:
 
     With `max_batch` > 0 a larger shard goes through the model in the fewest equal chunks of at
     most that many samples, gradients accumulated: the same gradient (up to float rounding) at a
-    fraction of the memory, and on a CPU whose caches the activations outgrow, faster (measured on
-    one core by scripts/bench_forward_batch.py: ResNet-18's 256 samples took 16.0 s in one pass,
-    15.2 in chunks of 64; MobileNetV2's 512 the other way, 3.66 s in one pass, 4.41 in chunks).
+    fraction of the memory, and on a CPU whose caches the activations outgrow, faster for some
+    models and slower for others (scripts/bench_forward_batch.py; docs/benchmarks.md#forward_batch).
     BatchNorm then normalises each chunk with its own statistics (as each board does its shard),
     and the running statistics returned are the sample-weighted mean of the chunks' updates from
     the same start: one update with the chunks' mean statistics, as across boards.

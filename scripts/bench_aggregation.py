@@ -14,7 +14,7 @@ For each mode it reports training throughput (samples/s over the steps after war
 the wire per sample (both directions, counted by the coordinator) and final test accuracy. The
 last line printed is one JSON object with the figures.
 
-    python scripts/bench_aggregation.py [--steps 120] [--warmup 10] [--modes none,topk,adaptive]
+    python scripts/bench_aggregation.py [--steps 120] [--warmup 10] [--modes none,topk,adaptive] [--smoke] [--record]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from edgetrain.emulator.launch import plain_demo_job, run_on_emulated_boards
+from edgetrain.experiment.bench_output import add_bench_args, finish, stop_on_sigterm
 
 BOARDS = ((0.5, 100), (0.3, 50), (0.2, 20), (0.1, 10))
 """(fraction of a core, link Mbit/s) of each emulated board."""
@@ -42,7 +43,7 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     name = f"bench-agg-{mode}"
     job = plain_demo_job()
     job.update(name=name, model=args.model)
-    job["dataset"].update(train_size=20000, test_size=1000)
+    job["dataset"].update(train_size=200 if args.smoke else 20000, test_size=40 if args.smoke else 1000)
     job["training"].update(steps=args.steps, min_clients=len(BOARDS), eval_every=0, global_batch=args.batch,
                            log_every=10, split="proportional", heartbeat_timeout_s=30.0)
     job["compression"] = MODES[mode]
@@ -66,7 +67,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--model", default="mobilenet_v2")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    add_bench_args(parser)
     args = parser.parse_args()
+    if args.smoke:  # two steps of one mode on a small model
+        args.steps, args.warmup, args.batch, args.model, args.modes = 2, 0, 16, "small_cnn", "topk"
+    stop_on_sigterm()
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -89,7 +94,7 @@ def main() -> None:
         base = results["none"]
         out["speedup_over_none"] = {m: round(r["samples_per_s"] / base["samples_per_s"], 2) for m, r in results.items()}
         out["accuracy_pp_vs_none"] = {m: round(100 * (r["accuracy"] - base["accuracy"]), 2) for m, r in results.items()}
-    print(json.dumps(out))
+    finish(__file__, out, args)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ preset's job (MobileNetV2, global batch 64, SYNTHETIC data), `--fleet-steps` ste
 - `with_channel` / `without_channel`: the planner's plan for the fleet file (as `edgetrain plan`
   makes it, from this machine's measured model costs) with channel groups allowed / not allowed,
   each run as the job's fixed plan, one after the other in one run. (The live planner plans
-  from the boards' join-time profiles, which differ from run to run by up to 20% here: two
-  live arms differed by that much with the same rules, so fixed plans are compared.) When both
+  from the boards' join-time profiles, which differ from run to run, so fixed plans are
+  compared: docs/benchmarks.md#comparing-arms.) When both
   plans are the same, the two arms measure the run-to-run spread;
 - `channel_forced`: the plan without channel groups, each of its groups of several boards turned
   into a channel group: what a channel group costs here in practice, beside the cost model's
@@ -34,7 +34,7 @@ Each is an `edgetrain experiment run` arm (network namespaces and tc links as ro
 with application-level shaping); samples/s is the median over the steps after `--warmup`.
 
     python scripts/bench_channel.py [--steps 400] [--fleet-steps 40] [--warmup 10] [--codecs none,int8,topk,powersgd]
-                                    [--parts fleets,codecs]
+                                    [--parts fleets,codecs] [--smoke] [--record]
 
 Last line: one JSON object, `fleets` -> capped / lab -> {with_channel_samples_per_s,
 without_channel_samples_per_s, plan_with_channel, plan_without_channel,
@@ -50,17 +50,17 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import subprocess
 import sys
 import tempfile
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
 from edgetrain.catalog import SYNTHETIC_HARD_TEST_SIZE, SYNTHETIC_HARD_TRAIN_SIZE
+from edgetrain.config import load_yaml
 from edgetrain.emulator.launch import plain_demo_job, run_on_emulated_boards
+from edgetrain.experiment.bench_output import add_bench_args, finish, run_child, stop_on_sigterm
 
 SPEEDS = (0.5, 0.3, 0.2, 0.1)
 """Fractions of a core of the emulated boards (and the workers' shares of each batch)."""
@@ -68,18 +68,18 @@ CODECS = {"none": "none", "int8": "int8", "topk": "topk:0.01", "powersgd": "powe
 BATCH = 64
 
 
-def _job(name: str, codec: str, steps: int, seed: int) -> dict:
+def _job(name: str, codec: str, steps: int, seed: int, smoke: bool = False) -> dict:
     job = plain_demo_job()
-    job.update(name=f"bench-codec-{name}", model="mobilenet_v2", seed=seed)
-    job["dataset"] = {"name": "synthetic-hard", "train_size": SYNTHETIC_HARD_TRAIN_SIZE,
-                      "test_size": SYNTHETIC_HARD_TEST_SIZE, "augment": True}
+    job.update(name=f"bench-codec-{name}", model="small_cnn" if smoke else "mobilenet_v2", seed=seed)
+    job["dataset"] = {"name": "synthetic-hard", "train_size": 256 if smoke else SYNTHETIC_HARD_TRAIN_SIZE,
+                      "test_size": 64 if smoke else SYNTHETIC_HARD_TEST_SIZE, "augment": True}
     job["training"].update(steps=steps, min_clients=len(SPEEDS), eval_every=0, global_batch=BATCH, log_every=25,
                            split="proportional", heartbeat_timeout_s=30.0, checkpoint_every_s=0)
     job["compression"] = {"uplink": codec, "downlink": "none"}
     return job
 
 
-def train_in_process(codec: str, steps: int, seed: int) -> dict:
+def train_in_process(codec: str, steps: int, seed: int, smoke: bool = False) -> dict:
     """Data-parallel SGD over four workers whose updates go through `codec` with error feedback;
     test accuracy after `steps` and uplink bytes per sample."""
     import torch
@@ -101,7 +101,7 @@ def train_in_process(codec: str, steps: int, seed: int) -> dict:
     from edgetrain.updates import UpdateFormat
 
     torch.set_num_threads(1)
-    job = job_from_dict(_job("in-process", codec, steps, seed))
+    job = job_from_dict(_job("in-process", codec, steps, seed, smoke))
     model = build_model(job.model, seed=job.seed)
     worker = build_model(job.model, seed=job.seed)
     # momentum correction (top-k): the boards accumulate momentum, the coordinator's SGD has none
@@ -155,7 +155,7 @@ def train_in_process(codec: str, steps: int, seed: int) -> dict:
 
 def fleet_speed(name: str, args: argparse.Namespace, workdir: Path) -> float:
     """Samples/s of the job on the emulated boards with this uplink codec (after warm-up)."""
-    job = _job(name, CODECS[name], args.fleet_steps, args.seed)
+    job = _job(name, CODECS[name], args.fleet_steps, args.seed, args.smoke)
     run_dir = run_on_emulated_boards(job, tuple((s, 1000.0) for s in SPEEDS), workdir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = [r for r in records if r["kind"] == "train" and r["step"] >= args.warmup]
@@ -172,11 +172,11 @@ def static_plans(preset: Path) -> dict:
     from coordinator.planning.cost import predict
     from coordinator.planning.inputs import boards_from_fleet, machine_costs
     from coordinator.planning.planner import plan_optimal
-    from edgetrain.emulator.fleet_config import load_fleet
+    from edgetrain.fleet_file import load_fleet
     from edgetrain.plan import Plan, StagePlan
 
     fleet = load_fleet(preset)
-    job = yaml.safe_load(preset.read_text())["job"]
+    job = load_yaml(preset)["job"]
     costs = machine_costs(job["model"])
     boards = boards_from_fleet(list(fleet.boards), costs.model, costs.one_core, cpu_s_per_byte=costs.cpu_s_per_byte)
     batch = job["training"]["global_batch"]
@@ -206,7 +206,7 @@ def fleet_arms(key: str, args: argparse.Namespace, workdir: Path) -> dict:
     fleet file's plan with its groups as channel groups."""
     preset = FLEETS[key]
     plans = static_plans(preset)
-    job = yaml.safe_load(preset.read_text())["job"]
+    job = load_yaml(preset)["job"]
     job["training"].update(steps=args.fleet_steps, eval_every=0, checkpoint_every_s=0)
     def fixed(plan) -> dict:
         return {"planner.enabled": False, **{f"pipeline.{k}": v for k, v in plan.to_pipeline_section().items()}}
@@ -220,8 +220,7 @@ def fleet_arms(key: str, args: argparse.Namespace, workdir: Path) -> dict:
     exp_file = workdir / f"bench-channel-{key}.yaml"
     exp_file.write_text(yaml.safe_dump(experiment))
     out = workdir / f"results-{key}"
-    code = subprocess.run([sys.executable, "-m", "edgetrain", "experiment", "run", str(exp_file), "--out", str(out)],
-                          check=False).returncode
+    code = run_child([sys.executable, "-m", "edgetrain", "experiment", "run", str(exp_file), "--out", str(out)])
     if code != 0:
         print(f"# {key}: the experiment ended with exit code {code}; arms without steps are reported as null",
               flush=True)
@@ -249,8 +248,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="fleet steps left out of the throughput")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--codecs", default=",".join(CODECS), help="comma-separated subset of " + ",".join(CODECS))
-    parser.add_argument("--parts", default="fleets,codecs", help="fleets, codecs or both (comma-separated)")
+    parser.add_argument("--parts", help="fleets, codecs or both (comma-separated; default both, with --smoke codecs)")
+    add_bench_args(parser)
     args = parser.parse_args()
+    if args.smoke:  # two steps of PowerSGD on a small CNN in process and on the boards; fleets only when named
+        args.steps, args.fleet_steps, args.warmup, args.codecs = 2, 2, 0, "powersgd"
+        args.parts = args.parts or "codecs"
+    args.parts = args.parts or "fleets,codecs"
+    stop_on_sigterm()
     parts = set(args.parts.split(","))
     if not parts <= {"fleets", "codecs"}:
         parser.error(f"--parts: choose from fleets, codecs, got {args.parts!r}")
@@ -269,13 +274,13 @@ def main() -> None:
             ratio = round(capped["with_channel_samples_per_s"] / capped["without_channel_samples_per_s"], 3)
             out["same_plan_spread_capped" if capped["same_plan"] else "channel_speedup_capped"] = ratio
     if "codecs" not in parts:
-        print(json.dumps(out))
+        finish(__file__, out, args)
         return
     names = args.codecs.split(",")
     unknown = [n for n in names if n not in CODECS]
     if unknown:
         parser.error(f"unknown codec(s) {unknown}; choose from {list(CODECS)}")
-    print(f"# mobilenet_v2 on synthetic-hard (SYNTHETIC data), batch {BATCH} over workers {SPEEDS}, "
+    print(f"# {'small_cnn' if args.smoke else 'mobilenet_v2'} on synthetic-hard (SYNTHETIC data), batch {BATCH} over workers {SPEEDS}, "
           f"{args.steps} steps in process, {args.fleet_steps} on the emulated boards, seed {args.seed}", flush=True)
     codecs: dict[str, dict] = {n: {} for n in names}
     # samples/s first, on a quiet machine; then the accuracy arms, two at a time (one core each)
@@ -283,17 +288,22 @@ def main() -> None:
         for n in names:
             codecs[n]["samples_per_s"] = fleet_speed(n, args, Path(tmp))
             print(f"{n}: {codecs[n]['samples_per_s']} samples/s on the emulated boards", flush=True)
-    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {n: pool.submit(train_in_process, CODECS[n], args.steps, args.seed) for n in names}
+    pool = multiprocessing.get_context("spawn").Pool(2)
+    try:
+        futures = {n: pool.apply_async(train_in_process, (CODECS[n], args.steps, args.seed, args.smoke))
+                   for n in names}
         for n, f in futures.items():
-            codecs[n].update(f.result())
+            codecs[n].update(f.get())
             print(f"{n} ({CODECS[n]}): {codecs[n]}", flush=True)
+    finally:  # interrupted or not: no worker outlives the benchmark
+        pool.terminate()
+        pool.join()
     out.update(steps=args.steps, seed=args.seed, codecs=codecs)
     if "none" in codecs and "powersgd" in codecs:
         out["powersgd_accuracy_minus_none"] = round(codecs["powersgd"]["accuracy"] - codecs["none"]["accuracy"], 4)
         out["powersgd_uplink_reduction"] = round(codecs["none"]["uplink_bytes_per_sample"]
                                                  / codecs["powersgd"]["uplink_bytes_per_sample"], 2)
-    print(json.dumps(out))
+    finish(__file__, out, args)
 
 
 if __name__ == "__main__":

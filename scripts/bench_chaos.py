@@ -30,7 +30,7 @@ Reported (last line: one JSON object):
 - `heartbeat_p99_ms_at_256`: 256 light boards with their own certificates on one coordinator
   (edgetrain.emulator.fleet_load), heartbeat round trips.
 
-    python scripts/bench_chaos.py [--steps 150] [--kill-every 12] [--cut-s 20] [--down-s 30]
+    python scripts/bench_chaos.py [--steps 150] [--kill-every 12] [--cut-s 20] [--down-s 30] [--smoke] [--record]
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ import yaml
 
 from edgetrain.emulator.launch import EmulatedTrust, plain_demo_job
 from edgetrain.emulator.netns import VirtualLan, netns_available
+from edgetrain.experiment.bench_output import add_bench_args, finish, stop_on_sigterm
 from edgetrain.supervisor import edgetrain_command, terminate
 
 SPEEDS = (0.5, 0.3, 0.2, 0.1)
@@ -151,11 +152,15 @@ class Fleet:
         terminate(*[p for p in [*self.boards.values(), self.coordinator] if p is not None], grace_s=15)
 
 
-def _job_file(workdir: Path, steps: int, seed: int) -> tuple[Path, str]:
+def _job_file(workdir: Path, steps: int, seed: int, smoke: bool = False) -> tuple[Path, str]:
     job = plain_demo_job()
     job["name"] = "chaos"
     job["seed"] = seed
     job["training"].update(steps=steps, eval_every=0, log_every=10)
+    if smoke:  # a small model and data set; a checkpoint every second, so the coordinator can be resumed at once
+        job["model"] = "small_cnn"
+        job["dataset"].update(train_size=256, test_size=64)
+        job["training"].update(global_batch=16, checkpoint_every_s=1.0)
     path = workdir / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path, job["name"]
@@ -280,7 +285,12 @@ def main() -> None:
     parser.add_argument("--load-boards", type=int, default=256, help="light boards of the load phase (0: skip)")
     parser.add_argument("--load-seconds", type=float, default=20.0)
     parser.add_argument("--keep", type=Path, default=None, help="keep the runs and logs in this directory")
+    add_bench_args(parser)
     args = parser.parse_args()
+    if args.smoke:  # 30 steps of a small model: one board kill, a 1 s cut, the coordinator down 1 s; 8 light boards
+        args.steps, args.kill_every, args.cut_s, args.down_s = 30, 4, 1.0, 1.0
+        args.timeout, args.load_boards, args.load_seconds = 300.0, 8, 2.0
+    stop_on_sigterm()
 
     use_lan, why = netns_available()
     network = "network namespaces (link cuts are real)" if use_lan else \
@@ -296,7 +306,7 @@ def main() -> None:
         for arm in ("clean", "chaos"):
             workdir = tmp / arm
             workdir.mkdir()
-            job_file, name = _job_file(workdir, args.steps, args.seed)
+            job_file, name = _job_file(workdir, args.steps, args.seed, args.smoke)
             lan = VirtualLan(name=f"ch{arm[:2]}{os.getpid() % 10000}") if use_lan else None
             try:
                 if lan:
@@ -343,7 +353,7 @@ def main() -> None:
         "seconds_clean": round(clean["seconds"], 1), "seconds_chaos": round(chaos["seconds"], 1),
         "synthetic_data": True,
     }
-    print(json.dumps(row), flush=True)
+    finish(__file__, row, args)
 
 
 if __name__ == "__main__":

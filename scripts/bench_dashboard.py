@@ -4,14 +4,14 @@ The demo job (MobileNetV2 on SYNTHETIC CIFAR-shaped data, four emulated boards a
 and 0.1 of a core) runs with its dashboard served, and within the same run the page is open in
 headless Chromium (live updates every second) and closed (the browser on about:blank) in
 alternating windows of `--window` steps: A B A B ... Comparing windows of one run removes what
-differs between runs (the boards' join-time profiles and so their shares vary by up to 18% from
-run to run on this machine). A window's figure is the median samples/s of its steps after the
+differs between runs (the boards' join-time profiles, and so their shares:
+docs/benchmarks.md#comparing-arms). A window's figure is the median samples/s of its steps after the
 first (which straddles the switch); the arms are compared by the median over windows and by the
 median ratio of each open window to the closed window after it, with the spread of those ratios.
 Each window also records the CPU the browser (all its processes) and the coordinator (which
 serves the page) used, in cores: what the open page costs the gateway, measured directly.
 
-    python scripts/bench_dashboard.py [--runs 1] [--steps 252] [--window 12] [--warmup 8]
+    python scripts/bench_dashboard.py [--runs 1] [--steps 252] [--window 12] [--warmup 8] [--smoke] [--record]
 
 Needs Chromium and chromedriver from the distribution (Debian: apt-get install chromium
 chromium-driver) and selenium (pip install '.[test]'). Last line: one JSON object with
@@ -34,6 +34,8 @@ from pathlib import Path
 
 import psutil
 
+from edgetrain.experiment.bench_output import add_bench_args, finish, stop_on_sigterm
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO_JOB = REPO / "edgetrain" / "presets" / "demo.yaml"
 
@@ -54,13 +56,15 @@ def open_page(url: str, profile: Path):
     return driver
 
 
-def run_once(workdir: Path, name: str, steps: int, warmup: int, window: int) -> list[dict]:
+def run_once(workdir: Path, name: str, steps: int, warmup: int, window: int,
+             overrides: tuple[str, ...] = ()) -> list[dict]:
     """One demo run, its page opened and closed every `window` steps after `warmup`; its windows
     as {arm, steps, samples_per_s}."""
     runs = workdir / name
     proc = subprocess.Popen([sys.executable, "-m", "edgetrain", "local", str(DEMO_JOB), "--runs-dir", str(runs),
                              "--set", f"training.steps={steps}", "--set", "training.eval_every=0",
-                             "--set", "training.checkpoint_every_s=0", "--dashboard", "127.0.0.1:0"],
+                             "--set", "training.checkpoint_every_s=0", *(a for o in overrides for a in ("--set", o)),
+                             "--dashboard", "127.0.0.1:0"],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     driver = None
     metrics = runs / "demo" / "metrics.jsonl"
@@ -91,8 +95,13 @@ def run_once(workdir: Path, name: str, steps: int, warmup: int, window: int) -> 
     finally:
         if driver is not None:
             driver.quit()
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # interrupted: `edgetrain local` stops its coordinator and boards on SIGTERM
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     rate = {r["step"]: r["samples_per_s"] for r in records if r.get("kind") == "train"}
     windows = []
@@ -155,7 +164,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=252)
     parser.add_argument("--window", type=int, default=12, help="steps per window (page open, then closed, ...)")
     parser.add_argument("--warmup", type=int, default=8)
+    add_bench_args(parser)
     args = parser.parse_args()
+    overrides: tuple[str, ...] = ()
+    if args.smoke:  # four windows of four steps of a small model
+        args.runs, args.steps, args.window, args.warmup = 1, 17, 4, 1
+        overrides = ("model=small_cnn", "dataset.train_size=256", "dataset.test_size=32")
+    stop_on_sigterm()
     if not (shutil.which("chromium") or shutil.which("chromium-browser")) or not shutil.which("chromedriver"):
         sys.exit("bench_dashboard needs Chromium and chromedriver (Debian: apt-get install chromium chromium-driver)")
     print("# demo job on 4 emulated boards; data: SYNTHETIC", flush=True)
@@ -163,7 +178,7 @@ def main() -> None:
     pairs: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-dashboard-") as tmp:
         for i in range(args.runs):
-            these = run_once(Path(tmp), f"run-{i}", args.steps, args.warmup, args.window)
+            these = run_once(Path(tmp), f"run-{i}", args.steps, args.warmup, args.window, overrides)
             for w in these:
                 print(f"run {i}, steps {w['steps'][0]}-{w['steps'][1] - 1}: page {w['arm']}, "
                       f"{w['samples_per_s']:.2f} samples/s; browser {w['browser_cores']:.3f} cores, "
@@ -183,14 +198,14 @@ def main() -> None:
           f"{len(by_arm['closed'])}; open/closed {open_ / closed:.3f}; each open window over the closed one after "
           f"it: median {statistics.median(pairs):.3f}, quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f} "
           f"({len(pairs)} pairs)", flush=True)
-    print(json.dumps({"synthetic_data": True, "open_samples_per_s": round(open_, 2),
+    finish(__file__, {"synthetic_data": True, "open_samples_per_s": round(open_, 2),
                       "closed_samples_per_s": round(closed, 2), "ratio": round(open_ / closed, 4),
                       "pair_ratio_median": round(statistics.median(pairs), 4),
                       "pair_ratio_quartiles": [round(quartiles[0], 4), round(quartiles[2], 4)], "pairs": len(pairs),
                       **cores,
                       "windows": [{**w, "samples_per_s": round(w["samples_per_s"], 2),
                                    "browser_cores": round(w["browser_cores"], 4),
-                                   "coordinator_cores": round(w["coordinator_cores"], 4)} for w in windows]}))
+                                   "coordinator_cores": round(w["coordinator_cores"], 4)} for w in windows]}, args)
 
 
 if __name__ == "__main__":

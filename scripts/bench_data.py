@@ -41,7 +41,7 @@ figure is a real dataset's. Three parts
                                  [--import-repeats 2] [--train-steps 30] [--warmup 5] [--pairs 2]
                                  [--train-model mobilenet_v2] [--rounds 80] [--fed-model small_cnn]
                                  [--local-steps 5] [--train-size 5000] [--test-size 1000]
-                                 [--seeds 0,1,2,3] [--workdir DIR] [--keep] [--smoke]
+                                 [--seeds 0,1,2,3] [--workdir DIR] [--keep] [--smoke] [--record]
 
 `--smoke` makes every part tiny (boards at 0.5 of a core at least, 200 images of 32 px, 1 import,
 small_cnn for 2 steps with no
@@ -64,9 +64,7 @@ import json
 import os
 import pickle
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -74,7 +72,9 @@ from pathlib import Path
 
 import yaml
 
+from edgetrain.config import load_yaml
 from edgetrain.emulator.launch import DEMO_SPEEDS, LocalRun, plain_demo_job, run_local
+from edgetrain.experiment.bench_output import add_bench_args, commit_id, finish, stop_on_sigterm
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,10 +97,6 @@ SMOKE = {"images": 200, "side": 32, "import_repeats": 1, "train_steps": 2, "warm
 
 def say(line: str) -> None:
     print(line, flush=True)
-
-
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
 
 
 # --- images -----------------------------------------------------------------------------------------
@@ -350,7 +346,7 @@ def bench_local(args: argparse.Namespace, workdir: Path) -> dict:
     manifest, splits = read_store(gateway, FED_DATASET)
     images, labels = splits["train"]
     files = file_rows(source / "train", images, labels, manifest.classes)
-    fleet = yaml.safe_load(COMPUTE_FLEET.read_text())["boards"]
+    fleet = load_yaml(COMPUTE_FLEET)["boards"]
     say(f"# local: {args.train_size}+{args.test_size} SYNTHETIC JPEG images written and imported as {FED_DATASET!r} "
         f"({imported.seconds:.1f} s; {time.perf_counter() - started:.0f} s in all), every file matched to its store "
         f"row; {args.fed_model}, {args.rounds} rounds of fedavg ({args.local_steps} local steps of 16), "
@@ -470,7 +466,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=_seeds, help="job seeds of the local part (default 0,1,2,3)")
     parser.add_argument("--workdir", type=Path, help="work here (kept) instead of in a temporary directory")
     parser.add_argument("--keep", action="store_true", help="keep the temporary work directory")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes everywhere (a check that it runs)")
+    add_bench_args(parser)
     args = parser.parse_args(argv)
     for key, value in (SMOKE if args.smoke else DEFAULTS).items():
         if getattr(args, key, None) is None:
@@ -486,23 +482,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def commit() -> str | None:
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return (done.stdout.strip() or None) if done.returncode == 0 else None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)  # stop what was started, as Ctrl-C does
+    stop_on_sigterm()  # stop what was started, as Ctrl-C does
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_data_"))
     workdir.mkdir(parents=True, exist_ok=True)
     say(f"# bench_data{' (smoke)' if args.smoke else ''}: parts {','.join(args.parts)}; {NOTE}; work directory "
         f"{workdir}")
-    out = {"benchmark": "bench_data", "synthetic": True, "note": NOTE, "commit": commit(),
+    out = {"benchmark": "bench_data", "synthetic": True, "note": NOTE, "commit": commit_id(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "smoke": args.smoke,
            "import_images_per_s": None, "import": None, "train_ratio": None, "train": None, "local_vs_served": None,
            "wall_s": {}}
@@ -529,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.keep:
             say(f"# kept {workdir}")
     out["wall_s"]["total"] = round(time.perf_counter() - started, 1)
-    print(json.dumps(out), flush=True)
+    finish(__file__, out, args)
     return 0
 
 

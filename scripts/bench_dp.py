@@ -36,7 +36,7 @@ the median seconds per step of compute, communication and waiting (from metrics.
 communication is the step time outside forward + backward, all-reduce waits included, so its
 waiting is null).
 
-    python scripts/bench_dp.py [--batches 128,64] [--steps 40] [--warmup 8]
+    python scripts/bench_dp.py [--batches 128,64] [--steps 40] [--warmup 8] [--smoke] [--record]
                                [--arms ceiling,ddp,equal,proportional,hybrid[,streamed,unstreamed,
                                         download_streamed,download_first]]
                                [--fleet compute|bandwidth] [--sixteen]
@@ -57,14 +57,17 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
+
+from edgetrain.config import load_yaml
+from edgetrain.experiment.bench_output import add_bench_args, finish, run_child, stop_on_sigterm
 
 REPO = Path(__file__).resolve().parent.parent
 FLEETS = {"compute": REPO / "experiments" / "fleets" / "compute.yaml",
@@ -84,7 +87,7 @@ TRAIN_SIZE = 4096
 
 
 def fleet_boards(fleet: str) -> list[dict]:
-    return yaml.safe_load(FLEETS[fleet].read_text())["boards"]
+    return load_yaml(FLEETS[fleet])["boards"]
 
 
 def fleet_speeds(fleet: str) -> list[float]:
@@ -144,12 +147,16 @@ def train_alone_at_once(model: str, boards: list[tuple[float | None, int]], seco
     barrier, results = ctx.Barrier(len(boards)), ctx.Queue()
     procs = [ctx.Process(target=_train_alone, args=(model, s, b, seconds, barrier, results, keep_memory))
              for s, b in boards]
-    for p in procs:
-        p.start()
-    out = [results.get(timeout=600 + seconds) for _ in procs]
-    for p in procs:
-        p.join()
-    return out
+    try:
+        for p in procs:
+            p.start()
+        return [results.get(timeout=600 + seconds) for _ in procs]
+    finally:  # interrupted: stop the ones still training
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+            if p.pid is not None:
+                p.join()
 
 
 def ceiling_boards(alone: list[tuple]) -> dict[str, float | list[float]]:
@@ -188,8 +195,7 @@ def run_arms(workdir: Path, name: str, fleet: str, arms: list[str], batches: lis
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     out = workdir / name
-    code = subprocess.run([sys.executable, "-m", "edgetrain", "experiment", "run", str(path), "--out", str(out)],
-                          cwd=REPO).returncode
+    code = run_child([sys.executable, "-m", "edgetrain", "experiment", "run", str(path), "--out", str(out)], cwd=REPO)
     if code != 0:
         print(f"experiment {name} exited with code {code}; reading the arms that finished", file=sys.stderr)
     return {(arm, batch): out / f"{arm}-b{batch}-r0" for batch in batches for arm in arms}
@@ -234,7 +240,11 @@ def main() -> None:
                         help="bandwidth: the same boards behind 100/50/20/10 Mbit/s links (the ceiling has no links)")
     parser.add_argument("--sixteen", action="store_true", help="also the 16-board fleet (proportional, batch 512)")
     parser.add_argument("--keep", type=Path, help="keep the run directories here")
+    add_bench_args(parser)
     args = parser.parse_args()
+    if args.smoke:  # one arm, one small batch, two steps of a small model, one-second timings
+        args.batches, args.arms, args.steps, args.warmup, args.seconds, args.model = "16", "proportional", 2, 1, 0.5, "small_cnn"
+    stop_on_sigterm()
     try:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
@@ -286,28 +296,32 @@ def main() -> None:
                   f"samples/s ({results['ceiling'][b]['throttle']} throttle)", flush=True)
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="bench-dp-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    fleet_arms = [a for a in arms if a != "ceiling"]
-    # each fleet arm runs on its own, between two timings of one core at its batch (the one after
-    # an arm is the one before the next): its adjacent ideal is their mean, the machine's speed
-    # while the arm ran, which drifts by 10-15% over a run
-    runs: dict[tuple[str, int], Path] = {}
-    adjacent: dict[str, dict[int, float]] = {}
-    plan = [(args.fleet, arm, b) for b in batches for arm in fleet_arms]
-    if args.sixteen and "proportional" in arms:
-        plan.append(("sixteen", "proportional", SIXTEEN_BATCH))
-        results.setdefault("proportional", {})
-    before: dict[int, float] = {}
-    for fleet, arm, b in plan:
-        if b not in before:
-            before[b] = time_one_core_at(b, "before its first arm")
-        runs.update(run_arms(workdir, f"bench-dp-{arm}-b{b}", fleet, [arm], [b], args.steps, args.model))
-        after = time_one_core_at(b, f"after {arm}")
-        adjacent.setdefault(arm, {})[b] = (before[b] + after) / 2
-        before[b] = after
-    for (arm, b), run_dir in runs.items():
-        measured = steady_state(run_dir, args.warmup)
-        if measured is not None:
-            results[arm][b] = measured
+    try:
+        fleet_arms = [a for a in arms if a != "ceiling"]
+        # each fleet arm runs on its own, between two timings of one core at its batch (the one after
+        # an arm is the one before the next): its adjacent ideal is their mean, the machine's speed
+        # while the arm ran, which drifts by 10-15% over a run
+        runs: dict[tuple[str, int], Path] = {}
+        adjacent: dict[str, dict[int, float]] = {}
+        plan = [(args.fleet, arm, b) for b in batches for arm in fleet_arms]
+        if args.sixteen and "proportional" in arms:
+            plan.append(("sixteen", "proportional", SIXTEEN_BATCH))
+            results.setdefault("proportional", {})
+        before: dict[int, float] = {}
+        for fleet, arm, b in plan:
+            if b not in before:
+                before[b] = time_one_core_at(b, "before its first arm")
+            runs.update(run_arms(workdir, f"bench-dp-{arm}-b{b}", fleet, [arm], [b], args.steps, args.model))
+            after = time_one_core_at(b, f"after {arm}")
+            adjacent.setdefault(arm, {})[b] = (before[b] + after) / 2
+            before[b] = after
+        for (arm, b), run_dir in runs.items():
+            measured = steady_state(run_dir, args.warmup)
+            if measured is not None:
+                results[arm][b] = measured
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
     if fleet_arms or "ceiling" in arms:
         one_core_windows.append(time_one_core("after the arms"))
     one_core = {b: max(w[b] for w in one_core_windows) for b in all_batches}
@@ -361,7 +375,7 @@ def main() -> None:
                   f"{r['samples_per_s'] / ideal[b]:.2f} of the ideal"
                   + (f", {r['samples_per_s'] / near:.2f} of the adjacent one" if near else "")
                   + (" (INSECURE: gloo)" if arm == "ddp" else ""), flush=True)
-    print(json.dumps(out))
+    finish(__file__, out, args)
 
 
 if __name__ == "__main__":

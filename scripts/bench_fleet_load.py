@@ -1,6 +1,6 @@
 """Benchmark: one coordinator holding hundreds of boards' registration and telemetry.
 
-Light fake boards (edge_client/light_boards.py) in several processes, each board its own thread,
+Light fake boards (edgetrain/emulator/light_boards.py) in several processes, each board its own thread,
 channel and certificate under the run's fleet CA, register with a real coordinator (`python -m
 edgetrain coordinator`, mutual TLS, a job that never starts training), report a SYNTHETIC
 profile, send a heartbeat with SYNTHETIC telemetry every second and, as idle real boards do,
@@ -13,7 +13,7 @@ measure, and other work on the machine does too — the table gives the cores ea
 load average (before -> after the window) and how late an idle thread woke meanwhile (wake p99,
 ms: scheduling delay alone), and the runs of one size are repeated to show the spread.
 
-    python scripts/bench_fleet_load.py [--boards 64,128,256] [--processes 8] [--seconds 20] [--repeat 3]
+    python scripts/bench_fleet_load.py [--boards 64,128,256] [--processes 8] [--seconds 20] [--repeat 3] [--smoke] [--record]
                                        [--heartbeats-only]
 
 The last line printed is one JSON object (the largest fleet's median run, and every run).
@@ -22,11 +22,11 @@ The last line printed is one JSON object (the largest fleet's median run, and ev
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 from edgetrain.emulator.fleet_load import SYNTHETIC_NOTE, run_fleet_load
+from edgetrain.experiment.bench_output import add_bench_args, finish, stop_on_sigterm
 
 TARGET_P99_MS = 100.0
 COLUMNS = (("boards", 7), ("processes", 6), ("alive", 6), ("heartbeats", 11), ("heartbeat_errors", 7),
@@ -55,7 +55,11 @@ def main() -> None:
                         help="boards hold no presence stream and no work poll open")
     parser.add_argument("--board-nice", type=int, default=0,
                         help="run the boards' processes at this nice level (they stand for other machines)")
+    add_bench_args(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.boards, args.processes, args.seconds, args.repeat = "8", 2, 2.0, 1
+    stop_on_sigterm()
     sizes = [int(s) for s in args.boards.split(",") if s.strip()]
     polls = not args.heartbeats_only
     print(f"# {os.cpu_count()} cores shared by the coordinator and the boards"
@@ -77,9 +81,9 @@ def main() -> None:
     print(f"{median['boards']} boards: p99 {median['p99_ms']} ms (the median run of {len(largest)}: "
           f"{sorted(r['p99_ms'] for r in largest if r['p99_ms'] is not None)}), {median['alive']} alive; target p99 < {TARGET_P99_MS:.0f} ms {'met' if met else 'NOT met'}; "
           f"{time.monotonic() - started:.0f} s in all", flush=True)
-    print(json.dumps({**{k: median[k] for k in ("boards", "processes", "cores", "alive", "p50_ms", "p99_ms",
+    finish(__file__, {**{k: median[k] for k in ("boards", "processes", "cores", "alive", "p50_ms", "p99_ms",
                                                 "max_ms", "idle_calls")},
-                      "target_p99_ms": TARGET_P99_MS, "met": met, "synthetic": SYNTHETIC_NOTE, "runs": runs}))
+                      "target_p99_ms": TARGET_P99_MS, "met": met, "synthetic": SYNTHETIC_NOTE, "runs": runs}, args)
 
 
 if __name__ == "__main__":

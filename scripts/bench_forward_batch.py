@@ -8,7 +8,7 @@ in alternating rounds so the machine's drift falls on every limit alike, and pri
 per shard and each limit's time over the current default's.
 
     .venv/bin/python scripts/bench_forward_batch.py [--model mobilenet_v2] [--shards 35,70,96,128,256]
-        [--limits 64,96,128,0] [--rounds 5]
+        [--limits 64,96,128,0] [--rounds 5] [--smoke] [--record]
 
 The data is SYNTHETIC (edgetrain.data's generated images); only the time is measured.
 """
@@ -16,7 +16,6 @@ The data is SYNTHETIC (edgetrain.data's generated images); only the time is meas
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -25,6 +24,7 @@ import torch
 from edgetrain.allocator import keep_freed_memory
 from edgetrain.config import DatasetSpec, TrainingConfig
 from edgetrain.data import load_dataset, make_batch
+from edgetrain.experiment.bench_output import add_bench_args, finish, stop_on_sigterm
 from edgetrain.models import build_model
 from edgetrain.training import chunk_bounds, compute_shard
 
@@ -45,7 +45,11 @@ def main() -> None:
     parser.add_argument("--shards", default="35,58,70,96,128,256", help="shard sizes, samples")
     parser.add_argument("--limits", default="64,96,128,0", help="max_forward_batch values (0: the whole shard at once)")
     parser.add_argument("--rounds", type=int, default=5)
+    add_bench_args(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.model, args.shards, args.limits, args.rounds = "small_cnn", "6,3", "2,0", 1
+    stop_on_sigterm()
     shards = _numbers(parser, "--shards", args.shards, 1)
     limits = _numbers(parser, "--limits", args.limits, 0)
     if args.rounds < 1:
@@ -76,8 +80,8 @@ def main() -> None:
     ms = {str(s): {str(lim): round(statistics.median(times[s, lim]) * 1000, 2) for lim in limits} for s in shards}
     over = {str(s): {str(lim): round(statistics.median(times[s, lim]) / statistics.median(times[s, default]), 3)
                      for lim in limits} for s in shards} if default in limits else None
-    print(json.dumps({"model": args.model, "synthetic_data": True, "default_max_forward_batch": default,
-                      "ms_per_shard": ms, "over_default": over}))
+    finish(__file__, {"model": args.model, "synthetic_data": True, "default_max_forward_batch": default,
+                      "ms_per_shard": ms, "over_default": over}, args)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark: several jobs sharing the fleet — the rolling scheduler against its baselines (issue 7).
 
-SIMULATED, not measured: every number comes from ``coordinator/job_sim.py`` with a throughput
+SIMULATED, not measured: every number comes from the job simulator (``edgetrain/emulator/``) with a throughput
 model, no board trains anything. The model (``scaled_sum_oracle``):
     per-board samples/s = relative speed × one core's speed on the model, with one core doing
         ResNet-18 at 25 samples/s and MobileNetV2 at 105 samples/s;
@@ -32,7 +32,7 @@ planner enabled) submitted at their arrival times. It prints each scheduler's me
 JCT and makespan beside the simulator's prediction for the same trace (the planner's predicted
 speeds, the measured setup time), and adds them to the JSON line under "live".
 
-    python scripts/bench_jobs.py [--seed 3] [--load 0.9] [--live [--live-schedulers rolling,first_fit]]
+    python scripts/bench_jobs.py [--seed 3] [--load 0.9] [--live [--live-schedulers rolling,first_fit]] [--smoke] [--record]
 """
 
 from __future__ import annotations
@@ -46,13 +46,14 @@ import time
 from pathlib import Path
 
 from coordinator.jobs.scheduler import SCHEDULERS, Board, Job
-from coordinator.jobs.simulator import (
+from edgetrain.emulator.job_simulator import (
     SimResult,
     TraceSpec,
     poisson_trace,
     scaled_sum_oracle,
     simulate,
 )
+from edgetrain.experiment.bench_output import add_bench_args, finish, stop_on_sigterm
 
 ONE_CORE = {"resnet18": 25.0, "mobilenet_v2": 105.0}
 """Samples/s of one host core, per model."""
@@ -127,7 +128,7 @@ LIVE_BATCH = 32
 
 def live_trace(seed: int, load: float) -> tuple[list, tuple[Job, ...]]:
     """The live trace on the lab-jobs boards (relative speeds from the preset)."""
-    from edgetrain.emulator.fleet_config import load_fleet
+    from edgetrain.fleet_file import load_fleet
 
     specs = load_fleet(LIVE_FLEET).boards
     boards = [Board(b.name, b.name) for b in specs]
@@ -163,8 +164,8 @@ def run_live(scheduler: str, specs: list, trace: tuple[Job, ...], workdir: Path)
 
     from coordinator.jobs.speed import PlannerSpeed, board_spec
     from edgetrain import trust
-    from edgetrain.config import job_from_dict
-    from edgetrain.emulator.fleet_config import board_to_dict
+    from edgetrain.config import job_from_dict, parse_yaml
+    from edgetrain.fleet_file import board_to_dict
     from edgetrain.job_client import JobServerClient
     from edgetrain.supervisor import edgetrain_command, terminate, wait_for_address
 
@@ -210,7 +211,7 @@ def run_live(scheduler: str, specs: list, trace: tuple[Job, ...], workdir: Path)
         overhead_s = statistics.median(setups) if setups else 20.0
         # the simulator on the same trace, with the server's measured boards and the planner's speeds
         boards = {bv.name: board_spec(bv.name, bv.speed, bv.link_mbit_per_s) for bv in listing.boards}
-        configs = {j.id: job_from_dict(yaml.safe_load(job_yaml(ids[j.id]))) for j in jobs}
+        configs = {j.id: job_from_dict(parse_yaml(job_yaml(ids[j.id]), "job")) for j in jobs}
         sim_trace = tuple(Job(id=j.id, arrival=j.submitted - t0, kind=ids[j.id].kind, model=ids[j.id].model,
                               work=float(j.steps * LIVE_BATCH), boards=ids[j.id].boards, count=ids[j.id].count,
                               min_boards=ids[j.id].min_boards, max_boards=ids[j.id].max_boards, overhead_s=overhead_s)
@@ -230,11 +231,14 @@ def main() -> None:
     parser.add_argument("--load", type=float, default=0.9)
     parser.add_argument("--live", action="store_true", help="also run a short trace on emulated boards")
     parser.add_argument("--live-schedulers", default="rolling,first_fit,static,fifo")
+    add_bench_args(parser)
     args = parser.parse_args()
-    print(f"lab fleet, 8 boards, 40 jobs, load {args.load} (simulated)")
-    small = run(1, 40, args.seed, args.load)
-    print(f"64 boards, 500 jobs, load {args.load} (simulated)")
-    large = run(8, 500, args.seed, args.load)
+    stop_on_sigterm()
+    small_jobs, large_copies, large_jobs = (8, 2, 16) if args.smoke else (40, 8, 500)
+    print(f"lab fleet, 8 boards, {small_jobs} jobs, load {args.load} (simulated)")
+    small = run(1, small_jobs, args.seed, args.load)
+    print(f"{8 * large_copies} boards, {large_jobs} jobs, load {args.load} (simulated)")
+    large = run(large_copies, large_jobs, args.seed, args.load)
     out = {**_maps(small), "large": _maps(large), "simulated": True}
     if args.live:
         specs, trace = live_trace(args.seed, args.load)
@@ -249,7 +253,7 @@ def main() -> None:
                       f"(setup {r['overhead_s']:.0f} s){'  FAILED: ' + '; '.join(r['failed']) if r['failed'] else ''}",
                       flush=True)
         out["live"] = live
-    print(json.dumps(out))
+    finish(__file__, out, args)
 
 
 if __name__ == "__main__":

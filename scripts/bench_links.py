@@ -7,7 +7,7 @@ the telemetry link probe. Printed: the throughput of each stream and the probe's
 fraction of the rate. tbf counts whole Ethernet frames, so TCP payload tops out near 0.956 of
 the rate. Needs root (network namespaces); the last line is one JSON object.
 
-    sudo python scripts/bench_links.py [--rates 10,50,100]
+    sudo python scripts/bench_links.py [--rates 10,50,100] [--smoke] [--record]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 
 from edgetrain.config import job_from_dict
 from edgetrain.emulator.netns import VirtualLan, netns_available
+from edgetrain.experiment.bench_output import add_bench_args, finish, stop_on_sigterm
 
 MODEL = "mobilenet_v2"
 
@@ -105,10 +106,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rates", default="10,50,100", help="tbf rates, Mbit/s")
     parser.add_argument("--board", help=argparse.SUPPRESS)
+    add_bench_args(parser)
     args = parser.parse_args()
     if args.board:
         board_side(args.board)
         return
+    if args.smoke:
+        args.rates = "50"
+    stop_on_sigterm()
     ok, why = netns_available()
     if not ok:
         sys.exit(f"bench_links needs network namespaces (root): {why}")
@@ -123,8 +128,8 @@ def main() -> None:
             print(f"tbf {rate:g} Mbit/s: download {down:.1f} Mbit/s ({down / rate:.2f}), upload {up:.1f} Mbit/s "
                   f"({up / rate:.2f}), probe {result['probe_mbit']:.1f} Mbit/s ({result['probe_mbit'] / rate:.2f})",
                   flush=True)
-    print(json.dumps({"model": MODEL, "stream_fraction_of_rate": stream, "probe_fraction_of_rate": probe,
-                      "stream": "min(download, upload) of a 9 MB parameter/gradient bundle"}))
+    finish(__file__, {"model": MODEL, "stream_fraction_of_rate": stream, "probe_fraction_of_rate": probe,
+                      "stream": "min(download, upload) of a 9 MB parameter/gradient bundle"}, args)
 
 
 if __name__ == "__main__":

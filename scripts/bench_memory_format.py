@@ -6,20 +6,20 @@ each, `--rounds` times; the median of each is reported and their ratio. The mode
 catalog's (edgetrain.models.build_model) with its `image_format` overridden, so the two arms differ
 in nothing else. What this decides: `edgetrain.models.IMAGE_FORMATS`.
 
-Usage: python scripts/bench_memory_format.py [--models mobilenet_v2,resnet18] [--batches 12,58,128]
+Usage: python scripts/bench_memory_format.py [--models mobilenet_v2,resnet18] [--batches 12,58,128] [--smoke] [--record]
 Last line: one JSON object, model -> batch -> {"default", "channels_last" (samples/s), "ratio"}.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
 from edgetrain.allocator import keep_freed_memory
+from edgetrain.experiment.bench_output import add_bench_args, finish, stop_on_sigterm
 from edgetrain.models import build_model
 
 
@@ -44,7 +44,11 @@ def main() -> None:
     parser.add_argument("--batches", default="12,58,128")
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--rounds", type=int, default=3)
+    add_bench_args(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.models, args.batches, args.seconds, args.rounds = "small_cnn", "4", 0.1, 1
+    stop_on_sigterm()
     keep_freed_memory()
     torch.set_num_threads(1)
     print("# one core, one torch thread; data: SYNTHETIC random images", flush=True)
@@ -64,7 +68,7 @@ def main() -> None:
             out.setdefault(name, {})[str(batch)] = row
             print(f"{name} batch {batch}: default {row['default']} samples/s, channels-last "
                   f"{row['channels_last']} ({row['ratio']}x)", flush=True)
-    print(json.dumps(out))
+    finish(__file__, out, args)
 
 
 if __name__ == "__main__":

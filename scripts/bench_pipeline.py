@@ -17,7 +17,7 @@ counts too). For the pipeline also the bubble: measured as the
 stage hosts' time waiting for neighbours over their time in the step's schedule, and the
 theory (S-1)/(M+S-1). The last line printed is one JSON object.
 
-    python scripts/bench_pipeline.py [--steps 8] [--warmup 2] [--microbatches 4] [--modes equal,pipeline]
+    python scripts/bench_pipeline.py [--steps 8] [--warmup 2] [--microbatches 4] [--modes equal,pipeline] [--smoke] [--record]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from edgetrain.emulator.launch import plain_demo_job, run_on_emulated_boards
+from edgetrain.experiment.bench_output import add_bench_args, finish, stop_on_sigterm
 from edgetrain.pipeline import bubble_fraction
 
 BOARDS = ((0.5, 100), (0.3, 50), (0.2, 50), (0.1, 20))
@@ -35,6 +36,9 @@ BOARDS = ((0.5, 100), (0.3, 50), (0.2, 50), (0.1, 20))
 STAGES = [{"blocks": 5, "boards": ["board0"]}, {"blocks": 2, "boards": ["board1"]},
           {"blocks": 3, "boards": ["board2"]}]
 """ResNet-18's 10 blocks: stem + layer1 + layer2 | layer3 | layer4 + head."""
+SMOKE_BOARDS = tuple((0.5, 1000) for _ in BOARDS)
+"""--smoke: half a core each on fast links (ResNet-18's profiling at 0.1 of a core and the stage
+hand-over on slow links take a minute)."""
 MODES = ("equal", "proportional", "pipeline")
 
 
@@ -42,14 +46,14 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     name = f"bench-pipe-{mode}"
     job = plain_demo_job()
     job.update(name=name, model="resnet18")
-    job["dataset"].update(train_size=4096, test_size=256, augment=False)
+    job["dataset"].update(train_size=64 if args.smoke else 4096, test_size=16 if args.smoke else 256, augment=False)
     job["training"].update(steps=args.steps, min_clients=len(BOARDS), eval_every=0, global_batch=args.batch,
                            log_every=1, split="equal" if mode == "equal" else "proportional",
                            heartbeat_timeout_s=60.0)
     if mode == "pipeline":
         job["pipeline"] = {"stages": STAGES, "microbatches": args.microbatches, "schedule": "1f1b",
                            "stage_timeout_s": 600}
-    run_dir = run_on_emulated_boards(job, BOARDS, workdir)
+    run_dir = run_on_emulated_boards(job, SMOKE_BOARDS if args.smoke else BOARDS, workdir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "train" and r["step"] >= args.warmup]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -91,11 +95,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--modes", default=",".join(MODES))
+    add_bench_args(parser)
     args = parser.parse_args()
+    if args.smoke:  # two steps of the pipeline alone, small micro-batches
+        args.steps, args.warmup, args.batch, args.microbatches, args.modes = 2, 0, 8, 2, "pipeline"
+    stop_on_sigterm()
+    boards = SMOKE_BOARDS if args.smoke else BOARDS
     modes = args.modes.split(",")
     if any(m not in MODES for m in modes):
         parser.error(f"modes must be among {MODES}")
-    print(f"# resnet18, global batch {args.batch}, {args.steps} steps, boards (core, Mbit/s) {BOARDS}; "
+    print(f"# resnet18, global batch {args.batch}, {args.steps} steps, boards (core, Mbit/s) {boards}; "
           "data: SYNTHETIC", flush=True)
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_pipe_") as tmp:
@@ -105,7 +114,7 @@ def main() -> None:
             print(f"{mode:>13}: {r['samples_per_s']:.2f} samples/s, {r['bytes_per_sample'] / 1e6:.2f} MB/sample, "
                   f"shares {list(r['shares'].values())}", flush=True)
     out = {"model": "resnet18", "steps": args.steps, "global_batch": args.batch, "synthetic_data": True,
-           "boards": [{"speed": s, "mbit_per_s": m} for s, m in BOARDS], "stages": STAGES,
+           "boards": [{"speed": s, "mbit_per_s": m} for s, m in boards], "stages": STAGES,
            "microbatches": args.microbatches,
            **{f"{m}_samples_per_s": round(r["samples_per_s"], 3) for m, r in results.items()},
            "bytes_per_sample": {m: round(r["bytes_per_sample"]) for m, r in results.items()}}
@@ -118,7 +127,7 @@ def main() -> None:
         if "proportional" in results:
             out["pipeline_over_proportional"] = round(
                 results["pipeline"]["samples_per_s"] / results["proportional"]["samples_per_s"], 2)
-    print(json.dumps(out))
+    finish(__file__, out, args)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@
 
 The last line printed is one JSON object.
 
-    python scripts/bench_planner.py [--steps 6] [--warmup 2] [--fleets compute,bandwidth]
+    python scripts/bench_planner.py [--steps 6] [--warmup 2] [--fleets compute,bandwidth] [--smoke] [--record]
                                     [--models resnet18,mobilenet_v2] [--modes hybrid,equal,...] [--skip-e2e]
 """
 
@@ -49,14 +49,13 @@ import argparse
 import itertools
 import json
 import random
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-import yaml
 
 from coordinator.planning.cost import predict
 from coordinator.planning.inputs import (
@@ -67,9 +66,10 @@ from coordinator.planning.inputs import (
     transfer_cpu_s_per_byte,
 )
 from coordinator.planning.planner import plan_optimal
-from edgetrain.emulator.fleet_config import BoardSpec
+from edgetrain.config import load_yaml
 from edgetrain.emulator.launch import DEMO_JOB, run_on_emulated_boards
-from edgetrain.emulator.shaping import LinkSpec
+from edgetrain.experiment.bench_output import add_bench_args, finish, stop_on_sigterm
+from edgetrain.fleet_file import BoardSpec, LinkSpec
 from edgetrain.plan import BoardCost, Plan, StagePlan
 from edgetrain.split import SpeedEstimate, split_proportional
 
@@ -93,13 +93,13 @@ def random_fleet(n: int, rng: random.Random, model, one_core, kinds=KINDS, one_l
     return boards_from_fleet(specs, model, one_core)
 
 
-def planning(model, one_core, fleets: int = 3) -> dict:
+def planning(model, one_core, fleets: int = 3, sizes: tuple[int, ...] = (4, 16, 64)) -> dict:
     """Planning time and optimality gap at 4, 16 and 64 boards (see the module docstring)."""
     out = {"optimality_gap": {}, "plan_seconds": {}, "reference": {}}
     setups = {4: ("exact DP = brute force (tests)", dict()),
               16: ("exact DP over board kinds (2 kinds, budget lifted)", dict(one_link=True)),
               64: ("none tractable (gap not measured)", dict())}
-    for n, (reference, kw) in setups.items():
+    for n, (reference, kw) in ((n, setups[n]) for n in sizes):
         gaps, seconds = [], []
         for seed in range(fleets):
             rng = random.Random(1000 * n + seed)
@@ -174,20 +174,31 @@ def measured_ideal(model_name: str, batch: int, seconds: float = 30.0) -> list[f
                                   str(max(1, shares[f"b{i}"])), str(seconds)], stdout=subprocess.PIPE, text=True)
                 for i, s in enumerate(SPEEDS)]
     out = []
-    for child in children:
-        stdout, _ = child.communicate(timeout=1800)
-        if child.returncode != 0:
-            raise RuntimeError(f"standalone board measurement failed (exit {child.returncode})")
-        out.append(json.loads(stdout.strip().splitlines()[-1])["samples_per_s"])
+    try:
+        for child in children:
+            stdout, _ = child.communicate(timeout=1800)
+            if child.returncode != 0:
+                raise RuntimeError(f"standalone board measurement failed (exit {child.returncode})")
+            out.append(json.loads(stdout.strip().splitlines()[-1])["samples_per_s"])
+    finally:  # interrupted: SIGINT, so each leaves its CPU limit (a cgroup as root) the way Ctrl-C does
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGINT)
+        for child in children:
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
     return out
 
 
 def run_mode(mode: str, fleet: str, model_name: str, links, batch: int, args, workdir: Path, model,
              one_core) -> dict:
     name = f"bench-plan-{fleet}-{model_name}-{mode}"  # one run directory each: metrics.jsonl is appended to
-    job = yaml.safe_load(DEMO_JOB.read_text())
+    job = load_yaml(DEMO_JOB)
     job.update(name=name, model=model_name)
-    job["dataset"].update(train_size=2048, test_size=256, augment=False)
+    job["dataset"].update(train_size=128 if args.smoke else 2048, test_size=32 if args.smoke else 256, augment=False)
     job["training"].update(steps=args.steps, min_clients=len(SPEEDS), eval_every=0, global_batch=batch,
                            log_every=1, split="equal" if mode == "equal" else "proportional",
                            heartbeat_timeout_s=120.0)
@@ -228,14 +239,20 @@ def main() -> None:
     parser.add_argument("--skip-e2e", action="store_true", help="only the planning part (a)")
     parser.add_argument("--standalone-board", nargs=4, metavar=("FRACTION", "MODEL", "BATCH", "SECONDS"),
                         help=argparse.SUPPRESS)
+    add_bench_args(parser)
     args = parser.parse_args()
     if args.standalone_board:
         fraction, model_name, batch, seconds = args.standalone_board
         _board_standalone(float(fraction), model_name, int(batch), float(seconds))
         return
+    ideal_s = 30.0
+    if args.smoke:  # planning at 4 boards on one fleet; a two-step proportional run of a small CNN, compute fleet
+        args.steps, args.warmup, args.batch_compute, args.fleets = 2, 1, 16, "compute"
+        args.models, args.modes, ideal_s = "small_cnn", "proportional", 0.5
+    stop_on_sigterm()
     print("# (a) planning: ResNet-18 block costs measured here; random fleets", flush=True)
     resnet = measure_model_cost("resnet18")
-    result = planning(resnet, one_core_speed("resnet18"))
+    result = planning(resnet, one_core_speed("resnet18"), *((1, (4,)) if args.smoke else ()))
     result["fleets"], result["prediction_error"] = {}, {}
     errors, batches = [], {}
     if not args.skip_e2e:
@@ -249,7 +266,7 @@ def main() -> None:
                     model, one_core = measure_model_cost(model_name), one_core_speed(model_name, (4, 32))
                     nominal = sum(SPEEDS) * one_core.samples_per_s * (
                         batch / (batch + one_core.overhead_s * one_core.samples_per_s))
-                    boards = measured_ideal(model_name, batch)
+                    boards = measured_ideal(model_name, batch, ideal_s)
                     ideal = sum(boards)
                     print(f"  {fleet}/{model_name}: ideal {ideal:.1f} samples/s = boards on their own "
                           f"{' + '.join(f'{b:.1f}' for b in boards)} (nominal {nominal:.1f}: "
@@ -281,7 +298,7 @@ def main() -> None:
     result.update(synthetic_data=True, boards=list(SPEEDS), links=FLEETS,
                   global_batch=batches,
                   steps=args.steps, warmup=args.warmup, train_flops_per_sample_resnet18=train_flops_per_sample(resnet))
-    print(json.dumps(result))
+    finish(__file__, result, args)
 
 
 if __name__ == "__main__":

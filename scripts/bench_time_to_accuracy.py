@@ -30,7 +30,7 @@ segment runs on loopback and its projection would be meaningless, so it is repor
 
     python scripts/bench_time_to_accuracy.py [--seeds 1] [--cap-s 1800] [--fleets compute,bandwidth]
                                              [--arms ddp,single,proportional,federated,planner]
-                                             [--keep DIR [--resume]]
+                                             [--keep DIR [--resume]] [--smoke] [--record]
 
 Last line: one JSON object: `target_accuracy`, `fleets` → `compute` / `bandwidth` →
 `time_to_accuracy_s` and `energy_to_accuracy_j` (maps by arm, medians over seeds; null where the
@@ -46,8 +46,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -59,6 +59,7 @@ from edgetrain.catalog import (
     SYNTHETIC_HARD_TEST_SIZE,
     SYNTHETIC_HARD_TRAIN_SIZE,
 )
+from edgetrain.experiment.bench_output import add_bench_args, finish, run_child, stop_on_sigterm
 from edgetrain.experiment.results import collect
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,12 +91,17 @@ LINK_CODECS = {"compression.uplink": "adaptive", "compression.downlink": "int8"}
 codec chosen from its measured link, parameters sent down as int8 deltas (DDP has no such option)."""
 
 
-def job(eval_every: int) -> dict:
-    """MobileNetV2 on the harder synthetic tier, the demo's optimizer."""
+SMOKE = {"model": "small_cnn", "train_size": 256, "test_size": 64, "target_accuracy": 0.05, "cap_s": 120.0,
+         "eval_every": 2, "arms": "proportional", "fleets": "compute"}
+"""--smoke: one small arm on the compute fleet to a target its first evaluation reaches."""
+
+
+def job(eval_every: int, smoke: bool = False) -> dict:
+    """MobileNetV2 on the harder synthetic tier, the demo's optimizer (--smoke: a small CNN, small sets)."""
     return {
-        "name": "tta", "model": "mobilenet_v2", "seed": 0,
-        "dataset": {"name": "synthetic-hard", "train_size": SYNTHETIC_HARD_TRAIN_SIZE,
-                    "test_size": SYNTHETIC_HARD_TEST_SIZE, "augment": True},
+        "name": "tta", "model": SMOKE["model"] if smoke else "mobilenet_v2", "seed": 0,
+        "dataset": {"name": "synthetic-hard", "train_size": SMOKE["train_size"] if smoke else SYNTHETIC_HARD_TRAIN_SIZE,
+                    "test_size": SMOKE["test_size"] if smoke else SYNTHETIC_HARD_TEST_SIZE, "augment": True},
         "training": {"global_batch": 64, "min_clients": 4, "eval_every": eval_every, "log_every": 20},
         "planner": {"enabled": True},  # EdgeTrain's defaults; arms that mean something else say so
         "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 5.0e-4, "schedule": "constant",
@@ -112,15 +118,14 @@ def arm_entry(arm: str, codecs: dict) -> dict:
 
 
 def run_experiment(workdir: Path, name: str, fleet: Path, arms: list[str], seeds: list[int], stop: dict,
-                   eval_every: int, codecs: dict | None = None) -> list[dict]:
+                   eval_every: int, codecs: dict | None = None, smoke: bool = False) -> list[dict]:
     """Write the experiment file, run it with `edgetrain experiment run`, return collect()'s rows."""
-    spec = {"name": name, "job": job(eval_every), "fleet": str(fleet), "stop": stop, "seeds": seeds,
+    spec = {"name": name, "job": job(eval_every, smoke), "fleet": str(fleet), "stop": stop, "seeds": seeds,
             "arms": [arm_entry(arm, codecs or {}) for arm in arms]}
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     out = workdir / name
-    code = subprocess.run([sys.executable, "-m", "edgetrain", "experiment", "run", str(path), "--out", str(out)],
-                          cwd=REPO).returncode
+    code = run_child([sys.executable, "-m", "edgetrain", "experiment", "run", str(path), "--out", str(out)], cwd=REPO)
     if code != 0:
         print(f"experiment {name} exited with code {code}; reading whatever it finished", file=sys.stderr)
     run_dirs = sorted(p for p in out.iterdir() if (p / "metrics.jsonl").exists()) if out.exists() else []
@@ -190,7 +195,12 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true",
                         help="with --keep: read the arms that already finished there (every seed has its summary.json) "
                              "instead of running them again; the JSON lists them under `reused`")
+    add_bench_args(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.seeds, args.cap_s, args.eval_every = 1, SMOKE["cap_s"], SMOKE["eval_every"]
+        args.arms, args.fleets = SMOKE["arms"], SMOKE["fleets"]
+    stop_on_sigterm()
     if args.segment < 10:
         parser.error("--segment must be >= 10 steps")
     if args.resume and not args.keep:
@@ -198,7 +208,7 @@ def main() -> None:
     fleets = args.fleets.split(",")
     arms = args.arms.split(",")
     seeds = list(range(args.seeds))
-    target = SYNTHETIC_HARD_TARGET
+    target = SMOKE["target_accuracy"] if args.smoke else SYNTHETIC_HARD_TARGET
     stop = {"target_accuracy": target, "time_cap_s": args.cap_s}
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="bench-tta-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -207,62 +217,66 @@ def main() -> None:
 
     result: dict = {"target_accuracy": target, "cap_s": args.cap_s, "seeds": len(seeds), "fleets": {},
                     "projected": [], "reused": [], "synthetic_data": True}
-    ddp_steps: list[int | None] = []
-    for fleet in fleets:
-        # a lone board has no links: `single` on the slow links is the compute fleet's
-        fleet_arms = [a for a in arms if not (fleet == "bandwidth" and a in ("ddp", "single"))]
-        out = workdir / f"tta-{fleet}"
-        finished = [a for a in fleet_arms
-                    if args.resume and all((out / f"{a}-r{k}" / "summary.json").exists() for k in seeds)]
-        result["reused"] += [f"{fleet}/{a}" for a in finished]
-        to_run = [a for a in fleet_arms if a not in finished]
-        if to_run:
-            rows = run_experiment(workdir, f"tta-{fleet}", FLEETS[fleet], to_run, seeds, stop, args.eval_every,
-                                  LINK_CODECS if fleet == "bandwidth" else None)
-        else:
-            rows = collect(sorted(p for p in out.iterdir() if (p / "metrics.jsonl").exists()), target_accuracy=target)
-        times = {a: median_or_none([r["time_to_target_s"] for r in rows if r["arm"] == a]) for a in fleet_arms}
-        energies = {a: median_or_none([r["energy_to_target_j"] for r in rows if r["arm"] == a]) for a in fleet_arms}
-        setups = {a: median_or_none([r["setup_s"] for r in rows if r["arm"] == a]) for a in fleet_arms}
-        if fleet == "bandwidth" and "ddp" in arms:
-            # DDP's steps to the target on the compute fleet: from this run, or an earlier one kept in
-            # the same --keep directory (the fleets can then be run one at a time)
-            ddp_steps = [steps_to_target(workdir / "tta-compute" / f"ddp-r{k}", target)
-                         if (workdir / "tta-compute" / f"ddp-r{k}" / "metrics.jsonl").exists() else None
-                         for k in range(len(seeds))]
-            if args.resume and (workdir / "tta-bandwidth-ddp-segment" / "ddp-r0" / "summary.json").exists():
-                result["reused"].append("bandwidth/ddp-segment")
+    try:
+        ddp_steps: list[int | None] = []
+        for fleet in fleets:
+            # a lone board has no links: `single` on the slow links is the compute fleet's
+            fleet_arms = [a for a in arms if not (fleet == "bandwidth" and a in ("ddp", "single"))]
+            out = workdir / f"tta-{fleet}"
+            finished = [a for a in fleet_arms
+                        if args.resume and all((out / f"{a}-r{k}" / "summary.json").exists() for k in seeds)]
+            result["reused"] += [f"{fleet}/{a}" for a in finished]
+            to_run = [a for a in fleet_arms if a not in finished]
+            if to_run:
+                rows = run_experiment(workdir, f"tta-{fleet}", FLEETS[fleet], to_run, seeds, stop, args.eval_every,
+                                      LINK_CODECS if fleet == "bandwidth" else None, args.smoke)
             else:
-                run_experiment(workdir, "tta-bandwidth-ddp-segment", FLEETS[fleet], ["ddp"], [0],
-                               {"steps": args.segment}, 0)
-            step_s, energy_per_step, emulated = segment_rates(workdir / "tta-bandwidth-ddp-segment" / "ddp-r0")
-            steps = median_or_none(ddp_steps)
-            times["ddp"] = round(steps * step_s, 2) if steps is not None and emulated else None
-            energies["ddp"] = (round(steps * energy_per_step, 2)
-                               if steps is not None and emulated and energy_per_step is not None else None)
-            result["projected"].append("bandwidth/ddp")
-            result["ddp_segment"] = {"steps": args.segment, "median_step_s": round(step_s, 3),
-                                     "links_emulated": emulated, "steps_to_target_on_compute": steps}
-        entry = {"time_to_accuracy_s": times, "energy_to_accuracy_j": energies, "setup_s": setups}
-        best = min((a for a in EDGETRAIN_ARMS if times.get(a) is not None), key=lambda a: times[a], default=None)
-        if best and times.get("ddp"):
-            entry["best_edgetrain_arm"] = best
-            entry["ddp_time_over_best"] = round(times["ddp"] / times[best], 2)
-            if energies.get("ddp") and energies.get(best):
-                entry["ddp_energy_over_best"] = round(energies["ddp"] / energies[best], 2)
-        if "planner" in times or "hybrid" in times:
-            mine = "planner" if "planner" in times else "hybrid"
-            others = [times[a] for a in OTHERS if times.get(a) is not None]
-            if times.get(mine):
-                entry["planner_over_best_other"] = round(times[mine] / min(others), 3) if others else None
-                if times.get("proportional"):
-                    entry["proportional_over_planner"] = round(times["proportional"] / times[mine], 3)
-                if times.get("ddp"):
-                    entry["ddp_over_planner"] = round(times["ddp"] / times[mine], 3)
-            entry["exploration_s"], entry["weak_board_sample_share"] = planner_figures(rows, mine)
-        result["fleets"][fleet] = entry
-        print(f"{fleet}: {json.dumps(entry)}", flush=True)
-    print(json.dumps(result))
+                rows = collect(sorted(p for p in out.iterdir() if (p / "metrics.jsonl").exists()), target_accuracy=target)
+            times = {a: median_or_none([r["time_to_target_s"] for r in rows if r["arm"] == a]) for a in fleet_arms}
+            energies = {a: median_or_none([r["energy_to_target_j"] for r in rows if r["arm"] == a]) for a in fleet_arms}
+            setups = {a: median_or_none([r["setup_s"] for r in rows if r["arm"] == a]) for a in fleet_arms}
+            if fleet == "bandwidth" and "ddp" in arms:
+                # DDP's steps to the target on the compute fleet: from this run, or an earlier one kept in
+                # the same --keep directory (the fleets can then be run one at a time)
+                ddp_steps = [steps_to_target(workdir / "tta-compute" / f"ddp-r{k}", target)
+                             if (workdir / "tta-compute" / f"ddp-r{k}" / "metrics.jsonl").exists() else None
+                             for k in range(len(seeds))]
+                if args.resume and (workdir / "tta-bandwidth-ddp-segment" / "ddp-r0" / "summary.json").exists():
+                    result["reused"].append("bandwidth/ddp-segment")
+                else:
+                    run_experiment(workdir, "tta-bandwidth-ddp-segment", FLEETS[fleet], ["ddp"], [0],
+                                   {"steps": args.segment}, 0, smoke=args.smoke)
+                step_s, energy_per_step, emulated = segment_rates(workdir / "tta-bandwidth-ddp-segment" / "ddp-r0")
+                steps = median_or_none(ddp_steps)
+                times["ddp"] = round(steps * step_s, 2) if steps is not None and emulated else None
+                energies["ddp"] = (round(steps * energy_per_step, 2)
+                                   if steps is not None and emulated and energy_per_step is not None else None)
+                result["projected"].append("bandwidth/ddp")
+                result["ddp_segment"] = {"steps": args.segment, "median_step_s": round(step_s, 3),
+                                         "links_emulated": emulated, "steps_to_target_on_compute": steps}
+            entry = {"time_to_accuracy_s": times, "energy_to_accuracy_j": energies, "setup_s": setups}
+            best = min((a for a in EDGETRAIN_ARMS if times.get(a) is not None), key=lambda a: times[a], default=None)
+            if best and times.get("ddp"):
+                entry["best_edgetrain_arm"] = best
+                entry["ddp_time_over_best"] = round(times["ddp"] / times[best], 2)
+                if energies.get("ddp") and energies.get(best):
+                    entry["ddp_energy_over_best"] = round(energies["ddp"] / energies[best], 2)
+            if "planner" in times or "hybrid" in times:
+                mine = "planner" if "planner" in times else "hybrid"
+                others = [times[a] for a in OTHERS if times.get(a) is not None]
+                if times.get(mine):
+                    entry["planner_over_best_other"] = round(times[mine] / min(others), 3) if others else None
+                    if times.get("proportional"):
+                        entry["proportional_over_planner"] = round(times["proportional"] / times[mine], 3)
+                    if times.get("ddp"):
+                        entry["ddp_over_planner"] = round(times["ddp"] / times[mine], 3)
+                entry["exploration_s"], entry["weak_board_sample_share"] = planner_figures(rows, mine)
+            result["fleets"][fleet] = entry
+            print(f"{fleet}: {json.dumps(entry)}", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    finish(__file__, result, args)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ accepting its registration, as the client logs it; torch import and profiling ar
 
 The insecure arm runs on loopback only and says so. The last line printed is one JSON object.
 
-    python scripts/bench_tls.py [--blocks 3] [--steps 30] [--warmup 5]
+    python scripts/bench_tls.py [--blocks 3] [--steps 30] [--warmup 5] [--smoke] [--record]
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ from pathlib import Path
 import psutil
 import yaml
 
+from edgetrain.config import load_yaml
 from edgetrain.emulator.launch import DEMO_JOB, LocalRun, run_local
+from edgetrain.experiment.bench_output import add_bench_args, finish, stop_on_sigterm
 
 SPEEDS = (0.5, 0.3, 0.2, 0.1)
 PAIRED = re.compile(r"registered with the coordinator ([0-9.]+) s after it started pairing")
@@ -89,9 +91,9 @@ class CpuWatch:
 
 def run_arm(secure: bool, index: int, args: argparse.Namespace, workdir: Path) -> dict:
     name = f"bench-tls-{'mtls' if secure else 'insecure'}-{index}"
-    job = yaml.safe_load(DEMO_JOB.read_text())
+    job = load_yaml(DEMO_JOB)
     job.update(name=name, model=args.model)
-    job["dataset"].update(train_size=4096, test_size=256)
+    job["dataset"].update(train_size=128 if args.smoke else 4096, test_size=32 if args.smoke else 256)
     job["training"].update(steps=args.steps, min_clients=len(SPEEDS), eval_every=0, global_batch=args.batch,
                            log_every=10)
     job_file = workdir / f"{name}.yaml"
@@ -125,7 +127,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the throughput")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--model", default="mobilenet_v2")
+    add_bench_args(parser)
     args = parser.parse_args()
+    if args.smoke:  # one block of two-step runs on a small model
+        args.blocks, args.steps, args.warmup, args.batch, args.model = 1, 2, 1, 16, "small_cnn"
+    stop_on_sigterm()
     print(f"# {args.model}, global batch {args.batch}, emulated boards {SPEEDS}; data: SYNTHETIC; "
           f"{args.blocks} blocks of (mTLS, --insecure on loopback)", flush=True)
     results: dict[str, list[dict]] = {"mtls": [], "insecure": []}
@@ -151,7 +157,7 @@ def main() -> None:
     print(f"per block, mTLS / insecure: {', '.join(f'{r:.3f}' for r in paired)} (median {statistics.median(paired):.3f})")
     print(f"mTLS costs {cost * 100:.1f}% of throughput (target <= 5%); pairing {_spread(pairing)} s "
           f"(target < 5 s); {time.monotonic() - started:.0f} s in all")
-    print(json.dumps({
+    finish(__file__, {
         "model": args.model, "global_batch": args.batch, "speeds": SPEEDS, "synthetic_data": True,
         "blocks": args.blocks, "steps": args.steps, "warmup": args.warmup,
         "tls_samples_per_s": round(statistics.median(tls), 2),
@@ -164,7 +170,7 @@ def main() -> None:
         "insecure_board_cpu_ms_per_sample": round(statistics.median(plain_cpu), 2),
         "pairing_seconds": round(statistics.median(pairing), 3),
         "pairing_seconds_max": round(max(pairing), 3),
-    }))
+    }, args)
 
 
 if __name__ == "__main__":

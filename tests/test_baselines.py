@@ -14,10 +14,9 @@ from conftest import read_metrics, small_job, wait_for
 from reference import max_abs_difference, reference_state
 
 from edgetrain.config import job_to_dict
-from edgetrain.emulator.fleet_config import BoardSpec, FleetSpec, GatewaySpec
-from edgetrain.emulator.shaping import LinkSpec
 from edgetrain.experiment.baselines import CIFAR_SAMPLE_BYTES, DDP_LABEL, data_ship, run_baseline
 from edgetrain.experiment.ddp_worker import _first_cause
+from edgetrain.fleet_file import BoardSpec, FleetSpec, GatewaySpec, LinkSpec
 from edgetrain.power import board_power
 
 TOLERANCE = 2e-5

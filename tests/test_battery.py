@@ -6,13 +6,9 @@ import threading
 
 import pytest
 
-from edgetrain.emulator.battery import (
-    BatteryReading,
-    BatterySpec,
-    EmulatedBattery,
-    energy_j,
-    real_battery,
-)
+from edgetrain.board_hardware import BatteryReading, real_battery
+from edgetrain.emulator.battery import EmulatedBattery, energy_j
+from edgetrain.fleet_file import BatterySpec
 
 
 class FakeClock:

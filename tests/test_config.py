@@ -244,7 +244,7 @@ def test_every_preset_loads(preset: Path) -> None:
     """The shipped presets are valid: fleet files (with boards) and job files alike."""
     import yaml
 
-    from edgetrain.emulator.fleet_config import load_fleet
+    from edgetrain.fleet_file import load_fleet
 
     data = yaml.safe_load(preset.read_text())
     if "boards" in data:

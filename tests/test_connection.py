@@ -18,8 +18,9 @@ from rawboard import refused, wire_order
 from edge_client.connection import CoordinatorConnection, CoordinatorUnreachable
 from edgetrain import transport
 from edgetrain.data import load_dataset, make_batch
-from edgetrain.emulator.shaping import LinkShaper, LinkSpec
+from edgetrain.emulator.shaping import LinkShaper
 from edgetrain.errors import Refusal
+from edgetrain.fleet_file import LinkSpec
 from edgetrain.models import build_model
 from edgetrain.tensors import pack, unpack
 from edgetrain.training import compute_shard, load_state_tensors

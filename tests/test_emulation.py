@@ -6,8 +6,10 @@ import time
 
 import pytest
 
-from edge_client.emulation import BoardEmulation, EnergyMeter
-from edgetrain.emulator.battery import BatterySpec, EmulatedBattery
+from edgetrain.board_hardware import EnergyMeter
+from edgetrain.emulator.battery import EmulatedBattery
+from edgetrain.emulator.board import BoardEmulation
+from edgetrain.fleet_file import BatterySpec
 from edgetrain.power import PowerModel
 
 

@@ -47,7 +47,7 @@ def _write(tmp_path: Path, experiment: dict, name: str = "exp.yaml") -> Path:
 @pytest.mark.parametrize("change, named", [
     ({"repeat": 2}, "unknown key 'repeat'"),
     ({"stop": {"target_accuracy": 0.7}}, "needs time_cap_s"),
-    ({"stop": {"steps": 0}}, "stop.steps: expected an integer > 0, got 0"),
+    ({"stop": {"steps": 0}}, "stop: steps=0: must be > 0"),
     ({"arms": [{"name": "x", "baseline": "horovod"}]}, "arms: x: baseline='horovod'"),
     ({"arms": [{"name": "x", "set": {"training.split": "diagonal"}}]}, "arms: x: job: training: split='diagonal'"),
     ({"arms": [{"name": "x"}, {"name": "x"}]}, "name 'x' is used twice"),

@@ -22,7 +22,7 @@ from coordinator.jobs.scheduler import (
     rolling,
     utility,
 )
-from coordinator.jobs.simulator import (
+from edgetrain.emulator.job_simulator import (
     BoardEvent,
     SimResult,
     SimulationError,

@@ -28,12 +28,12 @@ from coordinator.jobs.lobby import FAR_OFF
 from coordinator.jobs.scheduler import Board, Job
 from coordinator.jobs.server import JobServer
 from coordinator.jobs.servicer import JobServerServicer
-from coordinator.jobs.simulator import simulate
 from coordinator.jobs.speed import PlannerSpeed, board_spec
 from coordinator.pairing import serve_gateway
 from edgetrain import transport, trust
 from edgetrain.cli import main
 from edgetrain.config import job_from_dict
+from edgetrain.emulator.job_simulator import simulate
 from protos import jobs_pb2 as pb
 from protos import jobs_pb2_grpc as pb_grpc
 

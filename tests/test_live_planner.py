@@ -285,7 +285,7 @@ def test_a_board_whose_device_ran_out_of_memory_is_planned_with_less_and_its_sta
 
 def test_a_fleet_file_without_power_figures_is_priced_with_the_power_its_boards_report():
     from coordinator.planning.inputs import boards_from_fleet
-    from edgetrain.emulator.fleet_config import load_fleet
+    from edgetrain.fleet_file import load_fleet
     from edgetrain.power import default_power
     from edgetrain.split import SpeedEstimate
 

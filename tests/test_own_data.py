@@ -396,7 +396,7 @@ def test_own_data_is_decoded_once_and_again_only_when_the_folder_changed(tmp_pat
 
 
 def test_fleet_files_give_a_board_its_own_folder_relative_to_the_file(tmp_path):
-    from edgetrain.emulator.fleet_config import load_fleet
+    from edgetrain.fleet_file import load_fleet
 
     (tmp_path / "fleet.yaml").write_text(json.dumps({
         "boards": [{"name": "cam", "speed": 0.5, "local_data": "images/cam"}, {"name": "plain", "speed": 0.5}]}))

@@ -11,10 +11,11 @@ from conftest import read_metrics, small_job
 
 from coordinator.devices import _row
 from coordinator.training.report import summary_table
-from edge_client.emulation import BoardEmulation, EnergyMeter, MeteredLink
+from edgetrain.board_hardware import BatteryEnergySensor, EnergyMeter, MeteredLink
 from edgetrain.config import ConfigError, load_job
-from edgetrain.emulator.battery import BatteryEnergySensor, BatterySpec
-from edgetrain.emulator.fleet_config import (
+from edgetrain.emulator.board import BoardEmulation
+from edgetrain.fleet_file import (
+    BatterySpec,
     BoardSpec,
     GatewaySpec,
     board_from_dict,

@@ -18,16 +18,10 @@ from PIL import Image
 
 from coordinator.planning.inputs import machine_costs
 from edgetrain.config import ConfigError
-from edgetrain.emulator.fleet_config import load_fleet
-from edgetrain.experiment.results import (
-    INSECURE_LABEL,
-    _fleet_file,
-    arms_table,
-    build_report,
-    collect,
-    describe_plan,
-    load_run,
-)
+from edgetrain.experiment.fleet_plan import _fleet_file
+from edgetrain.experiment.report import INSECURE_LABEL, arms_table, build_report
+from edgetrain.experiment.results import collect, describe_plan, load_run
+from edgetrain.fleet_file import load_fleet
 
 BATCH = 32
 

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from edgetrain.emulator.shaping import LinkShaper, LinkSpec, TokenBucket
+from edgetrain.emulator.shaping import LinkShaper, TokenBucket
+from edgetrain.fleet_file import LinkSpec
 
 MB = 1_000_000
 

@@ -16,10 +16,9 @@ from conftest import small_job
 from inprocess import SAMPLES, InProcessCoordinator, assignment, serve_coordinator
 
 from edge_client.connection import CoordinatorConnection
-from edge_client.emulation import BoardEmulation
 from edge_client.worker import ClientOptions, EdgeWorker
+from edgetrain.board_hardware import BoardHardware
 from edgetrain.data import load_dataset, make_batch
-from edgetrain.emulator.throttle import limit_cpu
 from edgetrain.models import build_model
 from edgetrain.training import (
     ShardResult,
@@ -66,7 +65,7 @@ def worker(coordinator, tmp_path: Path) -> Iterator[RunningWorker]:
     conn = CoordinatorConnection(coordinator.address)
     options = ClientOptions(name=NAME, data_dir=str(tmp_path / "data"), poll_s=0.5, stage_bind="127.0.0.1:0",
                             probe_interval_s=math.inf, insecure=True)  # no link probes: not what these tests are about
-    board = EdgeWorker(conn, options, limit_cpu(None, name=NAME), BoardEmulation.from_file(None))
+    board = EdgeWorker(conn, options, BoardHardware.real())
     result: dict = {}
 
     def run() -> None:

@@ -27,7 +27,6 @@ from importlib import resources
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from coordinator.dashboard.prometheus import exposition
 from edgetrain import trust
 from edgetrain.config import ConfigError
 from edgetrain.trust import Identity
@@ -213,6 +212,9 @@ def _handler_for(server: DashboardServer) -> type[BaseHTTPRequestHandler]:
             elif path == "/api/state":
                 self._send(200, server.shared()[1].encode(), "application/json")
             elif path == "/metrics":
+                # prometheus_client comes with the gateway's extra: imported on the first scrape
+                from coordinator.dashboard.prometheus import exposition
+
                 self._send(200, exposition(server.snapshot), "text/plain; version=0.0.4; charset=utf-8")
             elif path == "/events":
                 self._events()

@@ -12,7 +12,6 @@
 - ``store.py``       jobs persisted in ``<state-dir>/jobs.json``.
 - ``scheduler.py``   rolling-horizon scheduling (branch and bound, greedy) and the FIFO,
                      first-fit and static baselines, all pure.
-- ``simulator.py``   a discrete-event simulator of a scheduler on a job trace.
 - ``speed.py``       the scheduler's oracle: the hybrid planner's predicted speed of a job.
 - ``command.py``     ``edgetrain submit | jobs | cancel``.
 """

@@ -22,7 +22,7 @@ import yaml
 from coordinator.jobs.lobby import far_off
 from coordinator.jobs.submission import require_written
 from edgetrain import transport
-from edgetrain.config import ConfigError, apply_overrides, job_from_dict
+from edgetrain.config import ConfigError, apply_overrides, job_from_dict, load_yaml
 from edgetrain.discovery import browse, default_interfaces, serves_jobs
 from edgetrain.job_client import JobServerClient
 from protos import jobs_pb2 as pb
@@ -92,13 +92,11 @@ def submit_job(path: Path, overrides: list[tuple[str, Any]], *, server: str | No
                security: transport.Security = transport.INSECURE) -> str:
     """Queue the job in `path` (with `overrides`) at the job server; a line saying so."""
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise JobsCommandError(f"{path}: cannot read: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise JobsCommandError(f"{path}: not valid YAML: {e}") from None
+        data = load_yaml(path)
+    except ConfigError as e:
+        raise JobsCommandError(str(e)) from None
     try:
-        data = apply_overrides(data if data is not None else {}, dict(overrides))
+        data = apply_overrides(data, dict(overrides))
     except ConfigError as e:
         raise JobsCommandError(f"{path}: {e}") from None
     try:

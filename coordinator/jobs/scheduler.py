@@ -1,7 +1,7 @@
 """Several training jobs share one fleet: a rolling-horizon, utility-driven scheduler (issue 7).
 
 Pure data and pure functions (no torch, sockets or clocks): ``SCHEDULERS[name](now, state) -> Plan``.
-Something else (the simulator in ``job_sim.py``, later the coordinator) applies the plan's launches.
+Something else (the simulator in ``edgetrain/emulator/job_simulator.py``, later the coordinator) applies the plan's launches.
 
 Model. Job j arrives at a_j with W_j samples of work and priority w_j. A *hard* job has exactly one
 request: a named set of boards, or any k boards. A *soft* job takes any set of min..max boards.

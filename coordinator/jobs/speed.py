@@ -24,8 +24,7 @@ from coordinator.planning.inputs import (
 )
 from coordinator.planning.planner import plan_optimal
 from edgetrain.config import JobConfig
-from edgetrain.emulator.fleet_config import BoardSpec
-from edgetrain.emulator.shaping import LinkSpec
+from edgetrain.fleet_file import BoardSpec, LinkSpec
 from edgetrain.plan import Plan
 
 UNKNOWN_LINK_MBIT = 100.0

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import yaml
-
-from edgetrain.config import ConfigError, JobConfig, job_from_dict
+from edgetrain.config import ConfigError, JobConfig, job_from_dict, parse_yaml
 
 MAX_JOB_YAML_BYTES = 256 * 1024
 WRITTEN = ("name", "model", "length (training.steps or training.epochs)")
@@ -49,11 +47,7 @@ def parse_job(text: str) -> JobConfig:
     so it does not apply the submission rule (``submitted_job``)."""
     if len(text.encode()) > MAX_JOB_YAML_BYTES:
         raise ConfigError(f"job YAML is {len(text.encode())} bytes; the limit is {MAX_JOB_YAML_BYTES}")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"not valid YAML: {e}") from None
-    config = job_from_dict(data, source="job")
+    config = job_from_dict(parse_yaml(text, "job"), source="job")
     if config.aggregation.federated:
         raise ConfigError("job: federated rounds are not scheduled on a shared fleet yet")
     return config
@@ -65,7 +59,7 @@ def submitted_job(text: str) -> JobConfig:
     if not text.strip():
         raise ConfigError(f"job: the job YAML is empty; {RULE}")
     config = parse_job(text)
-    require_written(yaml.safe_load(text))
+    require_written(parse_yaml(text, "job"))
     return config
 
 

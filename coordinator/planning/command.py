@@ -26,7 +26,7 @@ from coordinator.planning.inputs import (
 )
 from coordinator.planning.local_members import add_local_members
 from coordinator.planning.planner import pareto, plan_optimal
-from edgetrain.emulator.fleet_config import load_fleet
+from edgetrain.fleet_file import load_fleet
 from edgetrain.plan import Plan
 
 

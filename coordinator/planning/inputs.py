@@ -197,7 +197,7 @@ def board_from_record(record: DeviceRecord, model: ModelCost) -> BoardCost:
 def boards_from_fleet(boards: list, model: ModelCost, one_core: SpeedEstimate,
                       memory_bytes: Mapping[str, float] | None = None,
                       cpu_s_per_byte: float = 0.0) -> list[BoardCost]:
-    """BoardCosts of a fleet file's boards (edgetrain.emulator.fleet_config.BoardSpec); a board with
+    """BoardCosts of a fleet file's boards (edgetrain.fleet_file.BoardSpec); a board with
     `speed` s of a core computes s x as fast as one core here, its per-call overhead 1/s as long,
     and its link rate is what remains after its CPU's cost per byte (`cpu_s_per_byte` at one core).
     Its memory: `memory_bytes` for it, else its `memory_mb` cap (all of it: a live board reports

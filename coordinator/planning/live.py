@@ -109,8 +109,7 @@ class LivePlanner:
         This keeps a plan the cost model underrates from being swapped for one it rates about the
         same. One that runs slower than predicted is judged by its prediction, as the candidate
         is: the model's optimism is the candidate's too, and judged by its measurement the plan
-        would lose to every candidate the model rates within its error (measured in
-        docs/benchmarks.md, "Re-planning judged model to model")."""
+        would lose to every candidate the model rates within its error (docs/benchmarks.md#dp)."""
         reasons = self.changes(boards)
         if any(r.endswith((" joined", " left")) for r in reasons):  # measured with other boards
             self.measured.clear()

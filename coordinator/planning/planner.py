@@ -24,11 +24,8 @@ each state keeping only the BEAM_WIDTH labels of best outlook, then a hill climb
     that leave the slow boards out.
   - From each search's POLISH_STARTS best structures and its best of each stage count, the hill
     climb over shapes, scored with the exact cost on the whole fleet.
-  No bound is claimed. Measured (ResNet-18 blocks, batch 64, time, fleets drawn as in
-  scripts/bench_planner.py): on 43 random 16-board fleets of 2 kinds, the exact optimum on 42
-  and within 0.7% on the last, in about 0.5 s (the exact DP: 1-9 s); on 16 boards of 2-3 kinds
-  or of all 5 kinds with mixed links, within 2.1% of the best plan a 3x wider beam with 10x the
-  budget finds (4-7 s).
+  No bound is claimed: scripts/bench_planner.py measures the gap to the exact DP and the
+  planning time (docs/benchmarks.md#planner).
 """
 
 from __future__ import annotations

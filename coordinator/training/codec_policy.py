@@ -6,11 +6,11 @@ parameters down for `none` or the downlink deltas for the others). Predicted tra
 bytes x 8 / measured bandwidth. The board gets the least lossy codec whose transfer time is
 within `adaptive_budget` x the step's predicted compute time; if none is, the dense codec (fp16,
 int8) with the fewest bytes as long as it stays within `adaptive_limit` x the compute time, then
-PowerSGD within that limit (low-rank, error feedback: it cost less accuracy than top-k in
-scripts/bench_channel.py); only beyond that the fewest bytes (top-k, usually). Top-k 1% delays most coordinates' updates by tens of steps: measured on MobileNetV2 it
-did not train within a 120-step budget, so it is kept for links that nothing else can use. The choice is revisited only
-when the board's bandwidth moved by more than `hysteresis` (relative) since it was made, so
-measurement noise does not make it flip. A board with no bandwidth measurement yet keeps `none`.
+PowerSGD within that limit (low-rank, error feedback: it costs less accuracy than top-k,
+docs/benchmarks.md#channel); only beyond that the fewest bytes (top-k, usually). Top-k 1% delays
+most coordinates' updates by tens of steps and trains far slower per step, so it is kept for links
+that nothing else can use. The choice is revisited only when the board's bandwidth moved by more
+than `hysteresis` (relative) since it was made, so measurement noise does not make it flip. A board with no bandwidth measurement yet keeps `none`.
 """
 
 from __future__ import annotations

@@ -25,16 +25,16 @@ import psutil
 import yaml
 
 from edgetrain.config import job_to_dict
-from edgetrain.emulator.fleet_config import (
+from edgetrain.emulator.launch import EmulatedTrust
+from edgetrain.emulator.netns import HostNetwork, VirtualLan, destroy_resources, netns_available
+from edgetrain.emulator.throttle import DEFAULT_MEMORY_CGROUP_ROOT, remove_stale_cgroups
+from edgetrain.fleet_file import (
     BoardSpec,
     FleetEvent,
     FleetSpec,
     board_to_dict,
     load_fleet,
 )
-from edgetrain.emulator.launch import EmulatedTrust
-from edgetrain.emulator.netns import HostNetwork, VirtualLan, destroy_resources, netns_available
-from edgetrain.emulator.throttle import DEFAULT_MEMORY_CGROUP_ROOT, remove_stale_cgroups
 from edgetrain.supervisor import ChildExited, edgetrain_command, terminate, wait_for_address
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 ``run_fleet_load`` makes a fleet authority for the run and one certificate per board, starts a
 real coordinator (``python -m edgetrain coordinator``, mutual TLS) on a job that never starts
 training (it waits for one board more than the fleet), and starts the boards in several
-``python -m edge_client.light_boards`` processes, each board its own thread and channel with its
+``python -m edgetrain.emulator.light_boards`` processes, each board its own thread and channel with its
 own certificate. Once every board has registered and profiled, the boards record their
 heartbeat round trips for `seconds`; then, while they go on heartbeating, the coordinator is
 asked over ListDevices (`edgetrain devices`, as the operator) how many of them it holds alive. Profiles and telemetry are
@@ -67,7 +67,7 @@ def _start_boards(address: str, identities: Path, groups: list[list[str]], env: 
                   idle_calls: bool, nice: int) -> list[subprocess.Popen]:
     extra = [] if idle_calls else ["--heartbeats-only"]
     with log.open("ab") as err:
-        return [subprocess.Popen([sys.executable, "-m", "edge_client.light_boards", "--coordinator", address,
+        return [subprocess.Popen([sys.executable, "-m", "edgetrain.emulator.light_boards", "--coordinator", address,
                                   "--identities", str(identities), *extra, *names],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
                                  preexec_fn=(lambda: os.nice(nice)) if nice else None)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from edgetrain.config import load_yaml
 from edgetrain.supervisor import edgetrain_command, stop, wait_for_address
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ DEMO_SPEEDS = (0.5, 0.3, 0.2, 0.1)
 def plain_demo_job() -> dict:
     """The demo job as a mapping, as plain proportional data parallelism: without its planner and
     its aggregation settings (what benchmarks that compare training modes start from)."""
-    job = yaml.safe_load(DEMO_JOB.read_text())
+    job = load_yaml(DEMO_JOB)
     job.pop("aggregation", None)
     job["planner"] = {"enabled": False}
     return job

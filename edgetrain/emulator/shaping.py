@@ -13,8 +13,9 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
+
+from edgetrain.fleet_file import LinkSpec
 
 _MAX_SLEEP_S = 0.05
 """A waiting consumer re-checks the rate this often, so a live rate change applies within it."""
@@ -22,31 +23,6 @@ _MAX_SLEEP_S = 0.05
 _MIN_BURST_S = 0.01
 """A shaper's bucket holds this much time at the link rate (and at least 16 KiB): the little
 that may pass at once after an idle spell, like the queue of a real link."""
-
-
-@dataclass(kw_only=True, frozen=True)
-class LinkSpec:
-    """An emulated link between a board and the LAN, the same in both directions."""
-
-    mbit_per_s: float
-    """Link rate in Mbit/s (10^6 bit/s)."""
-    delay_ms: float = 0.0
-    """One-way delay; an RPC waits twice this."""
-    loss: float = 0.0
-    """Probability that a transfer chunk is lost and must be resent, in [0, 1)."""
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.mbit_per_s) and self.mbit_per_s > 0):
-            raise ValueError(f"mbit_per_s must be a finite number > 0, got {self.mbit_per_s}")
-        if not (math.isfinite(self.delay_ms) and self.delay_ms >= 0):
-            raise ValueError(f"delay_ms must be a finite number >= 0, got {self.delay_ms}")
-        if not 0 <= self.loss < 1:
-            raise ValueError(f"loss must be in [0, 1), got {self.loss}")
-
-    @property
-    def bytes_per_s(self) -> float:
-        """The rate in bytes per second."""
-        return self.mbit_per_s * 1e6 / 8
 
 
 class TokenBucket:

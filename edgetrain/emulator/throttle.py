@@ -29,28 +29,22 @@ DEFAULT_CGROUP_ROOT = "/sys/fs/cgroup/cpu"
 DEFAULT_MEMORY_CGROUP_ROOT = "/sys/fs/cgroup/memory"
 
 DEFAULT_PERIOD_US = 20_000
-"""CFS period. Each period the group runs its quota at full speed and then waits out the rest,
-so a burst shorter than the period either runs unthrottled or stalls for up to (1 - F) of it.
-Measured at F=0.2 (2 cores, HZ=250): with 100 ms, 5 ms bursts took 0.2x-3x their ideal cpu/F
-and 30 ms bursts 0.7x-1.3x; with 20 ms, 30 ms bursts stayed within 5 % and 5 ms ones 0.75x-1.5x.
-Shorter periods smooth further but wake the throttle timer more often and, with the kernel's
-1 ms minimum quota, raise the lowest F (0.05 at 20 ms).
+"""CFS period, the same for every board. Each period the group runs its quota at full speed and
+then waits out the rest, so a burst shorter than the period either runs unthrottled or stalls for
+up to (1 - F) of it: the shorter the period, the closer a burst of a few ms comes to its ideal
+cpu/F. Shorter periods wake the throttle timer more often and, with the kernel's 1 ms minimum
+quota, raise the lowest F (0.05 at 20 ms).
 
 One period for every F means a slow board runs in short slices (2 ms a period at 0.1 of a core),
-each beginning with caches other boards filled. A period of 10 ms / F (100 ms at 0.1) was tried
-(5878ad9, reverted): the four-board fleet training alone did 1.02-1.13x more (five alternations),
-but a synchronous step waits for its slowest board and coarser slices made that wait longer: the
-16-board fleet's boards (bench_dp --sixteen) waited a median 0.92 s a step for the others instead
-of 0.54, and it ran 105.9 samples/s against 122.8 the run before (docs/benchmarks.md).
+each beginning with caches other boards filled. A longer period for slow boards does not pay: a
+synchronous step waits for its slowest board, and coarser slices make that one later
+(docs/benchmarks.md#conditions).
 
 Where the kernel has it (5.14+), the group may also carry up to one period's unused quota into
 the next (`cpu.cfs_burst_us` = quota), so the quota holds as an average rather than a cap per
-period. Without it a board's process got less than its fraction: its gRPC threads wake on the
-other core and take a slice of the period's quota there (5 ms at a time), which the training
-thread, throttled meanwhile, gets back only after the period ends. Measured on the four-board
-fleet (scripts/bench_dp.py, batch 128, burst toggled every 12 s on the running boards, 7 windows
-each): the 0.5-core board used 0.444 of a core without carry-over and 0.464 with it, the
-0.2-core board 0.171 and 0.180 (each also waits a little every step)."""
+period. Without it a board's process gets less than its fraction: its gRPC threads wake on the
+other core and take a slice of the period's quota there, which the training thread, throttled
+meanwhile, gets back only after the period ends."""
 
 _MIN_QUOTA_US = 1_000
 """The kernel rejects a smaller cfs_quota_us; longer periods keep very low F representable."""

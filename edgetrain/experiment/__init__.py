@@ -9,7 +9,12 @@ runner.py     runs each arm: EdgeTrain arms as a coordinator and one client proc
 baselines.py  the baselines users would otherwise run: PyTorch DDP (gloo), one board alone,
               the gateway alone (centralized)
 results.py    one row per run directory (time and energy to the target accuracy, throughput, the
-              plan), results.csv and report.md over an experiment's arms and repeats
+              plan)
+report.py     results.csv and report.md over an experiment's arms and repeats
+fleet_plan.py the planner's view of the fleet for the report (`edgetrain plan` as a subprocess):
+              the ideal throughput and the Pareto front
+bench_output.py  what scripts/bench_*.py share: --smoke, --record (docs/results/), the JSON
+              last line, SIGTERM handled as Ctrl-C
 plots.py      the report's figures (matplotlib, Agg): accuracy vs time and energy, samples/s vs the
               fleet's ideal, the planner's Pareto front, a per-board timeline of a few steps
 

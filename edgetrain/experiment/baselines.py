@@ -43,8 +43,8 @@ import edgetrain
 from edgetrain import supervisor
 from edgetrain.config import ConfigError, job_from_dict, job_to_dict
 from edgetrain.data import dataset_is_synthetic
-from edgetrain.emulator.fleet_config import BoardSpec, FleetSpec
 from edgetrain.emulator.netns import NetnsError, VirtualLan, netns_available
+from edgetrain.fleet_file import BoardSpec, FleetSpec
 from edgetrain.power import PowerModel, board_power, default_power
 
 logger = logging.getLogger(__name__)

@@ -2,8 +2,8 @@
 `single` and `centralized` baselines (baselines.py starts them and merges what they write).
 
 Run as ``python -m edgetrain.experiment.ddp_worker --spec RUN/ranks/spec.json``: a launcher that
-imports torch once and forks one process per rank (a torch import costs ~8 s of CPU here, times
-the boards of a fleet on a 2-core gateway otherwise). Each rank enters its network namespace, if
+imports torch once and forks one process per rank (a torch import costs seconds of CPU, which a
+small gateway would otherwise pay once per board). Each rank enters its network namespace, if
 the arm has them, binds gloo to its interface (loopback otherwise), holds itself to its machine's
 speed (edgetrain.emulator.throttle.limit_cpu, one torch thread) and trains
 exactly what the coordinator would: the step's global batch from edgetrain.sampling, the same

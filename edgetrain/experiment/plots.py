@@ -16,13 +16,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from edgetrain.experiment.results import (
-    PlanView,
-    RunData,
-    accuracy_curve,
-    group_by_arm,
-    step_timings,
-)
+from edgetrain.experiment.fleet_plan import PlanView
+from edgetrain.experiment.results import RunData, accuracy_curve, group_by_arm, step_timings
 
 TIMELINE_STEPS = 4
 """Consecutive steps a timeline shows (after the first, warm-up, step)."""

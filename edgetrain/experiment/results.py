@@ -1,9 +1,9 @@
-"""Results of finished runs: one row per run directory, and the report over an experiment's arms.
+"""Results of finished runs: one row per run directory (time and energy to target, throughput).
 
 A run directory (an experiment arm, a baseline, or a plain `edgetrain coordinator` run) holds
 metrics.jsonl, summary.json, job.json and, when the experiment runner made it, arm.json (which
 arm and repeat it is, the fleet, when it was launched, the stop rule). `collect` turns each into
-one row; `build_report` writes results.csv, report.md and the plots (edgetrain.experiment.plots).
+one row; edgetrain.experiment.report writes them as results.csv and report.md with its plots.
 
 Time to target is measured the way MLPerf and DAWNBench do (docs: RESEARCH.md): the timed window
 runs from the first train record's start (its `time - step_s`) to the first eval record whose
@@ -18,27 +18,17 @@ reported beside the window, not hidden in it and not added to it.
 
 from __future__ import annotations
 
-import csv
-import dataclasses
 import json
 import logging
 import math
-import os
 import re
 import statistics
-import subprocess
-import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import yaml
 
 from edgetrain.catalog import SYNTHETIC_DATASET_NAMES
 from edgetrain.config import ConfigError
-from edgetrain.experiment.plan_trials import trials_section
 from edgetrain.plan import plan_from_dict
 
 logger = logging.getLogger(__name__)
@@ -49,15 +39,6 @@ ROW_FIELDS = (
     "bytes_per_sample", "energy_j", "plan", "steps", "wall_s", "insecure", "synthetic_data", "makespan_s",
     "mean_jct_s", "run_dir")
 """Columns of results.csv, in order (a row of `collect` has exactly these keys)."""
-
-INSECURE_LABEL = "insecure (gloo, no authentication)"
-"""How every output labels a DDP arm: gloo's process group authenticates nobody."""
-
-NO_TARGET = "no target given"
-"""What the report says for time and energy to target of a run that had no target accuracy."""
-
-PLAN_TIMEOUT_S = 900
-"""How long `edgetrain plan` may take (it measures the model once when the cache lacks it)."""
 
 _PSEUDO_DEVICE = re.compile(r"pipeline\d+$")
 """A pipeline's entry in a train record's `devices` (its boards are under `stages`)."""
@@ -378,61 +359,6 @@ def collect(run_dirs: Sequence[Path], *, target_accuracy: float | None = None) -
     return [row_of(load_run(Path(d)), target_accuracy) for d in run_dirs]
 
 
-# ---------------------------------------------------------------------------------------------
-# The report
-
-
-def _finite(values: list[float | None]) -> list[float]:
-    return [v for v in values if v is not None and math.isfinite(v)]
-
-
-def _seconds(x: float) -> str:
-    return f"{x:.0f} s" if x >= 100 else f"{x:.1f} s"
-
-
-def _joules(x: float) -> str:
-    return f"{x / 1000:.3g} kJ" if x >= 10_000 else f"{x:.0f} J" if x >= 100 else f"{x:.3g} J"
-
-
-def _number(x: float) -> str:
-    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}" if abs(x) >= 10 else f"{x:.3g}"
-
-
-def arm_median(values: list[float | None]) -> float | None:
-    """Median over repeats, a repeat without a figure counting as infinitely slow (MLPerf ranks
-    a run that missed the target last): None when no repeat has a figure, inf when the median
-    repeat has none."""
-    known = _finite(values)
-    if not known:
-        return None
-    return statistics.median(sorted(known) + [math.inf] * (len(values) - len(known)))
-
-
-def spread(values: list[float | None], fmt, *, missing: str) -> str:
-    """`median [min–max]` over repeats (arm_median); `missing` (e.g. "not reached within the
-    cap") stands for a figure a repeat does not have."""
-    median = arm_median(values)
-    if median is None:
-        return missing
-    head = fmt(median) if math.isfinite(median) else missing
-    if len(values) == 1:
-        return head
-    known = sorted(_finite(values))
-    top = missing if len(known) < len(values) else fmt(known[-1])
-    return f"{head} [{fmt(known[0])}–{top}]"
-
-
-def _ratio(arm: float | None, ddp: float | None, word: str) -> str:
-    if arm is None or not math.isfinite(arm):
-        return "—"
-    if ddp is None or not math.isfinite(ddp):
-        return "ddp did not reach the target"
-    if ddp == 0:
-        return "—"
-    r = arm / ddp
-    return f"{r:.2f}× ({1 / r:.1f}× {word})" if r > 0 else "—"
-
-
 def group_by_arm(rows: list[dict]) -> dict[str, list[dict]]:
     """Rows per arm, arms in the order they first appear, repeats in order."""
     arms: dict[str, list[dict]] = {}
@@ -441,305 +367,3 @@ def group_by_arm(rows: list[dict]) -> dict[str, list[dict]]:
     for group in arms.values():
         group.sort(key=lambda r: (r["repeat"] if isinstance(r["repeat"], int) else 0))
     return arms
-
-
-def _arm_label(rows: list[dict]) -> str:
-    name = rows[0]["arm"]
-    return f"{name} — {INSECURE_LABEL}" if any(r["insecure"] for r in rows) else name
-
-
-def _energy_cells(rows: list[dict]) -> str:
-    """Energy to target over repeats: "unknown" when a repeat reached the target without energy figures."""
-    if all(r["target_accuracy"] is None for r in rows):
-        return NO_TARGET
-    if any(r["reached"] and r["energy_to_target_j"] is None for r in rows):
-        return "unknown"
-    return spread([r["energy_to_target_j"] for r in rows], _joules, missing="not reached within the cap")
-
-
-def arms_table(rows: list[dict]) -> list[str]:
-    """Markdown: one line per arm, median [min–max] over repeats, ratios to ddp when there is one."""
-    arms = {a: g for a, g in group_by_arm(rows).items() if not all(r["makespan_s"] is not None for r in g)}
-    ddp = next((g for a, g in arms.items() if a == "ddp" or any(r["baseline"] == "ddp" for r in g)), None)
-    ddp_time = arm_median([r["time_to_target_s"] for r in ddp]) if ddp else None
-    ddp_energy = arm_median([r["energy_to_target_j"] for r in ddp]) if ddp else None
-    head = ["arm", "runs", "reached", "time to target", "energy to target", "final accuracy", "samples/s",
-            "bytes/sample", "setup", "plan"]
-    if ddp:
-        head += ["time vs ddp", "energy vs ddp"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for group in arms.values():
-        cells = [_arm_label(group), str(len(group)), f"{sum(r['reached'] for r in group)} of {len(group)}",
-                 NO_TARGET if all(r["target_accuracy"] is None for r in group) else
-                 spread([r["time_to_target_s"] for r in group], _seconds, missing="not reached within the cap"),
-                 _energy_cells(group),
-                 spread([r["final_accuracy"] for r in group], lambda x: f"{x:.3f}", missing="no evaluation"),
-                 spread([r["samples_per_s"] for r in group], _number, missing="—"),
-                 spread([r["bytes_per_sample"] for r in group], lambda x: f"{x / 1e3:.1f} kB", missing="—"),
-                 spread([r["setup_s"] for r in group], _seconds, missing="—"),
-                 group[0]["plan"] or "—"]
-        if group is ddp:
-            cells += ["1 (reference)", "1 (reference)"]
-        elif ddp:
-            energy_unknown = any(r["reached"] and r["energy_to_target_j"] is None for r in group + ddp)
-            cells += [_ratio(arm_median([r["time_to_target_s"] for r in group]), ddp_time, "sooner"),
-                      "unknown" if energy_unknown else
-                      _ratio(arm_median([r["energy_to_target_j"] for r in group]), ddp_energy, "less")]
-        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-    return lines
-
-
-def runs_table(rows: list[dict]) -> list[str]:
-    """Markdown: one line per run (arm and repeat)."""
-    head = ["arm", "repeat", "seed", "time to target", "steps to target", "energy to target", "final accuracy",
-            "samples/s", "set-up", "run directory"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        if r["makespan_s"] is not None:
-            continue
-        energy = (NO_TARGET if r["target_accuracy"] is None else "unknown" if r["reached"] and r["energy_to_target_j"] is None else
-                  _joules(r["energy_to_target_j"]) if r["reached"] else "not reached within the cap")
-        cells = [_arm_label([r]), str(r["repeat"]), str(r["seed"]),
-                 NO_TARGET if r["target_accuracy"] is None else
-                 _seconds(r["time_to_target_s"]) if r["reached"] else "not reached within the cap",
-                 str(r["steps_to_target"]) if r["reached"] else "—", energy,
-                 f"{r['final_accuracy']:.3f}" if r["final_accuracy"] is not None else "no evaluation",
-                 _number(r["samples_per_s"]) if r["samples_per_s"] else "—", r["setup"] or "—",
-                 f"`{r['run_dir']}`"]
-        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-    return lines
-
-
-def trace_table(rows: list[dict]) -> list[str]:
-    """Markdown: multi-job trace arms (makespan and mean job completion time over repeats)."""
-    head = ["arm", "runs", "makespan", "mean JCT", "scheduler"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for group in group_by_arm([r for r in rows if r["makespan_s"] is not None]).values():
-        lines.append("| " + " | ".join([
-            _arm_label(group), str(len(group)),
-            spread([r["makespan_s"] for r in group], _seconds, missing="—"),
-            spread([r["mean_jct_s"] for r in group], _seconds, missing="—"), group[0]["plan"] or "—"]) + " |")
-    return lines
-
-
-def write_csv(rows: list[dict], path: Path) -> None:
-    """results.csv: ROW_FIELDS, one line per run; an unknown figure is an empty cell."""
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=ROW_FIELDS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: "" if row.get(k) is None else row[k] for k in ROW_FIELDS})
-
-
-# ---------------------------------------------------------------------------------------------
-# The planner's view of the fleet (for the ideal throughput and the Pareto front)
-
-
-def _fleet_yaml(fleet, model: str, path: Path) -> None:
-    """A fleet file holding `fleet`'s boards (a FleetSpec), for `edgetrain plan`."""
-    def plain(value: Any) -> Any:
-        if dataclasses.is_dataclass(value):
-            value = dataclasses.asdict(value)
-        if isinstance(value, dict):
-            return {k: plain(v) for k, v in value.items() if v is not None}
-        return value
-    boards = [plain(b) for b in fleet.boards]
-    path.write_text(yaml.safe_dump({"name": fleet.name, "job": {"model": model}, "boards": boards}))
-
-
-def plan_for_fleet(fleet_file: Path, *, model: str, batch: int | None, pareto: bool,
-                   stage_state: str | None = None, replicate: bool = True) -> dict:
-    """`edgetrain plan FLEET --json` run as a subprocess of this checkout (the planner lives in
-    the coordinator role, which the core does not import). Raises RuntimeError with its error."""
-    root = Path(__file__).resolve().parents[2]
-    argv = [sys.executable, "-m", "edgetrain", "plan", str(fleet_file), "--model", model, "--json",
-            "--objective", "pareto" if pareto else "time"]
-    if batch:
-        argv += ["--batch", str(batch)]
-    if stage_state:
-        argv += ["--stage-state", stage_state]
-    if not replicate:
-        argv.append("--no-replicate")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=PLAN_TIMEOUT_S, env=env, check=False)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"edgetrain plan took more than {PLAN_TIMEOUT_S} s") from None
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"edgetrain plan exited {done.returncode}: {last}")
-    try:
-        return json.loads(done.stdout.strip().splitlines()[-1])
-    except (json.JSONDecodeError, IndexError):
-        raise RuntimeError("edgetrain plan printed no JSON") from None
-
-
-def _fleet_file(runs: list[RunData], fleet, model: str, scratch: Path) -> Path | None:
-    """The fleet to plan for: the caller's FleetSpec (written out), else arm.json's fleet file."""
-    if fleet is not None:
-        path = scratch / "fleet.yaml"
-        _fleet_yaml(fleet, model, path)
-        return path
-    for run in runs:
-        given = run.arm.get("fleet")
-        if isinstance(given, str) and given and Path(given).is_file():
-            return Path(given)
-    for run in runs:  # the boards arm.json recorded (the fleet file may be elsewhere or gone)
-        boards = run.arm.get("fleet_boards")
-        if boards:
-            path = scratch / "fleet.yaml"
-            path.write_text(yaml.safe_dump({"name": str(run.arm.get("fleet") or "fleet"), "job": {"model": model},
-                                            "boards": [_recorded_board(b) for b in boards]}))
-            return path
-    return None
-
-
-def _recorded_board(board: dict) -> dict:
-    """A fleet file's board entry from arm.json's `fleet_boards` record."""
-    entry = {"name": board["name"], "speed": board["speed"], "idle_w": board.get("idle_w"),
-             "busy_w": board.get("busy_w"),
-             "link": {"mbit_per_s": board["mbit_per_s"]} if board.get("mbit_per_s") else None}
-    return {k: v for k, v in entry.items() if v is not None}
-
-
-def _profiled_ideal(runs: list[RunData]) -> float | None:
-    """Fallback ideal: the boards' own profiled samples/s (their join profile, summary.json),
-    summed, from the run with the most boards."""
-    best = None
-    for run in runs:
-        rates = [d.get("samples_per_s_estimate") for d in run.summary.get("devices") or []]
-        rates = [r for r in rates if isinstance(r, (int, float))]
-        if rates and (best is None or len(rates) > best[0]):
-            best = (len(rates), sum(rates))
-    return best[1] if best else None
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-def _title_and_notes(rows: list[dict], title: str | None) -> tuple[str, list[str]]:
-    experiments = sorted({r["experiment"] for r in rows})
-    name = title or (f"Experiment {experiments[0]}" if len(experiments) == 1 else "EdgeTrain results")
-    notes = []
-    if any(r["synthetic_data"] for r in rows):
-        which = "every run" if all(r["synthetic_data"] for r in rows) else "some runs (marked in results.csv)"
-        notes.append(f"**Synthetic data**: {which} trained on EdgeTrain's synthetic dataset, not CIFAR-10; "
-                     "the figures say how the methods compare on it, not what CIFAR-10 would give.")
-    return name, notes
-
-
-def build_report(run_dirs: Sequence[Path], out_dir: Path, *, title: str | None = None,
-                 target_accuracy: float | None = None, fleet=None) -> Path:
-    """Write out_dir/results.csv, out_dir/report.md and out_dir/plots/*.png for the run
-    directories given; returns report.md's path. `fleet` (a FleetSpec; else the fleet file named
-    in arm.json) gives the fleet's ideal throughput and the planner's Pareto front, both from
-    `edgetrain plan`. ConfigError when a directory is not a run directory."""
-    from edgetrain.experiment import plots
-
-    runs = [load_run(Path(d)) for d in run_dirs]
-    if not runs:
-        raise ConfigError("report: no run directories given")
-    rows = [row_of(run, target_accuracy) for run in runs]
-    out_dir = Path(out_dir)
-    (out_dir / "plots").mkdir(parents=True, exist_ok=True)
-    write_csv(rows, out_dir / "results.csv")
-    synthetic = any(r["synthetic_data"] for r in rows)
-    name, notes = _title_and_notes(rows, title)
-    targets = sorted({r["target_accuracy"] for r in rows if r["target_accuracy"] is not None})
-    caps = sorted({run.arm.get("stop", {}).get("time_cap_s") for run in runs
-                   if isinstance(run.arm.get("stop"), dict) and run.arm["stop"].get("time_cap_s")})
-    trained = [r for r in rows if r["makespan_s"] is None]
-    lines = [f"# {name}", ""] + [n + "\n" for n in notes]
-    if targets:
-        lines.append("Target: test accuracy ≥ " + ", ".join(f"{t:.3f}" for t in targets)
-                     + (f", time cap {', '.join(_seconds(c) for c in caps)} per run" if caps else "") + ".")
-    elif trained:
-        lines.append("Target: none given (no arm has a target accuracy): time and energy to target are not reported.")
-    lines += ["", "How the figures are measured:",
-              "- **Time to target**: from the first training step's start to the evaluation that first reaches "
-              "the target, less the time spent evaluating inside that window (evaluation is measurement, not "
-              "training; every arm gets the same treatment), plus set-up that the arm must pay on every run and "
-              "marks as counted (e.g. the centralized baseline shipping the boards' data to the gateway).",
-              "- **Energy to target**: the boards' energy over the training steps in the same window (plus counted "
-              "set-up energy); \"unknown\" when a board reported none.",
-              "- **Set-up** (profiling, process-group start, data fetch; or launch to first step when longer) is "
-              "reported beside the window and not included in it unless counted.",
-              "- Each arm: median and [min–max] over its repeats; a repeat that did not reach the target counts "
-              "as slower than every one that did.", ""]
-    if trained:
-        lines += ["## Arms", ""] + arms_table(trained) + ["", "## Runs", ""] + runs_table(trained) + [""]
-    if len(trained) < len(rows):
-        lines += ["## Multi-job traces", ""] + trace_table(rows) + [""]
-    lines += trials_section(runs)
-    lines += ["## Plots", ""]
-    figures = plots.make_plots(runs, rows, out_dir / "plots", synthetic=synthetic,
-                               plan_view=_plan_view(runs, rows, fleet, out_dir) if trained else None)
-    for figure in figures:
-        if figure.path is not None:
-            lines += [f"![{figure.path.stem}](plots/{figure.path.name})", "", f"*{figure.caption}*", ""]
-        else:
-            lines += [f"- {figure.caption}", ""]
-    report = out_dir / "report.md"
-    report.write_text("\n".join(lines).rstrip() + "\n")
-    return report
-
-
-@dataclass
-class PlanView:
-    """What `edgetrain plan` said about the fleet, for the throughput and Pareto plots."""
-
-    ideal_samples_per_s: float | None
-    ideal_how: str
-    front: list[dict] | None
-    """The Pareto front (the plan JSON's `plans`); None: not computed (see `front_note`)."""
-    front_note: str
-    chosen: list[tuple[str, dict]]
-    """(arm, its last plan record) for every arm the planner ran (hybrid arms)."""
-    fleet_name: str = ""
-    model: str = ""
-
-
-def _plan_view(runs: list[RunData], rows: list[dict], fleet, out_dir: Path) -> PlanView:
-    """The fleet's ideal throughput and, with a hybrid arm, the planner's Pareto front."""
-    chosen = []
-    for run in runs:
-        plans = run.kind("plan")
-        switched = [p for p in plans if p.get("switched")] or plans
-        if switched and run.name not in {a for a, _ in chosen}:
-            chosen.append((run.name, switched[-1]))
-    trained = [run for run in runs if run.kind("train")]
-    source = next((run for run in trained if run.kind("plan")), trained[0] if trained else runs[0])
-    model = source.job.get("model") or source.summary.get("model")
-    batch = (source.job.get("training") or {}).get("global_batch")
-    pipeline = source.job.get("pipeline") or {}
-    view = PlanView(ideal_samples_per_s=None, ideal_how="", front=None, front_note="", chosen=chosen,
-                    model=model or "")
-    with tempfile.TemporaryDirectory(dir=out_dir) as scratch:
-        fleet_file = _fleet_file(runs, fleet, model or "", Path(scratch)) if model else None
-        if fleet_file is None:
-            view.front_note = "No Pareto front: the runs record no fleet (run them through `edgetrain experiment run`)."
-        else:
-            try:
-                planned = plan_for_fleet(fleet_file, model=model, batch=batch, pareto=bool(chosen),
-                                         stage_state=pipeline.get("stage_state"),
-                                         replicate=pipeline.get("replicate", True))
-            except RuntimeError as e:
-                view.front_note = f"No Pareto front and no planned fleet ideal: {e}."
-                logger.warning("[report] %s", e)
-            else:
-                view.fleet_name = planned.get("fleet", "")
-                view.ideal_samples_per_s = planned.get("ideal_samples_per_s")
-                view.ideal_how = (f"fleet ideal {view.ideal_samples_per_s:.1f} samples/s = Σ board speed × "
-                                  f"{model}'s one-core samples/s on this machine "
-                                  f"({planned.get('one_core_samples_per_s')}, measured by `edgetrain plan`)")
-                if chosen:
-                    view.front = planned.get("plans") or []
-                else:
-                    view.front_note = "No Pareto front: no arm ran the planner (no hybrid arm)."
-    if view.ideal_samples_per_s is None:
-        profiled = _profiled_ideal(trained)
-        if profiled is not None:
-            view.ideal_samples_per_s = profiled
-            view.ideal_how = (f"fleet ideal {profiled:.1f} samples/s = Σ the boards' profiled samples/s "
-                              "(their join profile; no fleet file)")
-    return view

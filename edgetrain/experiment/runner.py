@@ -14,7 +14,7 @@ operator credential, and their run directories are copied from the server's runs
 it is on this machine. Baselines and traces are refused on a live fleet (see ``check_live``).
 
 Every run directory gets arm.json (which arm, repeat, seed, fleet, stop rule, when it ran, its exit
-code, its set-up seconds); then ``edgetrain.experiment.results.build_report`` writes results.csv,
+code, its set-up seconds); then ``edgetrain.experiment.report.build_report`` writes results.csv,
 report.md and the plots beside them.
 """
 
@@ -38,9 +38,9 @@ import grpc
 import yaml
 
 from edgetrain import supervisor
-from edgetrain.emulator.fleet_config import BoardSpec, FleetSpec, board_to_dict
 from edgetrain.emulator.launch import EmulatedTrust
 from edgetrain.experiment.spec import Arm, Experiment, Run, SpecError, Trace
+from edgetrain.fleet_file import BoardSpec, FleetSpec, board_to_dict
 from edgetrain.supervisor import edgetrain_command
 
 logger = logging.getLogger(__name__)
@@ -494,11 +494,11 @@ def _with_follower(progress: Progress, run_dir: Path, call: Callable[[], int]) -
 
 def _report(exp: Experiment, run_dirs: list[Path], out_dir: Path, fleet: Fleet) -> None:
     try:
-        from edgetrain.experiment.results import build_report
+        from edgetrain.experiment.report import build_report
     except ModuleNotFoundError as e:
-        if e.name != "edgetrain.experiment.results":
+        if e.name != "edgetrain.experiment.report":
             raise
-        logger.warning("no report: edgetrain.experiment.results is not in this installation; the run directories "
+        logger.warning("no report: edgetrain.experiment.report is not in this installation; the run directories "
                        "are in %s (`edgetrain report %s/*/` builds it once it is)", out_dir, out_dir)
         return
     report = build_report(run_dirs, out_dir, title=exp.name,

@@ -37,11 +37,17 @@ import copy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import yaml
-
-from edgetrain.config import ConfigError, apply_overrides, job_from_dict, job_to_dict
+from edgetrain.config import (
+    ConfigError,
+    apply_overrides,
+    from_mapping,
+    job_from_dict,
+    job_to_dict,
+    load_yaml,
+    require,
+)
 
 BASELINE_KINDS = ("ddp", "single", "centralized")
 """The baselines of edgetrain.experiment.baselines (its BASELINES), named here so an experiment
@@ -52,10 +58,10 @@ UNBOUNDED_STEPS = 1_000_000
 """`training.steps` under a wall-time or target-accuracy stop rule that gives no `steps`: the
 time or the accuracy ends the run, not the step count."""
 
-_KEYS = ("name", "job", "fleet", "set", "stop", "repeats", "seeds", "arms")
-_ARM_KEYS = ("name", "set", "baseline", "trace")
 _STOP_FORMS = "{steps: N}, {wall_s: S} or {target_accuracy: A, time_cap_s: S} (wall_s and target rules may add steps: N)"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_NAME_RULE = "must be a name of letters, digits, '.', '_' or '-'"
+T = TypeVar("T")
 
 
 class SpecError(ConfigError):
@@ -77,6 +83,21 @@ class StopRule:
     """Test accuracy that ends the run at the evaluation reaching it."""
     time_cap_s: float | None = None
     """With target_accuracy: give up after this many seconds of training."""
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "wall_s", "time_cap_s"):
+            value = getattr(self, key)
+            require(value is None or value > 0, key, value, "must be > 0")
+        target = self.target_accuracy
+        require(target is None or 0 < target <= 1, "target_accuracy", target, "must be in (0, 1]")
+        require(target is None or self.time_cap_s is not None, "target_accuracy", target,
+                "needs time_cap_s (a run that never reaches the target must end)")
+        require(target is None or self.wall_s is None, "wall_s", self.wall_s,
+                "give either wall_s or target_accuracy with time_cap_s, not both")
+        require(target is not None or self.time_cap_s is None, "time_cap_s", self.time_cap_s,
+                "is the cap of a target_accuracy rule; alone, use wall_s")
+        if self.steps is None and self.wall_s is None and target is None:
+            raise ConfigError(f"empty; a stop rule is {_STOP_FORMS}")
 
     def job_overrides(self) -> dict[str, Any]:
         """The dotted job keys this rule sets (applied after every arm's own overrides)."""
@@ -194,6 +215,106 @@ class Experiment:
             raise SpecError(str(e)) from None
 
 
+@dataclass(kw_only=True, frozen=True)
+class _TraceRef:
+    """A trace arm's `trace` mapping."""
+
+    jobs: str
+    """The trace file, relative to the experiment file."""
+    scheduler: str = "rolling"
+    """The job server's scheduler (TRACE_SCHEDULERS)."""
+
+    def __post_init__(self) -> None:
+        require(self.scheduler in TRACE_SCHEDULERS, "scheduler", self.scheduler,
+                f"must be one of {', '.join(TRACE_SCHEDULERS)}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class _ArmEntry:
+    """One entry of an experiment file's `arms`, as written."""
+
+    name: str
+    set: dict = field(default_factory=dict)
+    """Overrides for this arm (dotted job keys, or nested sections)."""
+    baseline: str | None = None
+    trace: _TraceRef | None = None
+
+    def __post_init__(self) -> None:
+        require(bool(_NAME.match(self.name)), "name", self.name, _NAME_RULE)
+        require(self.baseline is None or self.baseline in BASELINE_KINDS, "baseline", self.baseline,
+                f"must be one of {', '.join(BASELINE_KINDS)}")
+        require(self.trace is None or self.baseline is None, "baseline", self.baseline,
+                "an arm is a trace or a baseline, not both")
+        require(self.trace is None or not self.set, "set", self.set,
+                "a trace arm's jobs take their settings from the trace file")
+
+
+@dataclass(kw_only=True, frozen=True)
+class _ExperimentFile:
+    """An experiment file as written (see the module docstring)."""
+
+    name: str | None = None
+    """None: the file's stem."""
+    job: str | dict | None = None
+    fleet: str | None = None
+    set: dict = field(default_factory=dict)
+    stop: dict | None = None
+    """Checked as a StopRule once the job's dataset is known (`target_accuracy: calibrated`)."""
+    repeats: int | None = None
+    seeds: list[int] | None = None
+    arms: list
+    """Each entry checked as an _ArmEntry under its name."""
+
+    def __post_init__(self) -> None:
+        require(self.name is None or bool(_NAME.match(self.name)), "name", self.name, _NAME_RULE)
+        require(bool(self.arms), "arms", self.arms, "must be a non-empty list of arms")
+        require(self.repeats is None or self.seeds is None, "repeats", self.repeats,
+                "give repeats or seeds, not both")
+        require(self.repeats is None or self.repeats >= 1, "repeats", self.repeats, "must be >= 1")
+        require(self.seeds is None or (bool(self.seeds) and min(self.seeds) >= 0), "seeds", self.seeds,
+                "must be a non-empty list of integers >= 0")
+        require(self.seeds is None or len(set(self.seeds)) == len(self.seeds), "seeds", self.seeds,
+                "repeats a seed")
+
+
+@dataclass(kw_only=True, frozen=True)
+class _TraceEntry:
+    """One job of a trace file, as written."""
+
+    at_s: float = 0.0
+    job: str | dict
+    """A job file relative to the trace file, or a job mapping."""
+    set: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        require(self.at_s >= 0, "at_s", self.at_s, "must be >= 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class _TraceFile:
+    """A trace file as written."""
+
+    jobs: list[_TraceEntry]
+
+    def __post_init__(self) -> None:
+        require(bool(self.jobs), "jobs", self.jobs, "must be a non-empty list of {at_s, job, set}")
+
+
+def _checked(cls: type[T], data: Any, where: str) -> T:
+    """``from_mapping`` raising SpecError."""
+    try:
+        return from_mapping(cls, data, where)
+    except ConfigError as e:
+        raise SpecError(str(e)) from None
+
+
+def _read_yaml(path: Path, what: str) -> dict[str, Any]:
+    try:
+        return load_yaml(path, what=what)
+    except ConfigError as e:
+        raise SpecError(str(e)) from None
+
+
 def _apply(data: dict, overrides: dict[str, Any], where: str) -> dict:
     try:
         return apply_overrides(copy.deepcopy(data), overrides)
@@ -201,24 +322,7 @@ def _apply(data: dict, overrides: dict[str, Any], where: str) -> dict:
         raise SpecError(f"{where}: {e}") from None
 
 
-def _read_yaml(path: Path, what: str) -> Any:
-    try:
-        return yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"{path}: {what} not found") from None
-    except OSError as e:
-        raise SpecError(f"{path}: cannot read: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise SpecError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
-
-
-def _mapping(value: Any, where: str) -> dict:
-    if not isinstance(value, dict):
-        raise SpecError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _overrides(value: Any, where: str) -> dict[str, Any]:
+def _overrides(value: dict, where: str) -> dict[str, Any]:
     """A `set` mapping of dotted job keys (nested mappings are flattened, so `{training: {steps:
     5}}` and `{training.steps: 5}` say the same)."""
     out: dict[str, Any] = {}
@@ -233,16 +337,8 @@ def _overrides(value: Any, where: str) -> dict[str, Any]:
             else:
                 out[dotted] = val
 
-    walk(_mapping(value, where), "")
+    walk(value, "")
     return out
-
-
-def _number(value: Any, where: str, *, positive: bool = True, integer: bool = False) -> float | int:
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or (positive and value <= 0):
-        want = "an integer" if integer else "a number"
-        raise SpecError(f"{where}: expected {want}{' > 0' if positive else ''}, got {value!r}")
-    return value
 
 
 def calibrated_target(dataset: str, where: str) -> float:
@@ -261,84 +357,24 @@ def calibrated_target(dataset: str, where: str) -> float:
 def parse_stop(value: Any, where: str, *, dataset: str | None = None) -> StopRule:
     """The stop rule mapping at `where` (SpecError naming the key and value otherwise);
     `target_accuracy: calibrated` takes `dataset`'s calibrated target."""
-    data = _mapping(value, where)
-    if data.get("target_accuracy") == "calibrated":
-        data = {**data, "target_accuracy": calibrated_target(str(dataset), where)}
-    unknown = sorted(set(data) - {"steps", "wall_s", "target_accuracy", "time_cap_s"})
-    if unknown:
-        raise SpecError(f"{where}: unknown key {unknown[0]!r}; a stop rule is {_STOP_FORMS}")
-    steps = int(_number(data["steps"], f"{where}.steps", integer=True)) if "steps" in data else None
-    if "target_accuracy" in data:
-        target = data["target_accuracy"]
-        if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1:
-            raise SpecError(f"{where}.target_accuracy: expected a number in (0, 1], got {target!r}")
-        if "time_cap_s" not in data:
-            raise SpecError(f"{where}: target_accuracy={target!r} needs time_cap_s (a run that never reaches "
-                            "the target must end)")
-        if "wall_s" in data:
-            raise SpecError(f"{where}: wall_s={data['wall_s']!r}: give either wall_s or target_accuracy with "
-                            "time_cap_s, not both")
-        return StopRule(steps=steps, target_accuracy=float(target),
-                        time_cap_s=float(_number(data["time_cap_s"], f"{where}.time_cap_s")))
-    if "time_cap_s" in data:
-        raise SpecError(f"{where}: time_cap_s={data['time_cap_s']!r} is the cap of a target_accuracy rule; "
-                        "alone, use wall_s")
-    if "wall_s" in data:
-        return StopRule(steps=steps, wall_s=float(_number(data["wall_s"], f"{where}.wall_s")))
-    if steps is None:
-        raise SpecError(f"{where}: empty; a stop rule is {_STOP_FORMS}")
-    return StopRule(steps=steps)
+    if isinstance(value, dict) and value.get("target_accuracy") == "calibrated":
+        value = {**value, "target_accuracy": calibrated_target(str(dataset), where)}
+    return _checked(StopRule, value, where)
 
 
-def _seeds(data: dict, base_seed: int, where: str) -> tuple[int, ...]:
-    if "seeds" in data and "repeats" in data:
-        raise SpecError(f"{where}: repeats={data['repeats']!r}: give repeats or seeds, not both")
-    if "seeds" in data:
-        seeds = data["seeds"]
-        if (not isinstance(seeds, list) or not seeds
-                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
-            raise SpecError(f"{where}: seeds: expected a non-empty list of integers >= 0, got {seeds!r}")
-        if len(set(seeds)) != len(seeds):
-            raise SpecError(f"{where}: seeds: {seeds!r} repeats a seed")
-        return tuple(seeds)
-    repeats = int(_number(data.get("repeats", 1), f"{where}: repeats", integer=True))
-    return tuple(base_seed + k for k in range(repeats))
-
-
-def _job(value: Any, source: Path) -> dict:
-    where = f"{source}: job"
+def _job(value: str | dict, source: Path) -> dict:
     if isinstance(value, str):
-        path = source.parent / value
-        data = _read_yaml(path, "job file")
-        return dict(_mapping(data if data is not None else {}, str(path)))
-    if isinstance(value, dict):
-        return copy.deepcopy(value)
-    raise SpecError(f"{where}: expected a job file (relative to the experiment) or a mapping, got {value!r}")
+        return dict(_read_yaml(source.parent / value, "job file"))
+    return copy.deepcopy(value)
 
 
 def load_trace(path: Path, scheduler: str, where: str) -> Trace:
     """A trace file's jobs, each checked as a job the server would accept."""
-    data = _mapping(_read_yaml(path, "trace file"), str(path))
-    unknown = sorted(set(data) - {"jobs"})
-    if unknown:
-        raise SpecError(f"{path}: unknown key {unknown[0]!r} (known: jobs)")
-    entries = data.get("jobs")
-    if not isinstance(entries, list) or not entries:
-        raise SpecError(f"{path}: jobs: expected a non-empty list of {{at_s, job, set}}")
+    entries = _checked(_TraceFile, _read_yaml(path, "trace file"), str(path)).jobs
     jobs, names = [], set()
     for i, entry in enumerate(entries):
         at = f"{path}: jobs[{i}]"
-        entry = _mapping(entry, at)
-        unknown = sorted(set(entry) - {"at_s", "job", "set"})
-        if unknown:
-            raise SpecError(f"{at}: unknown key {unknown[0]!r} (known: at_s, job, set)")
-        at_s = float(_number(entry.get("at_s", 0.0), f"{at}.at_s", positive=False))
-        if at_s < 0:
-            raise SpecError(f"{at}.at_s: expected a number >= 0, got {at_s!r}")
-        if "job" not in entry:
-            raise SpecError(f"{at}: missing key 'job' (a job file relative to the trace, or a mapping)")
-        job = _job(entry["job"], path)
-        job = _apply(job, _overrides(entry.get("set", {}), f"{at}.set"), f"{at}.set")
+        job = _apply(_job(entry.job, path), _overrides(entry.set, f"{at}.set"), f"{at}.set")
         training = job.get("training") if isinstance(job.get("training"), dict) else {}
         missing = [k for k in ("name", "model") if not job.get(k)] + (
             [] if training.get("steps") or training.get("epochs") else ["training.steps"])
@@ -352,58 +388,40 @@ def load_trace(path: Path, scheduler: str, where: str) -> Trace:
         if checked["name"] in names:
             raise SpecError(f"{at}: name {checked['name']!r} is used by an earlier job of the trace")
         names.add(checked["name"])
-        jobs.append(TraceJob(at_s=at_s, job=checked))
+        jobs.append(TraceJob(at_s=entry.at_s, job=checked))
     return Trace(file=path, scheduler=scheduler, jobs=tuple(sorted(jobs, key=lambda j: j.at_s)))
 
 
 def _arm(entry: Any, index: int, source: Path) -> Arm:
-    where = f"{source}: arms[{index}]"
-    entry = _mapping(entry, where)
-    unknown = sorted(set(entry) - set(_ARM_KEYS))
-    if unknown:
-        raise SpecError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(_ARM_KEYS)})")
-    name = entry.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise SpecError(f"{where}.name: expected a name of letters, digits, '.', '_' or '-', got {name!r}")
-    where = f"{source}: arms: {name}"
-    baseline = entry.get("baseline")
-    if baseline is not None and baseline not in BASELINE_KINDS:
-        raise SpecError(f"{where}: baseline={baseline!r}: must be one of {', '.join(BASELINE_KINDS)}")
+    """Arm `index` of `source`, its errors named by the arm's name once it has a usable one."""
+    name = entry.get("name") if isinstance(entry, dict) else None
+    named = isinstance(name, str) and _NAME.match(name)
+    where = f"{source}: arms: {name}" if named else f"{source}: arms[{index}]"
+    arm = _checked(_ArmEntry, entry, where)
     trace = None
-    if "trace" in entry:
-        if baseline is not None:
-            raise SpecError(f"{where}: trace: an arm is a trace or a baseline, not both")
-        spec = _mapping(entry["trace"], f"{where}: trace")
-        unknown = sorted(set(spec) - {"jobs", "scheduler"})
-        if unknown:
-            raise SpecError(f"{where}: trace: unknown key {unknown[0]!r} (known: jobs, scheduler)")
-        scheduler = spec.get("scheduler", "rolling")
-        if scheduler not in TRACE_SCHEDULERS:
-            raise SpecError(f"{where}: trace.scheduler={scheduler!r}: must be one of {', '.join(TRACE_SCHEDULERS)}")
-        if not isinstance(spec.get("jobs"), str):
-            raise SpecError(f"{where}: trace.jobs: expected a trace file (relative to the experiment), "
-                            f"got {spec.get('jobs')!r}")
-        trace = load_trace(source.parent / spec["jobs"], scheduler, f"{where}: trace")
-        if "set" in entry:
-            raise SpecError(f"{where}: set: a trace arm's jobs take their settings from the trace file")
-    return Arm(name=name, overrides=_overrides(entry.get("set", {}), f"{where}: set"), baseline=baseline, trace=trace)
+    if arm.trace is not None:
+        trace = load_trace(source.parent / arm.trace.jobs, arm.trace.scheduler, f"{where}: trace")
+    return Arm(name=arm.name, overrides=_overrides(arm.set, f"{where}: set"), baseline=arm.baseline, trace=trace)
+
+
+def _seeds(spec: _ExperimentFile, base_job: dict | None) -> tuple[int, ...]:
+    """One seed per repeat: the file's seeds, or `repeats` seeds from the job's own seed on."""
+    if spec.seeds is not None:
+        return tuple(spec.seeds)
+    base_seed = (base_job or {}).get("seed", 0)
+    base_seed = base_seed if isinstance(base_seed, int) and not isinstance(base_seed, bool) else 0
+    return tuple(base_seed + k for k in range(spec.repeats or 1))
 
 
 def load_experiment(path: str | Path, *, boards: int | None = None) -> Experiment:
     """Load and check an experiment file. With `boards` (the fleet's board count) every arm's job
     is built and checked too (``Experiment.runs`` builds them again for the run)."""
     source = Path(path)
-    data = _mapping(_read_yaml(source, "experiment file"), str(source))
-    unknown = sorted(set(data) - set(_KEYS))
-    if unknown:
-        raise SpecError(f"{source}: unknown key {unknown[0]!r} (known: {', '.join(_KEYS)})")
-    name = data.get("name", source.stem)
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise SpecError(f"{source}: name: expected a name of letters, digits, '.', '_' or '-', got {name!r}")
-    entries = data.get("arms")
-    if not isinstance(entries, list) or not entries:
-        raise SpecError(f"{source}: arms: expected a non-empty list of arms, got {entries!r}")
-    arms = [_arm(entry, i, source) for i, entry in enumerate(entries)]
+    spec = _checked(_ExperimentFile, _read_yaml(source, "experiment file"), str(source))
+    name = spec.name if spec.name is not None else source.stem
+    if not _NAME.match(name):
+        raise SpecError(f"{source}: name={name!r} (the file's name): {_NAME_RULE}; give a name")
+    arms = [_arm(entry, i, source) for i, entry in enumerate(spec.arms)]
     seen: set[str] = set()
     for arm in arms:
         if arm.name in seen:
@@ -412,28 +430,22 @@ def load_experiment(path: str | Path, *, boards: int | None = None) -> Experimen
     all_traces = all(a.trace for a in arms)
     base_job = None
     if not all_traces:
-        if "job" not in data:
+        if spec.job is None:
             raise SpecError(f"{source}: missing key 'job' (a job file relative to this file, or a mapping)")
-        base_job = _apply(_job(data["job"], source), _overrides(data.get("set", {}), f"{source}: set"),
-                          f"{source}: set")
-    elif "job" in data or "set" in data:
-        key = "job" if "job" in data else "set"
+        base_job = _apply(_job(spec.job, source), _overrides(spec.set, f"{source}: set"), f"{source}: set")
+    elif spec.job is not None or spec.set:
+        key = "job" if spec.job is not None else "set"
         raise SpecError(f"{source}: {key}: every arm is a trace, whose jobs come from its trace file")
-    if "stop" in data:
+    if spec.stop is not None:
         dataset = (base_job or {}).get("dataset")
         dataset = dataset.get("name", "synthetic") if isinstance(dataset, dict) else "synthetic"
-        stop = parse_stop(data["stop"], f"{source}: stop", dataset=dataset)
+        stop = parse_stop(spec.stop, f"{source}: stop", dataset=dataset)
     elif all_traces:
         stop = None
     else:
         raise SpecError(f"{source}: missing key 'stop'; a stop rule is {_STOP_FORMS}")
-    fleet = data.get("fleet")
-    if fleet is not None and not isinstance(fleet, str):
-        raise SpecError(f"{source}: fleet: expected a fleet file relative to this file, got {fleet!r}")
-    base_seed = (base_job or {}).get("seed", 0)
-    base_seed = base_seed if isinstance(base_seed, int) and not isinstance(base_seed, bool) else 0
-    experiment = Experiment(name=name, source=source, fleet_file=source.parent / fleet if fleet else None,
-                            stop=stop, arms=tuple(arms), seeds=_seeds(data, base_seed, str(source)), base_job=base_job)
+    experiment = Experiment(name=name, source=source, fleet_file=source.parent / spec.fleet if spec.fleet else None,
+                            stop=stop, arms=tuple(arms), seeds=_seeds(spec, base_job), base_job=base_job)
     if boards is not None:
         experiment.runs(boards=boards)
     return experiment

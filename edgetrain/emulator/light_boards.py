@@ -7,7 +7,7 @@ real board does — holds its presence stream open and long-polls for work. What
 board sees it. The emulated fleet's load benchmark (edgetrain.emulator.fleet_load) starts these
 processes; run alone:
 
-    python -m edge_client.light_boards --coordinator HOST:PORT --identities DIR NAME...
+    python -m edgetrain.emulator.light_boards --coordinator HOST:PORT --identities DIR NAME...
 
 DIR/NAME holds each board's key, certificate and CA (trust.Identity.save). The process speaks
 JSON lines: it prints {"registered": n, "failed": {...}} once every board has registered (or
@@ -181,7 +181,7 @@ class LightFleet:
 
 def main(argv: list[str] | None = None) -> int:
     """Run light boards until told to stop (see the module docstring for the protocol)."""
-    parser = argparse.ArgumentParser(prog="python -m edge_client.light_boards", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m edgetrain.emulator.light_boards", description=__doc__.split("\n")[0])
     parser.add_argument("--coordinator", required=True, metavar="HOST:PORT")
     parser.add_argument("--identities", required=True, type=Path, help="DIR/NAME holds each board's credentials")
     parser.add_argument("--heartbeats-only", action="store_true",

@@ -1,4 +1,7 @@
-"""What an emulated fleet is: boards (CPU speed, link, battery), the job, scripted events.
+"""What a fleet is: boards (CPU speed, link, battery), the gateway, the job, scripted events.
+
+The description only: the planner (`edgetrain plan FLEET.yaml`) and the job server's speed
+estimate read it; the emulated fleet (edgetrain.emulator) enforces it on the boards it runs.
 
 ```yaml
 name: lab
@@ -30,15 +33,67 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from edgetrain.config import ConfigError, JobConfig, job_from_dict, load_job
-from edgetrain.emulator.battery import BatterySpec
-from edgetrain.emulator.shaping import LinkSpec
+from edgetrain.config.files import from_mapping, load_yaml, require
 from edgetrain.power import GATEWAY_BUSY_W, GATEWAY_IDLE_W
 
 NETWORK_MODES = ("auto", "namespaces", "loopback")
 EVENT_ACTIONS = ("link", "leave", "join")
+
+
+@dataclass(kw_only=True, frozen=True)
+class LinkSpec:
+    """A board's link to the LAN, the same in both directions (emulated by edgetrain.emulator)."""
+
+    mbit_per_s: float
+    """Link rate in Mbit/s (10^6 bit/s)."""
+    delay_ms: float = 0.0
+    """One-way delay; an RPC waits twice this."""
+    loss: float = 0.0
+    """Probability that a transfer chunk is lost and must be resent, in [0, 1)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.mbit_per_s) and self.mbit_per_s > 0):
+            raise ValueError(f"mbit_per_s must be a finite number > 0, got {self.mbit_per_s}")
+        if not (math.isfinite(self.delay_ms) and self.delay_ms >= 0):
+            raise ValueError(f"delay_ms must be a finite number >= 0, got {self.delay_ms}")
+        if not 0 <= self.loss < 1:
+            raise ValueError(f"loss must be in [0, 1), got {self.loss}")
+
+    @property
+    def bytes_per_s(self) -> float:
+        """The rate in bytes per second."""
+        return self.mbit_per_s * 1e6 / 8
+
+
+@dataclass(kw_only=True, frozen=True)
+class BatterySpec:
+    """A board's battery and its power draw (emulated by edgetrain.emulator.battery)."""
+
+    capacity_wh: float
+    """Usable capacity, watt-hours."""
+    idle_w: float
+    """Power draw while not training, watts."""
+    busy_w: float
+    """Power draw while training, watts."""
+    initial_percent: float = 100.0
+    """Charge when the board starts."""
+    plugged: bool = False
+    """On mains power: the board's draw comes from the mains and the battery does not drain."""
+    charge_w: float = 0.0
+    """Net charging power into the battery while plugged, watts (0: the charge level stays)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.capacity_wh) and self.capacity_wh > 0):
+            raise ValueError(f"capacity_wh must be a finite number > 0, got {self.capacity_wh}")
+        for name in ("idle_w", "busy_w", "charge_w"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if self.busy_w < self.idle_w:
+            raise ValueError(f"busy_w ({self.busy_w}) must be >= idle_w ({self.idle_w})")
+        if not 0 <= self.initial_percent <= 100:
+            raise ValueError(f"initial_percent must be in [0, 100], got {self.initial_percent}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -136,37 +191,37 @@ class FleetSpec:
     """The gateway machine (speed and watts), what the centralized baseline trains on."""
 
 
-def _mapping(value: Any, where: str) -> dict:
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
-    return value
+@dataclass(kw_only=True, frozen=True)
+class _FleetFileKeys:
+    """The top level of a fleet file as written (boards and events are expanded and checked
+    against each other by ``load_fleet``)."""
+
+    name: str | None = None
+    cluster: str | None = None
+    job: dict = field(default_factory=dict)
+    job_file: str | None = None
+    network: str = "auto"
+    probe_interval_s: float = 30.0
+    jobs: bool = False
+    boards: list = field(default_factory=list)
+    events: list = field(default_factory=list)
+    gateway: GatewaySpec = field(default_factory=GatewaySpec)
+
+    def __post_init__(self) -> None:
+        require(self.network in NETWORK_MODES, "network", self.network, f"must be one of {NETWORK_MODES}")
+        require(self.probe_interval_s > 0, "probe_interval_s", self.probe_interval_s, "must be > 0")
+        require(bool(self.boards), "boards", self.boards, "expected a non-empty list of boards")
 
 
-def _make(cls: type, data: Any, where: str):
-    data = _mapping(data, where)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
-    try:
-        return cls(**data)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: {e}") from None
-
-
-def _boards(entries: Any, where: str, base: Path = Path(".")) -> list[BoardSpec]:
-    if not isinstance(entries, list) or not entries:
-        raise ConfigError(f"{where}: expected a non-empty list of boards")
+def _boards(entries: list, where: str, base: Path = Path(".")) -> list[BoardSpec]:
     boards = []
     for i, entry in enumerate(entries):
-        entry = dict(_mapping(entry, f"{where}[{i}]"))
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where}[{i}]: expected a mapping, got {type(entry).__name__} {entry!r}")
+        entry = dict(entry)
         count = entry.pop("count", 1)
-        if not isinstance(count, int) or count < 1:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ConfigError(f"{where}[{i}].count: expected an integer >= 1, got {count!r}")
-        if "link" in entry:
-            entry["link"] = _make(LinkSpec, entry["link"], f"{where}[{i}].link")
-        if "battery" in entry:
-            entry["battery"] = _make(BatterySpec, entry["battery"], f"{where}[{i}].battery")
         speed = entry.get("speed")
         if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not (math.isfinite(speed) and speed > 0):
             raise ConfigError(f"{where}[{i}].speed: expected a number > 0 (fraction of a core), got {speed!r}")
@@ -175,21 +230,19 @@ def _boards(entries: Any, where: str, base: Path = Path(".")) -> list[BoardSpec]
         stem = entry.get("name", f"board{i}")
         for k in range(count):
             named = {**entry, "name": f"{stem}-{k + 1}" if count > 1 else stem}
-            boards.append(_make(BoardSpec, named, f"{where}[{i}]"))
+            boards.append(from_mapping(BoardSpec, named, f"{where}[{i}]"))
     names = [b.name for b in boards]
     if len(set(names)) != len(names):
         raise ConfigError(f"{where}: board names must be unique, got {names}")
     return boards
 
 
-def _events(entries: Any, names: set[str], where: str) -> list[FleetEvent]:
+def _events(entries: list, names: set[str], where: str) -> list[FleetEvent]:
     events = []
-    for i, entry in enumerate(entries or []):
-        entry = dict(_mapping(entry, f"{where}[{i}]"))
-        if "link" in entry:
-            entry["link"] = _make(LinkSpec, entry["link"], f"{where}[{i}].link")
-            entry.setdefault("action", "link")
-        event = _make(FleetEvent, entry, f"{where}[{i}]")
+    for i, entry in enumerate(entries):
+        if isinstance(entry, dict) and "link" in entry:
+            entry = {"action": "link", **entry}
+        event = from_mapping(FleetEvent, entry, f"{where}[{i}]")
         if event.action not in EVENT_ACTIONS:
             raise ConfigError(f"{where}[{i}].action: {event.action!r} is not one of {EVENT_ACTIONS}")
         if event.board not in names:
@@ -199,37 +252,17 @@ def _events(entries: Any, names: set[str], where: str) -> list[FleetEvent]:
 
 
 def load_fleet(path: str | Path) -> FleetSpec:
-    """Load and validate a fleet file; errors name the file, the key and the bad value."""
+    """Load and validate a fleet file (the one YAML loader, every section a checked dataclass);
+    errors name the file, the key and the bad value in one line."""
     path = Path(path)
-    try:
-        data = _mapping(yaml.safe_load(path.read_text()), str(path))
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    unknown = sorted(set(data) - {"name", "cluster", "job", "job_file", "network", "probe_interval_s", "boards",
-                                  "events", "jobs", "gateway"})
-    if unknown:
-        raise ConfigError(f"{path}: unknown key {unknown[0]!r}")
-    if "job_file" in data:
-        job = load_job(path.parent / data["job_file"])
-    else:
-        job = job_from_dict(data.get("job", {}), source=f"{path}: job")
-    network = data.get("network", "auto")
-    if network not in NETWORK_MODES:
-        raise ConfigError(f"{path}: network: {network!r} is not one of {NETWORK_MODES}")
-    boards = _boards(data.get("boards"), f"{path}: boards", path.parent)
-    events = _events(data.get("events"), {b.name for b in boards}, f"{path}: events")
-    name = str(data.get("name", path.stem))
-    probe = data.get("probe_interval_s", 30.0)
-    if not isinstance(probe, (int, float)) or probe <= 0:
-        raise ConfigError(f"{path}: probe_interval_s: expected a number > 0, got {probe!r}")
-    jobs = data.get("jobs", False)
-    if not isinstance(jobs, bool):
-        raise ConfigError(f"{path}: jobs: expected true or false, got {jobs!r}")
-    gateway = _make(GatewaySpec, data["gateway"], f"{path}: gateway") if "gateway" in data else GatewaySpec()
-    return FleetSpec(name=name, cluster=str(data.get("cluster", name)), job=job, network=network, jobs=jobs,
-                     probe_interval_s=float(probe), boards=tuple(boards), events=tuple(events), gateway=gateway)
+    keys = from_mapping(_FleetFileKeys, load_yaml(path), str(path))
+    job = load_job(path.parent / keys.job_file) if keys.job_file else job_from_dict(keys.job, source=f"{path}: job")
+    boards = _boards(keys.boards, f"{path}: boards", path.parent)
+    events = _events(keys.events, {b.name for b in boards}, f"{path}: events")
+    name = keys.name or path.stem
+    return FleetSpec(name=name, cluster=keys.cluster or name, job=job, network=keys.network, jobs=keys.jobs,
+                     probe_interval_s=keys.probe_interval_s, boards=tuple(boards), events=tuple(events),
+                     gateway=keys.gateway)
 
 
 def board_to_dict(board: BoardSpec) -> dict:
@@ -237,20 +270,11 @@ def board_to_dict(board: BoardSpec) -> dict:
     return dataclasses.asdict(board)
 
 
-def board_from_dict(data: dict, where: str = "board") -> BoardSpec:
-    """A board from plain data."""
-    data = dict(_mapping(data, where))
-    if data.get("link"):
-        data["link"] = _make(LinkSpec, data["link"], f"{where}.link")
-    if data.get("battery"):
-        data["battery"] = _make(BatterySpec, data["battery"], f"{where}.battery")
-    return _make(BoardSpec, data, where)
+def board_from_dict(data: Any, where: str = "board") -> BoardSpec:
+    """A board from plain data, every key checked."""
+    return from_mapping(BoardSpec, data, where)
 
 
 def load_board(path: str | Path) -> BoardSpec:
     """The board an emulated client is (its --emulate file, YAML or JSON)."""
-    path = Path(path)
-    try:
-        return board_from_dict(yaml.safe_load(path.read_text()), str(path))
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    return board_from_dict(load_yaml(path), str(path))

@@ -1,4 +1,4 @@
-"""Discrete-event simulator for the job schedulers of ``job_scheduler.py``, and a trace generator.
+"""Discrete-event simulator for the job schedulers of ``coordinator/jobs/scheduler.py``, and a trace generator.
 
 ``simulate(trace, boards, speed, scheduler) -> SimResult`` replays a list of jobs (plus board
 joins and leaves) against any scheduler through the same ``(now, state) -> Plan`` call the
