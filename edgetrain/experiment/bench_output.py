@@ -21,6 +21,8 @@ import signal
 import subprocess
 from pathlib import Path
 
+from edgetrain import supervisor
+
 REPO = Path(__file__).resolve().parent.parent.parent
 RESULTS_DIR = REPO / "docs" / "results"
 RESULTS_ENV = "EDGETRAIN_RESULTS_DIR"
@@ -92,10 +94,5 @@ def run_child(command: list[str], *, grace_s: float = 60.0, **popen_kwargs) -> i
     try:
         return child.wait()
     except BaseException:
-        child.terminate()
-        try:
-            child.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        supervisor.terminate(child, grace_s=grace_s)
         raise
