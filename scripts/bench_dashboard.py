@@ -82,13 +82,15 @@ def run_once(workdir: Path, name: str, steps: int, warmup: int, window: int,
         coordinator = _coordinator_of(proc)
         arm = "closed"
         counter = StepCounter(metrics)
+        next_switch = warmup  # a poll may see several steps at once: switch at the first count past it
         while proc.poll() is None:
             done = counter.done()
-            if done >= warmup and (done - warmup) % window == 0 and (not switches or switches[-1][0] != done):
+            if done >= next_switch:
                 arm = "open" if arm == "closed" else "closed"
                 driver.get(url if arm == "open" else "about:blank")
                 switches.append((done, arm))
                 cpu.append((time.monotonic(), _cpu_s(browser), _cpu_s(coordinator)))
+                next_switch = done + window
             time.sleep(0.1)
         if proc.returncode != 0:
             raise RuntimeError(f"{name}: the run failed (exit {proc.returncode}); see {runs / 'demo' / 'logs'}")
@@ -168,7 +170,7 @@ def main() -> None:
     args = parser.parse_args()
     overrides: tuple[str, ...] = ()
     if args.smoke:  # four windows of four steps of a small model
-        args.runs, args.steps, args.window, args.warmup = 1, 17, 4, 1
+        args.runs, args.steps, args.window, args.warmup = 1, 21, 4, 1
         overrides = ("model=small_cnn", "dataset.train_size=256", "dataset.test_size=32")
     stop_on_sigterm()
     if not (shutil.which("chromium") or shutil.which("chromium-browser")) or not shutil.which("chromedriver"):
@@ -187,6 +189,9 @@ def main() -> None:
                       if a["arm"] == "open" and b["arm"] == "closed"]
             windows += these
     by_arm = {arm: [w["samples_per_s"] for w in windows if w["arm"] == arm] for arm in ("open", "closed")}
+    if not pairs or not all(by_arm.values()):
+        sys.exit(f"bench_dashboard: no page-open window followed by a closed one in {args.steps} steps "
+                 f"(windows: {[w['arm'] for w in windows]}); give it more --steps")
     cores = {f"{who}_cores_{arm}": round(statistics.median(w[f"{who}_cores"] for w in windows if w["arm"] == arm), 4)
              for who in ("browser", "coordinator") for arm in ("open", "closed")}
     open_, closed = statistics.median(by_arm["open"]), statistics.median(by_arm["closed"])
