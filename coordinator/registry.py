@@ -43,6 +43,11 @@ CLAIM_SLACK_S = 0.25
 """...and off by more than this many seconds too (tiny steps are dominated by fixed costs that a
 profile of the bare forward and backward pass does not include)."""
 
+LOCAL_PACE_GROWTH = 1.25
+"""A landed local update grows a board's local pace by this factor (at most 1)."""
+MIN_LOCAL_PACE = 1 / 16
+"""The pace never drops below this: a board that keeps missing gets small tickets, not none."""
+
 logger = logging.getLogger(__name__)
 
 
@@ -94,6 +99,10 @@ class DeviceRecord:
     device ran out (None: what its profile says)."""
     claim_note: str = ""
     """Set when its measured speed was far off its claim: what it claimed and what was measured."""
+    local_pace: float = 1.0
+    """How much of the local work its measured speed predicts fits the staleness bound it is given
+    beside the steps (coordinator.planning.local_members): halved each time an update misses the
+    bound, grown back as updates land (`pace_local`)."""
 
     @property
     def local_samples(self) -> int:
@@ -326,6 +335,17 @@ class DeviceRegistry:
                 compute = record.speed.seconds(samples) - record.speed.comm_s
                 if seconds - compute > record.speed.comm_s:
                     record.speed = refine_speed(record.speed, 0, 0.0, seconds - compute, weight=0.5)
+
+    def pace_local(self, device_id: str, landed: bool) -> None:
+        """A local update of a board beside the steps landed within the staleness bound, or missed
+        it: its next ones are sized at LOCAL_PACE_GROWTH times (at most 1) or half the pace. A miss
+        says the round trip ran long, not by how much (the board abandons it), so it does not
+        change the speed estimate the steps are split by."""
+        with self._lock:
+            record = self._devices.get(device_id)
+            if record is not None:
+                pace = record.local_pace * LOCAL_PACE_GROWTH if landed else record.local_pace / 2
+                record.local_pace = min(1.0, max(MIN_LOCAL_PACE, pace))
 
     def observe_stage(self, device_id: str, samples: int, compute_s: float, comm_s: float,
                       energy_j: float | None = None, *, work_fraction: float | None = None,

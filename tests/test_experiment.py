@@ -114,11 +114,11 @@ def test_seeds_and_repeats_make_one_run_per_arm_and_seed_with_the_stop_rule_appl
 
     runs = load_experiment(path).runs(boards=2)
 
-    assert [(r.name, r.seed) for r in runs] == [("p-r0", 5), ("p-r1", 6), ("e-r0", 5), ("e-r1", 6)]
+    assert [(r.name, r.seed) for r in runs] == [("p-r0", 5), ("e-r0", 5), ("p-r1", 6), ("e-r1", 6)]
     assert {r.job["name"] for r in runs} == {"p-r0", "p-r1", "e-r0", "e-r1"}
     assert all(r.job["training"]["steps"] == 3 and r.job["training"]["epochs"] == 0 for r in runs)  # stop wins
     assert all(r.job["training"]["global_batch"] == 32 and r.job["training"]["min_clients"] == 2 for r in runs)
-    assert [r.job["training"]["split"] for r in runs] == ["proportional"] * 2 + ["equal"] * 2
+    assert [r.job["training"]["split"] for r in runs] == ["proportional", "equal"] * 2
     seeded = yaml.safe_load(path.read_text())
     seeded.pop("repeats")
     path.write_text(yaml.safe_dump({**seeded, "seeds": [0, 7]}))

@@ -309,3 +309,37 @@ def test_a_local_update_adds_to_the_step_instead_of_diluting_it():
     # more local samples than the step's count as one step's worth at most
     out = combine([Weighted(c("a", 64, 1.0)), Weighted(c("slow", 640, 1.0), 0, 1.0, True)])
     assert float(out["grad.w"]) == pytest.approx(2.0)
+
+
+def test_a_board_whose_local_update_misses_the_bound_gets_smaller_work_until_its_updates_land():
+    from coordinator.registry import MIN_LOCAL_PACE
+
+    from edgetrain.work import Assignment
+
+    # Prepare: a registered board takes local work beside step 0
+    board, formats = _board(Clock())
+    aggregator = _aggregator()
+    slow = aggregator.registry.register("slow", {}, {}).device_id
+    work = LocalWork(steps=2, batch_size=8, lr=0.1, momentum=0.0, weight_decay=0.0, prox_mu=0.0)
+    board.open_attempt({**_assign(0, {"fast": 4}), slow: Assignment(0, 0, 0, tuple(range(16)), False, 0, local=work)})
+    _upload(board, formats, "fast", 0, 4)
+    board.wait_attempt(0, 0, deadline=math.inf, is_alive=lambda d: True, beside={slow})
+    assert board.next_work(slow, 0.0).local == work
+
+    # Execute: the bound passes without its update; three more miss, then one lands
+    aggregator.apply(9, board, [], {})
+    missed = aggregator.registry.get(slow).local_pace
+    for _ in range(3):
+        aggregator.registry.pace_local(slow, landed=False)
+    floor = aggregator.registry.get(slow).local_pace
+    aggregator.registry.pace_local(slow, landed=True)
+    grown = aggregator.registry.get(slow).local_pace
+
+    # Assert: halved per miss, never below the floor; its speed estimate is not what changes
+    assert missed == 0.5
+    assert floor == max(MIN_LOCAL_PACE, 0.5 ** 4)
+    assert grown == pytest.approx(floor * 1.25)
+    sized = [local_work_size(overhead_s=0.05, samples_per_s=20 * pace, transfer_s=0.5, step_s=0.5,
+                             staleness_bound=8, staleness_exponent=0.5, local_batch=16)
+             for pace in (1.0, missed)]
+    assert sized[1].samples < sized[0].samples

@@ -258,8 +258,11 @@ class Aggregator:
             late, rejected = board.take_late(oldest_step=step - self.cfg.staleness_bound)
             self._late += late
             self._late_rejected.update(rejected)
-            for device_id, samples, seconds in board.take_expired():  # it is slower than its estimate
-                self.registry.observe_late(device_id, samples, seconds)
+            for device_id, samples, seconds, local in board.take_expired():  # it is slower than its estimate
+                if local:  # beside the steps: its next local work is smaller
+                    self.registry.pace_local(device_id, landed=False)
+                else:
+                    self.registry.observe_late(device_id, samples, seconds)
 
     def apply(self, step: int, board: StepBoard, fresh: Sequence[Contribution], refused: Mapping[str, str],
               factors: Mapping[str, float] | None = None) -> Aggregate:
@@ -285,6 +288,8 @@ class Aggregator:
                                                              f"{tau} steps old (bound {self.cfg.staleness_bound})"
             else:
                 usable.append(c)
+            if id(c) in beside:
+                self.registry.pace_local(c.device_id, landed=tau <= self.cfg.staleness_bound)
         screening = screen(usable, clip_norm=self.cfg.clip_norm, outlier_factor=self.cfg.outlier_factor) if usable \
             else Screening([], {}, {})
         rejected.update(screening.rejected)

@@ -194,7 +194,8 @@ class PipelineRound(RoundPolicy):
     def _beside(self, step: int, attempt: int, plan: Plan, working: set[str]) -> dict[str, Assignment]:
         """Local work for the plan's boards beside the steps that are ready, idle and not working
         in the step (`working`), each sized from its measured speed and link to land within the
-        staleness bound (coordinator.planning.local_members). None while boards own stages: a
+        staleness bound (coordinator.planning.local_members), at its local pace (a board whose
+        updates miss the bound gets smaller work: coordinator.registry.DeviceRegistry.pace_local). None while boards own stages: a
         whole-model update would change blocks whose state lives on their owners. Local updates
         travel uncompressed: a board's error feedback holds gradients, not parameter changes."""
         if not plan.local_boards or not isinstance(self.plans_from, LivePlans) or self.owners.owners:
@@ -212,7 +213,7 @@ class PipelineRound(RoundPolicy):
             speed = record.speed
             transfer_s = speed.comm_s or self.dp.codecs.step_bytes(codec) * 8 / (
                 (self._fleet.link_mbit(record.device_id) or UNKNOWN_LINK_MBIT) * 1e6)
-            size = local_work_size(overhead_s=speed.overhead_s, samples_per_s=speed.samples_per_s,
+            size = local_work_size(overhead_s=speed.overhead_s, samples_per_s=speed.samples_per_s * record.local_pace,
                                    transfer_s=transfer_s, step_s=step_s,
                                    staleness_bound=job.aggregation.staleness_bound,
                                    staleness_exponent=job.aggregation.staleness_exponent,

@@ -151,7 +151,7 @@ class StepBoard:
         self._closed: set[tuple[int, int]] = set()
         self._current: tuple[int, int] | None = None
         self._finished: Finished | None = None
-        self._expired: list[tuple[str, int, float]] = []
+        self._expired: list[tuple[str, int, float, bool]] = []
 
     # --- driver side -------------------------------------------------------------------
     def open_attempt(self, assignments: Mapping[str, Assignment]) -> None:
@@ -214,13 +214,14 @@ class StepBoard:
                     self._close(key)
                 elif not ticket.answered and key[1] < oldest_step:
                     if ticket.taken_at is not None:
-                        self._expired.append((key[0], len(ticket.assignment.indices), self._clock() - ticket.taken_at))
+                        self._expired.append((key[0], len(ticket.assignment.indices), self._clock() - ticket.taken_at,
+                                              ticket.assignment.local is not None))
                     self._close(key)
             return accepted, rejected
 
-    def take_expired(self) -> list[tuple[str, int, float]]:
+    def take_expired(self) -> list[tuple[str, int, float, bool]]:
         """Kept-open tickets `take_late` closed unanswered since the last call: (device, samples,
-        seconds since the board took the work)."""
+        seconds since the board took the work, whether it was local training)."""
         with self._cond:
             expired, self._expired = self._expired, []
             return expired

@@ -192,15 +192,17 @@ class Experiment:
     """The job mapping with the experiment's `set` applied (None when every arm is a trace)."""
 
     def runs(self, arm_names: list[str] | None = None, *, boards: int) -> list[Run]:
-        """Every (arm, seed) run, in file order, for a fleet of `boards` boards; `arm_names` keeps
-        only those arms (SpecError naming an unknown one)."""
+        """Every (arm, seed) run for a fleet of `boards` boards, in rounds: the first seed of every
+        arm in file order, then the second, ... (the emulation's speed drifts by minutes, so each
+        round compares the arms at one time); `arm_names` keeps only those arms (SpecError naming
+        an unknown one)."""
         known = [a.name for a in self.arms]
         for name in arm_names or []:
             if name not in known:
                 raise SpecError(f"{self.source}: --arms: no arm {name!r} (arms: {', '.join(known)})")
         arms = [a for a in self.arms if not arm_names or a.name in arm_names]
         return [Run(arm=arm, repeat=k, seed=seed, job=None if arm.trace else self.arm_job(arm, k, seed, boards=boards))
-                for arm in arms for k, seed in enumerate(self.seeds)]
+                for k, seed in enumerate(self.seeds) for arm in arms]
 
     def arm_job(self, arm: Arm, repeat: int, seed: int, *, boards: int) -> dict:
         """The checked job mapping of `arm`'s repeat `repeat` (see the module docstring for the
