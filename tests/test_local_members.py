@@ -313,7 +313,6 @@ def test_a_local_update_adds_to_the_step_instead_of_diluting_it():
 
 def test_a_board_whose_local_update_misses_the_bound_gets_smaller_work_until_its_updates_land():
     from coordinator.registry import MIN_LOCAL_PACE
-
     from edgetrain.work import Assignment
 
     # Prepare: a registered board takes local work beside step 0
