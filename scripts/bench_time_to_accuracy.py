@@ -39,17 +39,20 @@ cap was hit), the ratios of DDP's time and energy to the best EdgeTrain arm's, a
 federated), `proportional_over_planner`, `ddp_over_planner`, `exploration_s` (seconds its trials
 took, median) and `weak_board_sample_share` (the 0.1-core board's applied samples × their
 aggregation weight ÷ all, median); `cap_s`, `seeds`, `projected` (list of "fleet/arm"),
-`reused` (arms read from an earlier run with --resume).
+`reused` (arms read from an earlier run with --resume: only arms whose every seed ran at this
+clean commit and started within 12 hours), and per fleet `arms` → arm → `commit`, `started`.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -59,7 +62,13 @@ from edgetrain.catalog import (
     SYNTHETIC_HARD_TEST_SIZE,
     SYNTHETIC_HARD_TRAIN_SIZE,
 )
-from edgetrain.experiment.bench_output import add_bench_args, finish, run_child, stop_on_sigterm
+from edgetrain.experiment.bench_output import (
+    add_bench_args,
+    commit_id,
+    finish,
+    run_child,
+    stop_on_sigterm,
+)
 from edgetrain.experiment.results import collect
 
 REPO = Path(__file__).resolve().parent.parent
@@ -154,6 +163,38 @@ def planner_figures(rows: list[dict], arm: str) -> tuple[float | None, float | N
     return round(statistics.median(explored), 2), round(statistics.median(shares), 4)
 
 
+REUSE_WITHIN_S = 12 * 3600
+"""--resume reuses an arm only when every seed of it ran at this commit and started this recently:
+this machine's core runs 1.6-1.85x faster on some days than others, so a result mixes no days."""
+
+
+def arm_runs(out: Path, arm: str, seeds: list[int]) -> list[dict] | None:
+    """arm.json of each seed's run of `arm` under `out` (None when one has not finished)."""
+    runs = []
+    for k in range(len(seeds)):
+        run_dir = out / f"{arm}-r{k}"
+        if not (run_dir / "summary.json").exists() or not (run_dir / "arm.json").exists():
+            return None
+        runs.append(json.loads((run_dir / "arm.json").read_text()))
+    return runs
+
+
+def reusable(runs: list[dict] | None, commit: str, now: float) -> bool:
+    """Whether finished runs may stand in this result: same clean commit, started within REUSE_WITHIN_S."""
+    return bool(runs) and not commit.endswith("-dirty") and commit != "unknown" and all(
+        r.get("commit") == commit and now - float(r.get("launched_at") or 0) <= REUSE_WITHIN_S for r in runs)
+
+
+def provenance(runs: list[dict] | None) -> dict:
+    """An arm's commit(s) and the start of its first run (UTC)."""
+    if not runs:
+        return {}
+    commits = sorted({str(r.get("commit", "unknown")) for r in runs})
+    started = min(float(r.get("launched_at") or 0) for r in runs)
+    return {"commit": commits[0] if len(commits) == 1 else commits,
+            "started": datetime.datetime.fromtimestamp(started, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
 def median_or_none(values: list) -> float | None:
     """The median of `values`, or None when any of them is None (an arm that hit its cap)."""
     if not values or any(v is None for v in values):
@@ -193,8 +234,8 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, help="keep the run directories here (the bandwidth fleet's DDP projection "
                                                   "reuses a compute fleet run kept in the same directory)")
     parser.add_argument("--resume", action="store_true",
-                        help="with --keep: read the arms that already finished there (every seed has its summary.json) "
-                             "instead of running them again; the JSON lists them under `reused`")
+                        help="with --keep: read the arms that already finished there at this clean commit within the "
+                             "last 12 hours instead of running them again; the JSON lists them under `reused`")
     add_bench_args(parser)
     args = parser.parse_args()
     if args.smoke:
@@ -215,6 +256,7 @@ def main() -> None:
     print(f"target test accuracy {target} (SYNTHETIC data, calibrated tier); cap {args.cap_s:.0f} s; "
           f"seeds {seeds}; runs in {workdir}", flush=True)
 
+    commit = commit_id()
     result: dict = {"target_accuracy": target, "cap_s": args.cap_s, "seeds": len(seeds), "fleets": {},
                     "projected": [], "reused": [], "synthetic_data": True}
     try:
@@ -224,7 +266,7 @@ def main() -> None:
             fleet_arms = [a for a in arms if not (fleet == "bandwidth" and a in ("ddp", "single"))]
             out = workdir / f"tta-{fleet}"
             finished = [a for a in fleet_arms
-                        if args.resume and all((out / f"{a}-r{k}" / "summary.json").exists() for k in seeds)]
+                        if args.resume and reusable(arm_runs(out, a, seeds), commit, time.time())]
             result["reused"] += [f"{fleet}/{a}" for a in finished]
             to_run = [a for a in fleet_arms if a not in finished]
             if to_run:
@@ -241,7 +283,8 @@ def main() -> None:
                 ddp_steps = [steps_to_target(workdir / "tta-compute" / f"ddp-r{k}", target)
                              if (workdir / "tta-compute" / f"ddp-r{k}" / "metrics.jsonl").exists() else None
                              for k in range(len(seeds))]
-                if args.resume and (workdir / "tta-bandwidth-ddp-segment" / "ddp-r0" / "summary.json").exists():
+                if args.resume and reusable(arm_runs(workdir / "tta-bandwidth-ddp-segment", "ddp", [0]), commit,
+                                            time.time()):
                     result["reused"].append("bandwidth/ddp-segment")
                 else:
                     run_experiment(workdir, "tta-bandwidth-ddp-segment", FLEETS[fleet], ["ddp"], [0],
@@ -254,7 +297,8 @@ def main() -> None:
                 result["projected"].append("bandwidth/ddp")
                 result["ddp_segment"] = {"steps": args.segment, "median_step_s": round(step_s, 3),
                                          "links_emulated": emulated, "steps_to_target_on_compute": steps}
-            entry = {"time_to_accuracy_s": times, "energy_to_accuracy_j": energies, "setup_s": setups}
+            entry = {"time_to_accuracy_s": times, "energy_to_accuracy_j": energies, "setup_s": setups,
+                     "arms": {a: provenance(arm_runs(out, a, seeds)) for a in fleet_arms}}
             best = min((a for a in EDGETRAIN_ARMS if times.get(a) is not None), key=lambda a: times[a], default=None)
             if best and times.get("ddp"):
                 entry["best_edgetrain_arm"] = best

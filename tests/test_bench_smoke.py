@@ -204,3 +204,21 @@ def _cmdline(proc: psutil.Process) -> str:
         return " ".join(proc.cmdline())
     except psutil.Error:
         return ""
+
+
+def test_time_to_accuracy_resumes_only_arms_of_this_commit_started_within_12_hours():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_tta", REPO / "scripts" / "bench_time_to_accuracy.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    now = 1_800_000_000.0
+    runs = [{"commit": "abc", "launched_at": now - 3600}, {"commit": "abc", "launched_at": now - 7200}]
+
+    assert bench.reusable(runs, "abc", now)
+    assert not bench.reusable(runs, "def", now)  # another commit
+    assert not bench.reusable(runs, "abc-dirty", now)  # uncommitted code: no promise it is the same
+    assert not bench.reusable([{**runs[0], "launched_at": now - 13 * 3600}, runs[1]], "abc", now)  # another day
+    assert not bench.reusable([{"launched_at": now}], "abc", now)  # ran before runs recorded their commit
+    assert not bench.reusable(None, "abc", now)  # a seed did not finish
+    assert bench.provenance(runs) == {"commit": "abc", "started": "2027-01-15T06:00:00Z"}

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from coordinator.planning.command import spread
-from coordinator.planning.live import LivePlanner
+from coordinator.planning.live import LINK_CONFIRM_DECISIONS, LivePlanner
 from edgetrain.cli import main
 from edgetrain.config import PlannerConfig
 from edgetrain.plan import BlockCost, BoardCost, ModelCost
@@ -29,6 +29,14 @@ def _fleet(**changes) -> list[BoardCost]:
 
 def _planner(**cfg) -> LivePlanner:
     return LivePlanner(PlannerConfig(enabled=True, **cfg), MODEL, 64)
+
+
+def _held(live: LivePlanner, step: int, fleet: list[BoardCost], **kw):
+    """`live`'s decision at `step` on a fleet whose link change has held since LINK_CONFIRM_DECISIONS
+    decisions: the earlier ones decide nothing."""
+    for k in range(LINK_CONFIRM_DECISIONS - 1, 0, -1):
+        assert live.decide(step - k, fleet, **kw) is None
+    return live.decide(step, fleet, **kw)
 
 
 def _used(plan) -> set[str]:
@@ -66,7 +74,7 @@ def test_a_link_drop_beyond_the_threshold_re_plans_and_the_board_loses_its_role(
     first = live.decide(0, _fleet())
     assert "b" in _used(first.plan)
 
-    decision = live.decide(5, _fleet(b={"mbit_per_s": 0.5}))
+    decision = _held(live, 5, _fleet(b={"mbit_per_s": 0.5}))
 
     assert decision.reasons == ("b link 100.0 -> 0.5 Mbit/s",)
     assert decision.switched and decision.candidate_cost < decision.current_cost
@@ -74,11 +82,24 @@ def test_a_link_drop_beyond_the_threshold_re_plans_and_the_board_loses_its_role(
     assert live.decide(6, _fleet(b={"mbit_per_s": 0.55})) is None  # the new reference: no flapping
 
 
+def test_a_link_reading_that_does_not_hold_plans_nothing():
+    live = _planner()
+    live.decide(0, _fleet())
+
+    # a reading 200x lower, twice, then the rate as before: a busy CPU's reading, not a link change
+    swings = [live.decide(1, _fleet(b={"mbit_per_s": 0.5})), live.decide(2, _fleet(b={"mbit_per_s": 0.5})),
+              live.decide(3, _fleet()), live.decide(4, _fleet(b={"mbit_per_s": 0.5}))]
+
+    assert swings == [None] * 4
+    assert live.decide(5, _fleet(b={"mbit_per_s": 0.5})) is None
+    assert live.decide(6, _fleet(b={"mbit_per_s": 0.5})).reasons == ("b link 100.0 -> 0.5 Mbit/s",)
+
+
 def test_a_change_that_is_not_worth_a_switch_keeps_the_plan():
     live = _planner(min_gain=0.5)
     first = live.decide(0, _fleet())
 
-    decision = live.decide(3, _fleet(d={"mbit_per_s": 30.0}))  # 50% faster link on the weakest board
+    decision = _held(live, 3, _fleet(d={"mbit_per_s": 30.0}))  # 50% faster link on the weakest board
 
     assert decision is not None and not decision.switched
     assert decision.plan.stages == first.plan.stages and decision.plan.dp_boards == first.plan.dp_boards
@@ -194,7 +215,7 @@ def _judged_twice(changed: list, measured_over_predicted: float):
     first = live.decide(0, _fleet())
     other.decide(0, _fleet())
     measured_step_s = measured_over_predicted * first.plan.prediction.step_s
-    return first, other.decide(4, changed), live.decide(4, changed, measured_step_s=measured_step_s)
+    return first, _held(other, 4, changed), _held(live, 4, changed, measured_step_s=measured_step_s)
 
 
 def test_a_plan_that_measures_better_than_predicted_is_not_swapped_for_a_close_candidate():

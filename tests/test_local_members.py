@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -342,3 +343,38 @@ def test_a_board_whose_local_update_misses_the_bound_gets_smaller_work_until_its
                              staleness_bound=8, staleness_exponent=0.5, local_batch=16)
              for pace in (1.0, missed)]
     assert sized[1].samples < sized[0].samples
+
+
+def test_local_updates_are_judged_by_what_the_steps_they_touch_measured():
+    from coordinator.planning.local_members import judge_local_updates
+
+    # every other step hands out or applies local work; those take 0.1 s longer
+    steps = [(k, 0.6 if k % 2 else 0.5) for k in range(40)]
+    costly = judge_local_updates(steps, {k: 2.0 for k in range(1, 40, 2)}, global_batch=64)
+    worth = judge_local_updates(steps, {k: 20.0 for k in range(1, 40, 2)}, global_batch=64)
+
+    # cost: 0.1 s on half the steps; gain: 1 (or 10) weighted samples a step at 0.5 s per 64 samples
+    assert costly.cost_s == pytest.approx(0.05) and costly.gain_s == pytest.approx(0.5 / 64)
+    assert not costly.pays and worth.pays and worth.gain_s == pytest.approx(10 * 0.5 / 64)
+    assert judge_local_updates(steps[:15], {k: 2.0 for k in range(1, 15, 2)}, global_batch=64) is None  # 7 and 8
+
+
+def test_a_plan_whose_local_updates_measured_a_loss_keeps_none_until_they_are_measured_again():
+    from coordinator.planning.live import MEASURED_FOR_STEPS, LivePlanner
+    from edgetrain.config import PlannerConfig
+
+    fleet = _fleet()
+    live = LivePlanner(PlannerConfig(enabled=True), _model(), 64, staleness_bound=8)
+    first = live.decide(0, fleet)
+    assert first.plan.local_boards == ("slow",)
+
+    paused = live.pause_local(40)
+    during = [p.local_boards for p in live.alternatives(fleet)]
+    renamed = fleet[:-1] + [replace(fleet[-1], name="slow2")]
+    left = live.decide(41, renamed)  # a re-plan while paused (a board left, another joined)
+    after = live.decide(41 + MEASURED_FOR_STEPS, fleet)
+
+    assert paused.local_boards == () and dict(paused.left_out)["slow"] == NO_GAIN
+    assert all(boards == () for boards in during)
+    assert left.plan.local_boards == ()
+    assert after.plan.local_boards == ("slow",)  # measured again

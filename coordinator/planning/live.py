@@ -6,6 +6,9 @@ coordinator.planning.inputs). A re-plan is considered when
 - a board's measured link rate moved by more than `bandwidth_change` (a fraction) from the
   rate the current plan was made with, and that moves what it transfers in a step by at least
   LINK_SHARE of the plan's step time (fast links measured under load wander a lot for nothing),
+  at LINK_CONFIRM_DECISIONS decisions in a row (a rate read while a board's CPU was busy with its
+  step swings by 10x and back; a link that really changed stays changed, and every switch costs
+  the steps that hand the plan over),
 - a board's battery crossed `battery_floor` while unplugged, or its plug changed,
 - the plan in force measures a step more than `overrun` (a fraction) over its prediction, once
   per plan: what the planner was told about the boards was wrong (a join-time profile taken
@@ -41,6 +44,10 @@ MEASURED_FOR_STEPS = 500
 LINK_SHARE = 0.05
 """A link rate change re-plans only when it moves the board's transfers by at least this share
 of the plan's predicted step."""
+
+
+LINK_CONFIRM_DECISIONS = 3
+"""A link rate change re-plans once it held at this many decisions in a row (one per attempt)."""
 
 
 @dataclass(frozen=True)
@@ -97,8 +104,15 @@ class LivePlanner:
         MEASURED_FOR_STEPS steps and while no board joined or left: a candidate measured slower
         than the plan in force does not replace it, whatever its prediction."""
         self._reference: dict[str, BoardCost] = {}
+        self._link_held: dict[str, int] = {}
+        """Board -> decisions in a row its link rate has been changed enough from the reference."""
         self._overrun_checked = False
         """The plan in force was re-planned for running over its prediction (once per plan)."""
+        self.local_paused_until = -1
+        """No boards beside the steps before this step: their updates measured a loss
+        (coordinator.planning.local_members.judge_local_updates)."""
+        self._step = 0
+        """The step of the latest decision."""
 
     def decide(self, step: int, boards: Sequence[BoardCost], measured_step_s: float | None = None) -> PlanDecision | None:
         """Re-plan if the fleet changed enough since the reference (None: nothing to do).
@@ -110,6 +124,7 @@ class LivePlanner:
         same. One that runs slower than predicted is judged by its prediction, as the candidate
         is: the model's optimism is the candidate's too, and judged by its measurement the plan
         would lose to every candidate the model rates within its error (docs/benchmarks.md#dp)."""
+        self._step = step
         reasons = self.changes(boards)
         if any(r.endswith((" joined", " left")) for r in reasons):  # measured with other boards
             self.measured.clear()
@@ -142,7 +157,7 @@ class LivePlanner:
         active = () if switch else tuple(n for n in self.current.dp_boards if now.share.get(n, 0.0) > 0)
         if not switch and not self.current.stages and not active:
             switch = True  # a data-parallel plan that would give none of its boards work cannot be kept
-        self._reference = {b.name: b for b in boards}
+        self._reference, self._link_held = {b.name: b for b in boards}, {}
         if switch:
             self.current, self._overrun_checked = candidate, False
         else:  # keep the plan, with its prediction on today's fleet (shards it gives no work are out)
@@ -151,7 +166,7 @@ class LivePlanner:
                            left_out=self.current.left_out + idle)
             self.current = replace(kept, prediction=predict(kept, list(boards), self.model, self.global_batch,
                                                             **self.stage_options))
-        if self.cfg.local_updates:
+        if self.cfg.local_updates and step >= self.local_paused_until:
             self.current = add_local_members(self.current, boards, self.model, **self.local)
         return PlanDecision(step, tuple(reasons), self.current, switch, cost, current_cost, tuple(boards))
 
@@ -161,9 +176,16 @@ class LivePlanner:
         plans = plan_alternatives(list(boards), self.model, self.global_batch, self.cfg.weight,
                                   battery_floor=self.cfg.battery_floor, channel_groups=self.cfg.channel_groups,
                                   **self.stage_options)
-        if self.cfg.local_updates:
+        if self.cfg.local_updates and self._step >= self.local_paused_until:
             plans = [add_local_members(p, boards, self.model, **self.local) for p in plans]
         return plans
+
+    def pause_local(self, step: int) -> Plan:
+        """Boards beside the steps measured a loss: the plan in force without them, and none in any
+        plan for MEASURED_FOR_STEPS steps (then they are measured again)."""
+        self.local_paused_until = step + MEASURED_FOR_STEPS
+        self.current = without_local_members(self.current)
+        return self.current
 
     def note_measured(self, plan: Plan, step_s: float, step: int) -> None:
         """A plan of this structure measured `step_s` seconds a step (a trial, or the plan in force)."""
@@ -182,7 +204,8 @@ class LivePlanner:
         self.current, self._overrun_checked = plan, False
 
     def changes(self, boards: Sequence[BoardCost]) -> list[str]:
-        """Why the fleet differs from the reference enough to plan again (empty: it does not)."""
+        """Why the fleet differs from the reference enough to plan again (empty: it does not).
+        Called once per decision: it counts how long each link change has held."""
         if self.current is None:
             return ["first plan"]
         ref, now = self._reference, {b.name: b for b in boards}
@@ -192,7 +215,11 @@ class LivePlanner:
             a, b = ref[name], now[name]
             change = abs(b.mbit_per_s - a.mbit_per_s) / a.mbit_per_s
             if change > self.cfg.bandwidth_change and self._link_matters(a, b):
-                out.append(f"{name} link {a.mbit_per_s:.1f} -> {b.mbit_per_s:.1f} Mbit/s")
+                self._link_held[name] = self._link_held.get(name, 0) + 1
+                if self._link_held[name] >= LINK_CONFIRM_DECISIONS:
+                    out.append(f"{name} link {a.mbit_per_s:.1f} -> {b.mbit_per_s:.1f} Mbit/s")
+            else:
+                self._link_held.pop(name, None)
             if b.memory_bytes < 0.95 * a.memory_bytes:
                 out.append(f"{name} memory {a.memory_bytes / 1e6:.0f} -> {b.memory_bytes / 1e6:.0f} MB")
             if self._low(a) != self._low(b):

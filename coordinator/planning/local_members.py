@@ -172,3 +172,52 @@ def without_local_members(plan: Plan) -> Plan:
     left = tuple((b, NO_GAIN if why.startswith(NO_GAIN) else why) for b, why in plan.left_out)
     return replace(plan, local_boards=(), left_out=left + tuple((b, NO_GAIN) for b in plan.local_boards),
                    prediction=prediction)
+
+
+LOCAL_JUDGED_AT = (40, 80, 160, 320)
+"""Steps of a plan in force after which its local updates are judged by what they measured."""
+MIN_JUDGED_STEPS = 10
+"""Steps of each kind (with local work, without) a judgement needs."""
+
+
+@dataclass(frozen=True)
+class LocalVerdict:
+    """What the local updates of a plan in force measured: seconds per step, both averaged over all
+    its steps."""
+
+    cost_s: float
+    """What the steps that handed out or applied local work took longer than the others, times
+    their share of the steps."""
+    gain_s: float
+    """What the weighted local samples they applied are worth: the time the plan's own steps take
+    to train as many samples."""
+    touched: int
+    untouched: int
+
+    @property
+    def pays(self) -> bool:
+        return self.gain_s >= self.cost_s
+
+    def describe(self) -> str:
+        return (f"local updates cost {self.cost_s:.3f} s a step and add {self.gain_s:.3f} s worth of samples "
+                f"(steps with local work {self.touched}, without {self.untouched})")
+
+
+def judge_local_updates(step_seconds: Sequence[tuple[int, float]], local_work: dict[int, float],
+                        global_batch: int) -> LocalVerdict | None:
+    """Measure, not assume, what boards beside the steps bring: the plan's steps that handed out or
+    applied local work (`local_work`: step -> weighted local samples applied) against those that
+    did not, measured in the same minutes (the emulated machine's speed drifts by minutes, not by
+    steps). Boards beside the steps share the gateway's CPU and network with the steps (their
+    downloads and uploads, their updates applied); the samples they add are weighted by staleness.
+    None while either kind has fewer than MIN_JUDGED_STEPS steps."""
+    touched = [sec for step, sec in step_seconds if step in local_work]
+    plain = [sec for step, sec in step_seconds if step not in local_work]
+    if len(touched) < MIN_JUDGED_STEPS or len(plain) < MIN_JUDGED_STEPS:
+        return None
+    steps = len(touched) + len(plain)
+    base = sum(plain) / len(plain)
+    cost = (sum(touched) / len(touched) - base) * len(touched) / steps
+    samples = sum(local_work.get(step, 0.0) for step, _ in step_seconds) / steps
+    return LocalVerdict(cost_s=cost, gain_s=samples / global_batch * base, touched=len(touched),
+                        untouched=len(plain))

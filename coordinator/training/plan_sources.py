@@ -18,7 +18,8 @@ from coordinator.planning.inputs import (
     measure_model_cost,
     train_flops_per_sample,
 )
-from coordinator.planning.live import LivePlanner, PlanDecision
+from coordinator.planning.live import MEASURED_FOR_STEPS, LivePlanner, PlanDecision
+from coordinator.planning.local_members import LOCAL_JUDGED_AT, judge_local_updates
 from coordinator.planning.trials import (
     TRIAL_SHARE,
     WARMUP_STEPS,
@@ -138,6 +139,7 @@ class LivePlans:
         first = self._first_trial(step, fleet, boards)
         if first is not None:
             return first
+        self._judge_local(step)
         measured = self._measured_step_s()
         if measured and self.planner.current is not None:
             self.planner.note_measured(self.planner.current, measured, step)
@@ -164,6 +166,30 @@ class LivePlans:
                                 f" (against the plan in force, {known:.3f} s/step)" if incumbent else "")
                     return self.trial.plan_for(step)
         return self.planner.current or Plan(dp_share=1.0)  # nobody to plan for yet: DP waits for boards
+
+    def _judge_local(self, step: int) -> None:
+        """At LOCAL_JUDGED_AT steps of a plan in force with boards beside its steps: keep them only
+        while what they add is worth what they cost the steps (measured, judge_local_updates)."""
+        plan = self.planner.current
+        if plan is None or not plan.local_boards or not self.history:
+            return
+        since = self.history[-1]["step"]
+        steps = [(s, sec) for s, sec in self.ctx.step_seconds if s > since]
+        if len(steps) not in LOCAL_JUDGED_AT:
+            return
+        verdict = judge_local_updates(steps, self.ctx.local_work, self.ctx.job.training.global_batch)
+        if verdict is None:
+            return
+        self.ctx.metrics.write({"kind": "local_updates", "step": step, "boards": list(plan.local_boards),
+                                "cost_s": round(verdict.cost_s, 4), "gain_s": round(verdict.gain_s, 4),
+                                "steps_with": verdict.touched, "steps_without": verdict.untouched,
+                                "kept": verdict.pays})
+        if verdict.pays:
+            logger.info("[Coordinator.Planner] step %d: %s: kept", step, verdict.describe())
+            return
+        kept = self.planner.pause_local(step)
+        self._record(step, PlanDecision(step, (f"{verdict.describe()}: none for {MEASURED_FOR_STEPS} steps",),
+                                        kept, True, 0.0, None))
 
     def _first_trial(self, step: int, fleet: Fleet, boards: list) -> Plan | None:
         """Once WARMUP_STEPS steps ran (the first steps of a run are slower whatever the plan:

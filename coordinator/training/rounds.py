@@ -125,6 +125,9 @@ class RoundContext:
     train_size: int
     step_seconds: list[tuple[int, float]] = field(default_factory=list)
     """(step, seconds) of every step trained so far (the live planner judges its plan by them)."""
+    local_work: dict[int, float] = field(default_factory=dict)
+    """Steps that handed out or applied local work of boards beside the steps -> the local samples
+    they applied, times their aggregation weight (the live planner judges local updates by them)."""
     board_security: transport.Security = transport.INSECURE
     """How the coordinator dials boards (their StagePeer endpoints): as the gateway, under mutual
     TLS, unless the coordinator serves --insecure."""

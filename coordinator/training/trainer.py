@@ -328,6 +328,9 @@ class Trainer:
         self.steps_applied += 1
         self.applied_steps[record.step] += 1
         self.ctx.step_seconds.append((record.step, record.seconds))
+        local = [u for u in record.used if u.extra]
+        if record.beside or local:
+            self.ctx.local_work[record.step] = sum(u.contribution.samples * u.factor for u in local)
         self.samples_done += sum(w.contribution.samples for w in record.used)
         self.train_seconds += record.seconds
         logged = self.metrics.train_step(record, lr=self.aggregator.lr,

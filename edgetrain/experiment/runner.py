@@ -13,8 +13,8 @@ With `--live`, EdgeTrain arms are submitted as jobs to a running job server with
 operator credential, and their run directories are copied from the server's runs directory when
 it is on this machine. Baselines and traces are refused on a live fleet (see ``check_live``).
 
-Every run directory gets arm.json (which arm, repeat, seed, fleet, stop rule, when it ran, its exit
-code, its set-up seconds); then ``edgetrain.experiment.report.build_report`` writes results.csv,
+Every run directory gets arm.json (which arm, repeat, seed, the commit it ran, fleet, stop rule, when
+it ran, its exit code, its set-up seconds); then ``edgetrain.experiment.report.build_report`` writes results.csv,
 report.md and the plots beside them.
 """
 
@@ -39,6 +39,7 @@ import yaml
 
 from edgetrain import supervisor
 from edgetrain.emulator.launch import EmulatedTrust
+from edgetrain.experiment.bench_output import commit_id
 from edgetrain.experiment.spec import Arm, Experiment, Run, SpecError, Trace
 from edgetrain.fleet_file import BoardSpec, FleetSpec, board_to_dict
 from edgetrain.supervisor import edgetrain_command
@@ -407,8 +408,8 @@ def _synthetic(run: Run) -> bool:
 
 
 def _arm_record(exp: Experiment, run: Run, fleet: Fleet, *, network: str, launched_at: float, ended_at: float,
-                exit_code: int | None, setup: dict[str, float]) -> dict[str, Any]:
-    return {"experiment": exp.name, "arm": run.arm.name, "repeat": run.repeat, "seed": run.seed,
+                exit_code: int | None, setup: dict[str, float], commit: str) -> dict[str, Any]:
+    return {"experiment": exp.name, "arm": run.arm.name, "repeat": run.repeat, "seed": run.seed, "commit": commit,
             "baseline": run.arm.baseline, "kind": run.arm.kind, "fleet": fleet.name,
             "fleet_boards": list(fleet.boards), "network": network, "launched_at": launched_at,
             "ended_at": ended_at, "exit_code": exit_code, "stop": exp.stop.to_dict() if exp.stop else {},
@@ -428,6 +429,7 @@ def run_experiment(exp: Experiment, runs: Sequence[Run], fleet: Fleet, options: 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "experiment.yaml").write_text(exp.source.read_text())
     cap_s = exp.stop.cap_s if exp.stop else None
+    commit = commit_id()  # the code every run of this invocation trains with
     run_dirs, failed = [], []
     for run in runs:
         run_dir = out_dir / run.name
@@ -462,7 +464,7 @@ def run_experiment(exp: Experiment, runs: Sequence[Run], fleet: Fleet, options: 
             progress.close()
             ended_at = time.time()
             record = _arm_record(exp, run, fleet, network=network, launched_at=launched_at, ended_at=ended_at,
-                                 exit_code=code, setup=_setup_seconds(run_dir))
+                                 exit_code=code, setup=_setup_seconds(run_dir), commit=commit)
             (run_dir / "arm.json").write_text(json.dumps(record, indent=2))
         run_dirs.append(run_dir)
         if code != 0:
