@@ -168,13 +168,17 @@ def test_a_board_too_slow_to_wait_for_sends_local_updates_within_the_staleness_b
     killed = max(s["step"] for s in _records(coordinator.run_dir))
     coordinator.wait(timeout=200)
 
-    # Assert: the planner measured at least two plans and kept the best score
+    # Assert: the planner measured at least two plans and kept the best score, or the default one
+    # when the best did not beat it by the trial's margin
     trials = _records(coordinator.run_dir, "plan_trial")
     assert trials, "no measured trial"
-    candidates = trials[0]["candidates"]
+    first = trials[0]
+    candidates = first["candidates"]
     assert len(candidates) >= 2 and all(c["measured_step_s"] for c in candidates), candidates
     best = max(range(len(candidates)), key=lambda i: candidates[i]["score"])
-    assert candidates[trials[0]["chosen"]]["score"] == candidates[best]["score"]
+    if candidates[first["chosen"]]["score"] != candidates[best]["score"]:
+        assert first["chosen"] == first["default"] and first["margin"] is not None, first
+        assert candidates[best]["score"] <= (1 + first["margin"]) * candidates[first["default"]]["score"]
     # the slow board trained beside the steps: never in a step's shares, its updates applied within
     # the bound with the staleness rule's weight
     steps = _records(coordinator.run_dir)

@@ -227,6 +227,26 @@ def test_a_switch_measured_slower_than_the_plan_in_force_keeps_the_plan_in_force
     assert trial.seconds() == pytest.approx(7.0)
 
 
+def test_a_candidate_replaces_data_parallelism_only_when_it_measures_clearly_faster():
+    # Prepare: pure data parallelism over every board and a pipeline, 4 scored steps each
+    fleet, model = _fleet(), _model()
+    plans = plan_alternatives(fleet, model, 64)
+    dp = next(p for p in plans if not p.stages)
+    other = next(p for p in plans if p.stages)
+
+    def kept(dp_steps: list[float], other_steps: list[float]) -> Plan:
+        trial = Trial(0, [other, dp], steps=4)
+        trial.observe([(k, t) for k, t in enumerate([9.0, *other_steps, 9.0, *dp_steps])])
+        return trial.measured[trial.best(64, None, min_gain=0.05)].plan
+
+    # Execute / Assert: 10% faster within steps that scatter by 30% is noise; 20% faster in steady
+    # steps, or twice as fast in noisy ones, is not; four steady steps still assume a 10% spread
+    assert kept([1.0, 0.7, 1.3, 1.0], [0.9, 0.6, 1.2, 0.9]) is dp
+    assert kept([1.0, 1.0, 1.0, 1.0], [0.8, 0.8, 0.8, 0.8]) is other
+    assert kept([1.0, 0.7, 1.3, 1.0], [0.5, 0.35, 0.65, 0.5]) is other
+    assert kept([1.0, 1.0, 1.0, 1.0], [0.9, 0.9, 0.9, 0.9]) is dp
+
+
 # --- the aggregator: a local update beside the steps ------------------------------------------------
 
 def _local_upload(board, formats, device: str, step: int, samples: int, value: float) -> None:

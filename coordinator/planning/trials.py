@@ -17,7 +17,11 @@ samples per step M over its measured step time, times (phi + M0) / (phi + M), wi
 gradient noise scale estimated in training (coordinator.training.noise_scale) and M0 the global
 batch. M counts the step's own samples only: what boards beside the steps add arrives after a
 trial's few steps, so it is not measured there, and counting their predicted samples made plans
-with boards beside them win trials they measured slower in. The best score is committed.
+with boards beside them win trials they measured slower in. The best score is committed when it
+beats the trial's default (the plan in force when it competes with its earlier measurement, else
+the data-parallel candidate over the most boards) by more than `min_gain` and TRIAL_CONFIDENCE
+standard errors of the two measurements: a few steps of one plan scatter by tens of percent, and
+a switch on noise costs the rest of the run.
 
 A plan made while some board's link is not measured yet (planned with an assumed rate) goes in
 force unmeasured: the re-plan its measured links cause is the one that is measured.
@@ -44,6 +48,13 @@ WARMUP_STEPS = 10
 """Steps a run trains before its first trial: its first steps are slower whatever the plan (the
 boards' first passes, caches), and would condemn the candidate measured first."""
 
+TRIAL_CONFIDENCE = 2.0
+"""Standard errors by which a candidate must measure better than the trial's default to replace it."""
+
+MIN_STEP_SPREAD = 0.1
+"""Least relative spread of step times assumed for a trial's few steps (on the emulated fleet one
+plan's steps scatter by 20-40%)."""
+
 TRIAL_SPREAD = 2.0
 """Alternatives predicted more than this many times slower a step than the planner's choice are
 not measured."""
@@ -68,6 +79,17 @@ class Measured:
     known_s: float | None = None
     """The plan in force: its step time measured before the trial (it does not run again)."""
 
+    def relative_error(self) -> float:
+        """Standard error of its step time over the step time: its scored steps' spread (at least
+        MIN_STEP_SPREAD, which a few steps can underrate) over the square root of their count; 0
+        for the plan in force measured before (over many more steps)."""
+        times = [s for _, s in self.steps[1:]]
+        if self.known_s is not None or not times:
+            return 0.0
+        mean = statistics.fmean(times)
+        spread = statistics.stdev(times) / mean if len(times) > 1 and mean > 0 else 0.0
+        return max(spread, MIN_STEP_SPREAD) / math.sqrt(len(times))
+
     def step_s(self) -> float | None:
         """Median seconds of its steps after the hand-over (None: none yet)."""
         if self.known_s is not None:
@@ -89,6 +111,9 @@ class Trial:
         self.measured = [Measured(p) for p in candidates]
         """The candidates that run, in order (then, if given, the plan in force, already measured)."""
         self.runs = len(self.measured)
+        self.margin: float | None = None
+        """By how much (a fraction) the best score had to beat the default's at the last `best`
+        (None: the best was the default)."""
         if incumbent is not None:
             self.measured.append(Measured(incumbent[0], known_s=incumbent[1]))
 
@@ -134,11 +159,33 @@ class Trial:
                         "score": _round(batch / step_s * eff if step_s else None)})
         return out
 
-    def best(self, global_batch: int, noise_scale: float | None) -> int:
-        """Index of the candidate with the best score (the first when none was measured)."""
-        scored = [(s["score"], -i) for i, s in enumerate(self.scores(global_batch, noise_scale))
-                  if s["score"] is not None]
-        return -max(scored)[1] if scored else 0
+    def best(self, global_batch: int, noise_scale: float | None, min_gain: float = 0.0) -> int:
+        """Index of the candidate to keep: the best score, unless it is not `min_gain` and
+        TRIAL_CONFIDENCE standard errors of the two measurements better than the default's
+        (`default`); the first candidate when none was measured."""
+        scores = self.scores(global_batch, noise_scale)
+        scored = [(s["score"], -i) for i, s in enumerate(scores) if s["score"] is not None]
+        if not scored:
+            return 0
+        best = -max(scored)[1]
+        default = self.default()
+        self.margin = None
+        if best == default or scores[default]["score"] is None:
+            return best
+        self.margin = max(min_gain, TRIAL_CONFIDENCE * math.hypot(self.measured[best].relative_error(),
+                                                                  self.measured[default].relative_error()))
+        return best if scores[best]["score"] > (1 + self.margin) * scores[default]["score"] else default
+
+    def default(self) -> int:
+        """The candidate kept unless another measures clearly better: the plan in force when it
+        competes with what it measured before, else the data-parallel candidate over the most boards
+        (what users of data parallelism run; it keeps no state on boards, so the syncs that stage
+        hosts pay at evaluations and checkpoints, which a trial does not see, cost it nothing),
+        else the first."""
+        if self.measured[-1].known_s is not None:
+            return len(self.measured) - 1
+        pure = [i for i, m in enumerate(self.measured) if not m.plan.stages and m.plan.dp_boards]
+        return max(pure, key=lambda i: len(self.measured[i].plan.dp_boards)) if pure else 0
 
 
 def worth_measuring(best: Plan, others: Sequence[Plan]) -> list[Plan]:

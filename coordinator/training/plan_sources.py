@@ -235,7 +235,7 @@ class LivePlans:
         job = self.ctx.job
         phi = self.ctx.aggregator.noise.value
         scores = trial.scores(job.training.global_batch, phi)
-        chosen = trial.best(job.training.global_batch, phi)
+        chosen = trial.best(job.training.global_batch, phi, job.planner.min_gain)
         plan = trial.measured[chosen].plan
         self.trial_seconds += trial.seconds()
         if trial.measured[chosen].step_s() is not None:
@@ -249,6 +249,8 @@ class LivePlans:
         self.ctx.metrics.write(kept.to_record(job.pipeline.stage_state))  # the plan in force from here
         self.ctx.metrics.write({"kind": "plan_trial", "step": step, "started": trial.start_step,
                                 "reasons": list(trial.reasons), "candidates": scores, "chosen": chosen,
+                                "default": trial.default(),
+                                "margin": None if trial.margin is None else round(trial.margin, 4),
                                 "plan": plan_to_dict(plan), "plan_kind": plan.kind,
                                 "local_boards": list(plan.local_boards), "left_out": dict(plan.left_out),
                                 "noise_scale": None if phi is None else round(phi, 2),
