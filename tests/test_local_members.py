@@ -227,6 +227,12 @@ def test_a_switch_measured_slower_than_the_plan_in_force_keeps_the_plan_in_force
     assert trial.seconds() == pytest.approx(7.0)
 
 
+def test_data_parallelism_over_the_same_boards_listed_in_another_order_is_measured_once():
+    dp = next(p for p in plan_alternatives(_fleet(), _model(), 64) if not p.stages)
+    shuffled = replace(dp, dp_boards=tuple(reversed(dp.dp_boards)))
+    assert distinct([dp, shuffled]) == [dp]
+
+
 def test_a_candidate_replaces_data_parallelism_only_when_it_measures_clearly_faster():
     # Prepare: pure data parallelism over every board and a pipeline, 4 scored steps each
     fleet, model = _fleet(), _model()

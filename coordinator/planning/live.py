@@ -150,7 +150,7 @@ class LivePlanner:
                 # under-predicts this plan under-predicts the candidates alike
                 current_cost *= min(1.0, measured_step_s / self.current.prediction.step_s)
         switch = current_cost is None or cost < (1 - self.cfg.min_gain) * current_cost
-        if switch and current_cost is not None and _structure(candidate) == _structure(self.current):
+        if switch and current_cost is not None and structure(candidate) == structure(self.current):
             switch = False  # the plan in force again: nothing to switch to
         if switch and current_cost is not None and self._measured_slower(candidate):
             switch = False  # measured, it was not faster: a prediction does not overrule a measurement
@@ -258,9 +258,3 @@ class LivePlanner:
         by_name = {b.name: b for b in boards}
         used = [n for s in plan.stages for n in s.boards] + list(plan.dp_boards)
         return all(n in by_name and not self._low(by_name[n]) for n in used)
-
-
-def _structure(plan: Plan) -> Plan:
-    """A plan without what does not change where its steps run (why boards are left out, boards
-    beside the steps)."""
-    return replace(plan, left_out=(), local_boards=())

@@ -198,8 +198,10 @@ def worth_measuring(best: Plan, others: Sequence[Plan]) -> list[Plan]:
 
 
 def structure(plan: Plan) -> tuple:
-    """What makes two plans structurally different: which boards work in the steps and how."""
-    return (tuple((s.begin, s.end, s.boards, s.split) for s in plan.stages), plan.dp_boards, plan.kind)
+    """What makes two plans structurally different: which boards work in the steps and how (the
+    order DP shards are listed in is not a difference)."""
+    return (tuple((s.begin, s.end, s.boards, s.split) for s in plan.stages), tuple(sorted(plan.dp_boards)),
+            plan.kind)
 
 
 def distinct(plans: Sequence[Plan]) -> list[Plan]:
