@@ -168,10 +168,10 @@ REUSE_WITHIN_S = 12 * 3600
 this machine's core runs 1.6-1.85x faster on some days than others, so a result mixes no days."""
 
 
-def arm_runs(out: Path, arm: str, seeds: list[int]) -> list[dict] | None:
-    """arm.json of each seed's run of `arm` under `out` (None when one has not finished)."""
+def arm_runs(out: Path, arm: str, repeats: int) -> list[dict] | None:
+    """arm.json of each of the `repeats` runs of `arm` under `out` (None when one has not finished)."""
     runs = []
-    for k in range(len(seeds)):
+    for k in range(repeats):
         run_dir = out / f"{arm}-r{k}"
         if not (run_dir / "summary.json").exists() or not (run_dir / "arm.json").exists():
             return None
@@ -266,7 +266,7 @@ def main() -> None:
             fleet_arms = [a for a in arms if not (fleet == "bandwidth" and a in ("ddp", "single"))]
             out = workdir / f"tta-{fleet}"
             finished = [a for a in fleet_arms
-                        if args.resume and reusable(arm_runs(out, a, seeds), commit, time.time())]
+                        if args.resume and reusable(arm_runs(out, a, len(seeds)), commit, time.time())]
             result["reused"] += [f"{fleet}/{a}" for a in finished]
             to_run = [a for a in fleet_arms if a not in finished]
             if to_run:
@@ -283,7 +283,7 @@ def main() -> None:
                 ddp_steps = [steps_to_target(workdir / "tta-compute" / f"ddp-r{k}", target)
                              if (workdir / "tta-compute" / f"ddp-r{k}" / "metrics.jsonl").exists() else None
                              for k in range(len(seeds))]
-                if args.resume and reusable(arm_runs(workdir / "tta-bandwidth-ddp-segment", "ddp", [0]), commit,
+                if args.resume and reusable(arm_runs(workdir / "tta-bandwidth-ddp-segment", "ddp", 1), commit,
                                             time.time()):
                     result["reused"].append("bandwidth/ddp-segment")
                 else:
@@ -298,7 +298,7 @@ def main() -> None:
                 result["ddp_segment"] = {"steps": args.segment, "median_step_s": round(step_s, 3),
                                          "links_emulated": emulated, "steps_to_target_on_compute": steps}
             entry = {"time_to_accuracy_s": times, "energy_to_accuracy_j": energies, "setup_s": setups,
-                     "arms": {a: provenance(arm_runs(out, a, seeds)) for a in fleet_arms}}
+                     "arms": {a: provenance(arm_runs(out, a, len(seeds))) for a in fleet_arms}}
             best = min((a for a in EDGETRAIN_ARMS if times.get(a) is not None), key=lambda a: times[a], default=None)
             if best and times.get("ddp"):
                 entry["best_edgetrain_arm"] = best

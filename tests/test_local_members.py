@@ -395,7 +395,7 @@ def test_a_plan_whose_local_updates_measured_a_loss_keeps_none_until_they_are_me
     assert first.plan.local_boards == ("slow",)
 
     paused = live.pause_local(40)
-    during = [p.local_boards for p in live.alternatives(fleet)]
+    during = [p.local_boards for p in live.alternatives(40, fleet)]
     renamed = fleet[:-1] + [replace(fleet[-1], name="slow2")]
     left = live.decide(41, renamed)  # a re-plan while paused (a board left, another joined)
     after = live.decide(41 + MEASURED_FOR_STEPS, fleet)

@@ -111,8 +111,6 @@ class LivePlanner:
         self.local_paused_until = -1
         """No boards beside the steps before this step: their updates measured a loss
         (coordinator.planning.local_members.judge_local_updates)."""
-        self._step = 0
-        """The step of the latest decision."""
 
     def decide(self, step: int, boards: Sequence[BoardCost], measured_step_s: float | None = None) -> PlanDecision | None:
         """Re-plan if the fleet changed enough since the reference (None: nothing to do).
@@ -124,7 +122,6 @@ class LivePlanner:
         same. One that runs slower than predicted is judged by its prediction, as the candidate
         is: the model's optimism is the candidate's too, and judged by its measurement the plan
         would lose to every candidate the model rates within its error (docs/benchmarks.md#dp)."""
-        self._step = step
         reasons = self.changes(boards)
         if any(r.endswith((" joined", " left")) for r in reasons):  # measured with other boards
             self.measured.clear()
@@ -170,13 +167,13 @@ class LivePlanner:
             self.current = add_local_members(self.current, boards, self.model, **self.local)
         return PlanDecision(step, tuple(reasons), self.current, switch, cost, current_cost, tuple(boards))
 
-    def alternatives(self, boards: Sequence[BoardCost]) -> list[Plan]:
+    def alternatives(self, step: int, boards: Sequence[BoardCost]) -> list[Plan]:
         """The best plan of each other kind on `boards` (coordinator.planning.planner.plan_alternatives),
         with boards beside their steps as the plan in force would have them."""
         plans = plan_alternatives(list(boards), self.model, self.global_batch, self.cfg.weight,
                                   battery_floor=self.cfg.battery_floor, channel_groups=self.cfg.channel_groups,
                                   **self.stage_options)
-        if self.cfg.local_updates and self._step >= self.local_paused_until:
+        if self.cfg.local_updates and step >= self.local_paused_until:
             plans = [add_local_members(p, boards, self.model, **self.local) for p in plans]
         return plans
 

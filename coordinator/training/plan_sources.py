@@ -152,7 +152,7 @@ class LivePlans:
                 candidates = [decision.plan]
                 if self._may_trial():  # the best of each other kind too
                     candidates = distinct([decision.plan, *worth_measuring(decision.plan,
-                                                                           self.planner.alternatives(boards))])
+                                                                           self.planner.alternatives(step, boards))])
                 # the plan in force, if it can still run, competes with the step time it measured (in
                 # its trial, when it has not run enough steps since)
                 known = measured or (self._kept[1] if self._kept and before is not None
@@ -201,7 +201,7 @@ class LivePlans:
             return None
         self._warmed_up = True
         current = self.planner.current
-        candidates = distinct([current, *worth_measuring(current, self.planner.alternatives(boards))])
+        candidates = distinct([current, *worth_measuring(current, self.planner.alternatives(step, boards))])
         if len(candidates) < 2:
             return None
         self.trial = Trial(step, candidates, trial_steps, (f"{WARMUP_STEPS} steps warmed up",))
