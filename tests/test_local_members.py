@@ -208,6 +208,28 @@ def test_a_trial_runs_each_candidate_in_turn_and_keeps_the_fastest_measured():
     assert trial.seconds() == pytest.approx(21.0)
 
 
+def test_a_candidate_that_cannot_run_is_skipped_and_the_next_runs_in_its_place():
+    # Prepare: three candidates, 2 scored steps each after a hand-over step
+    fleet, model = _fleet(), _model()
+    plans = plan_alternatives(fleet, model, 64)
+    first, second, third = plans[0], plans[1], plans[-1]
+    trial = Trial(10, [first, second, third], steps=2)
+
+    # Execute: the second's board is not ready after its hand-over step (step 14)
+    trial.skip(14, "b1 not ready at step 14")
+
+    # Assert: its turn ends there, the third runs from step 14, and the second keeps the step it ran
+    assert [trial.plan_for(s) for s in range(10, 18)] == [first] * 3 + [second] + [third] * 3 + [None]
+    assert trial.end_step == 17
+    trial.observe([(k, 1.0) for k in range(10, 17)])
+    scores = trial.scores(64, None)
+    assert [s["steps"] for s in scores] == [[10, 11, 12], [13], [14, 15, 16]]
+    assert scores[1]["skipped"] == "b1 not ready at step 14" and scores[1]["measured_step_s"] is None
+    assert scores[0]["skipped"] == "" and scores[2]["measured_step_s"] == 1.0
+    trial.skip(17, "after the trial")  # nothing to skip
+    assert trial.end_step == 17
+
+
 def test_a_switch_measured_slower_than_the_plan_in_force_keeps_the_plan_in_force():
     # Prepare: the plan in force measured 1.0 s a step before the re-plan; the new plan runs its
     # trial (a hand-over step, then 2 scored steps) and measures 1.5 s

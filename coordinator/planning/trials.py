@@ -78,6 +78,8 @@ class Measured:
     """(step, seconds) of its steps (the first, the hand-over, included)."""
     known_s: float | None = None
     """The plan in force: its step time measured before the trial (it does not run again)."""
+    skipped: str = ""
+    """Why its turn ended before its steps ran ("" when it ran them)."""
 
     def relative_error(self) -> float:
         """Standard error of its step time over the step time: its scored steps' spread (at least
@@ -111,6 +113,9 @@ class Trial:
         self.measured = [Measured(p) for p in candidates]
         """The candidates that run, in order (then, if given, the plan in force, already measured)."""
         self.runs = len(self.measured)
+        self.turns = [[start_step + self.per * i, start_step + self.per * (i + 1)] for i in range(self.runs)]
+        """Each candidate's turn, [first step, first step after it) (moved up when one before it
+        is skipped)."""
         self.margin: float | None = None
         """By how much (a fraction) the best score had to beat the default's at the last `best`
         (None: the best was the default)."""
@@ -120,20 +125,37 @@ class Trial:
     @property
     def end_step(self) -> int:
         """The first step after the trial."""
-        return self.start_step + self.per * self.runs
+        return self.turns[-1][1]
+
+    def _turn(self, step: int) -> int | None:
+        """Index of the candidate whose turn holds `step` (None: before or after the trial)."""
+        return next((i for i, (first, end) in enumerate(self.turns) if first <= step < end), None)
 
     def plan_for(self, step: int) -> Plan | None:
         """The candidate that runs `step`, or None once the trial is over."""
-        i = (step - self.start_step) // self.per
-        return self.measured[i].plan if 0 <= i < self.runs and step >= self.start_step else None
+        i = self._turn(step)
+        return None if i is None else self.measured[i].plan
+
+    def skip(self, step: int, why: str) -> None:
+        """End the turn that holds `step` now (a board it needs cannot run it): the candidates
+        after it move up, so the next one runs `step`."""
+        i = self._turn(step)
+        if i is None:
+            return
+        self.measured[i].skipped = why
+        shift = self.turns[i][1] - step
+        self.turns[i][1] = step
+        for turn in self.turns[i + 1:]:
+            turn[0] -= shift
+            turn[1] -= shift
 
     def observe(self, step_seconds: Sequence[tuple[int, float]]) -> None:
         """Take each candidate's steps from the run's (step, seconds)."""
         for m in self.measured[:self.runs]:
             m.steps = []
         for step, seconds in step_seconds:
-            i = (step - self.start_step) // self.per
-            if 0 <= i < self.runs and step >= self.start_step:
+            i = self._turn(step)
+            if i is not None:
                 self.measured[i].steps.append((step, seconds))
 
     def seconds(self) -> float:
@@ -151,7 +173,7 @@ class Trial:
             out.append({"plan": m.plan.describe(), "kind": m.plan.kind, "in_force_before": m.known_s is not None,
                         "boards": sorted({b for s in m.plan.stages for b in s.boards} | set(m.plan.dp_boards)),
                         "local_boards": list(m.plan.local_boards),
-                        "steps": [s for s, _ in m.steps], "measured_step_s": _round(step_s),
+                        "steps": [s for s, _ in m.steps], "skipped": m.skipped, "measured_step_s": _round(step_s),
                         "predicted_step_s": _round(p.step_s if p else None),
                         "samples_per_step": round(batch, 2),
                         "measured_samples_per_s": _round(batch / step_s if step_s else None),

@@ -130,7 +130,12 @@ class LivePlans:
         if self.trial is not None:
             self.trial.observe(self.ctx.step_seconds)
             plan = self.trial.plan_for(step)
-            if plan is not None and self._runnable(plan, fleet):
+            while plan is not None and (missing := self._missing(plan, fleet)):
+                self.trial.skip(step, f"{', '.join(missing)} not ready at step {step}")
+                logger.info("[Coordinator.Planner] step %d: trial candidate %s skipped: %s not ready", step,
+                            plan.describe(), ", ".join(missing))
+                plan = self.trial.plan_for(step)
+            if plan is not None:
                 if self.trial.plan_for(step - 1) is not plan:
                     self._put_in_force(step, plan, trial=True)
                 return plan
@@ -226,8 +231,13 @@ class LivePlans:
 
     def _runnable(self, plan: Plan, fleet: Fleet) -> bool:
         """Every board the plan's steps need is ready."""
+        return not self._missing(plan, fleet)
+
+    @staticmethod
+    def _missing(plan: Plan, fleet: Fleet) -> list[str]:
+        """The boards the plan's steps need that are not ready (or quarantined)."""
         ready = {r.name for r in fleet.records.values() if r.ready and not r.quarantined}
-        return all(b in ready for s in plan.stages for b in s.boards) and all(b in ready for b in plan.dp_boards)
+        return sorted(({b for s in plan.stages for b in s.boards} | set(plan.dp_boards)) - ready)
 
     def _commit_trial(self, step: int) -> None:
         """The trial is over (or a candidate cannot run): the best measured candidate stays in force."""
@@ -258,7 +268,7 @@ class LivePlans:
                                 "trial_s": round(trial.seconds(), 3), "trials_total_s": round(self.trial_seconds, 3)})
         lines = [f"  {'kept' if i == chosen else '    '} {s['plan']}: measured {s['measured_step_s']} s/step "
                  f"(predicted {s['predicted_step_s']}), efficiency {s['efficiency']}, score {s['score']}"
-                 for i, s in enumerate(scores)]
+                 + (f"; skipped: {s['skipped']}" if s["skipped"] else "") for i, s in enumerate(scores)]
         logger.info("[Coordinator.Planner] step %d: measured %d plans (noise scale %s); keeping the best:\n%s",
                     step, len(scores), "unknown" if phi is None else f"{phi:.0f}", "\n".join(lines))
         self._put_in_force(step, plan, trial=False)
