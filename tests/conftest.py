@@ -253,12 +253,21 @@ def client_factory(tmp_path: Path) -> Iterator:
         proc.wait(10)
 
 
-def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
-    """The records of one kind in a run's metrics.jsonl ([] before it exists)."""
-    path = run_dir / "metrics.jsonl"
+def read_jsonl(path: Path) -> list[dict]:
+    """The complete records of a JSON-lines file that a process may be appending to (a last line
+    without its newline is still being written; [] before the file exists)."""
     if not path.exists():
         return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == kind]
+    text = path.read_text()
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        lines.pop()
+    return [json.loads(line) for line in lines if line]
+
+
+def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
+    """The records of one kind in a run's metrics.jsonl ([] before it exists)."""
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == kind]
 
 
 def wait_for(predicate, timeout_s: float, what: str | Callable[[], str], *, interval_s: float = 0.5):

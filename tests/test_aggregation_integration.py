@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import small_job, wait_for
+from conftest import read_metrics, small_job, wait_for
 from rawboard import (
     compute_gradient,
     gradient_of,
@@ -39,10 +39,7 @@ pytestmark = pytest.mark.slow
 
 
 def records(run_dir: Path, kind: str = "train") -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == kind]
+    return read_metrics(run_dir, kind)
 
 
 @pytest.mark.timeout(240)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ClientProcess, small_job, spawn_edgetrain, wait_for
+from conftest import ClientProcess, read_metrics, small_job, spawn_edgetrain, wait_for
 from reference import max_abs_difference, reference_state
 
 from coordinator.main import run_coordinator
@@ -293,7 +293,7 @@ def _address(tmp_path: Path, process: ClientProcess, log: str) -> str:
 
 
 def _records(run_dir: Path, kind: str) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+    return read_metrics(run_dir, kind)
 
 
 @pytest.mark.slow

@@ -9,24 +9,20 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import small_job, wait_for
+from conftest import read_metrics, small_job, wait_for
 from reference import checkpoint_state, max_abs_difference, reference_state
 
 pytestmark = pytest.mark.slow
 
 
 def _records(run_dir: Path, kind: str = "train") -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == kind]
+    return read_metrics(run_dir, kind)
 
 
 def _board(path: Path, name: str, speed: float, mbit: float) -> Path:

@@ -11,12 +11,11 @@ with it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import small_job, wait_for
+from conftest import read_metrics, small_job, wait_for
 from reference import checkpoint_state, max_abs_difference, reference_state
 
 from edgetrain.models import build_model
@@ -34,8 +33,7 @@ SPEEDS = {"s0": 0.4, "s1a": 0.3, "s1b": 0.15, "s2": 0.3, "dp": 0.4}
 
 
 def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "train"] if path.exists() else []
+    return read_metrics(run_dir)
 
 
 @pytest.mark.timeout(300)

@@ -53,7 +53,7 @@ from coordinator.planning.search import (
     label_search,
     transitions,
 )
-from edgetrain.plan import BoardCost, ModelCost, Plan
+from edgetrain.plan import NO_GAIN, BoardCost, ModelCost, Plan
 
 EXACT_BUDGET = 60_000
 """Most DP transitions (block ranges x groups, x3 when energy counts) the exact search may take
@@ -117,6 +117,20 @@ def plan_alternatives(fleet: Sequence[BoardCost], model: ModelCost, global_batch
     if alone is not None:
         out.append(alone)
     return out
+
+
+def plan_every_board(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, objective: str | float = "time",
+                     *, idle: Sequence[str] = (), battery_floor: float = BATTERY_FLOOR_PERCENT, stage_state: str = "hosts",
+                     sync_every: int = 50, replicate: bool = True, channel_groups: bool = True) -> Plan:
+    """Data parallelism over every board of `fleet` but `idle` (left out for no gain), split by
+    measured speed at each step: what a job runs with the planner off, where `idle` are the boards
+    whose share of that split is empty; with the cost model's prediction. The trials measure every
+    other plan against it."""
+    prob = Problem(fleet, model, global_batch, objective_weight(objective), MICROBATCH_CANDIDATES, battery_floor,
+                   stage_state, sync_every, replicate, channel_groups)
+    shards = tuple(b.name for b in fleet if b.name not in idle) or tuple(b.name for b in fleet)
+    plan = Plan(dp_share=1.0, dp_boards=shards, left_out=tuple((b.name, NO_GAIN) for b in fleet if b.name not in shards))
+    return replace(plan, prediction=prob.predict(plan))
 
 
 def _alone(prob: Problem) -> Plan | None:
