@@ -180,9 +180,7 @@ class LivePlanner:
     def every_board(self, step: int, boards: Sequence[BoardCost], idle: Sequence[str] = ()) -> Plan:
         """Data parallelism over every board but `idle` (planner.plan_every_board: what runs with
         the planner off), with the idle boards beside its steps as the plan in force would have them."""
-        plan = plan_every_board(list(boards), self.model, self.global_batch, self.cfg.weight, idle=idle,
-                                battery_floor=self.cfg.battery_floor, channel_groups=self.cfg.channel_groups,
-                                **self.stage_options)
+        plan = plan_every_board(list(boards), self.model, self.global_batch, idle=idle, **self.stage_options)
         if self.cfg.local_updates and step >= self.local_paused_until:
             plan = add_local_members(plan, boards, self.model, **self.local, keep_shards=True)
         return plan

@@ -43,6 +43,7 @@ from coordinator.planning.cost import (
     Point,
     Problem,
     objective_weight,
+    predict,
 )
 from coordinator.planning.search import (
     Unit,
@@ -119,18 +120,16 @@ def plan_alternatives(fleet: Sequence[BoardCost], model: ModelCost, global_batch
     return out
 
 
-def plan_every_board(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, objective: str | float = "time",
-                     *, idle: Sequence[str] = (), battery_floor: float = BATTERY_FLOOR_PERCENT, stage_state: str = "hosts",
-                     sync_every: int = 50, replicate: bool = True, channel_groups: bool = True) -> Plan:
+def plan_every_board(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, *, idle: Sequence[str] = (),
+                     stage_state: str = "hosts", sync_every: int = 50, replicate: bool = True) -> Plan:
     """Data parallelism over every board of `fleet` but `idle` (left out for no gain), split by
     measured speed at each step: what a job runs with the planner off, where `idle` are the boards
     whose share of that split is empty; with the cost model's prediction. The trials measure every
     other plan against it."""
-    prob = Problem(fleet, model, global_batch, objective_weight(objective), MICROBATCH_CANDIDATES, battery_floor,
-                   stage_state, sync_every, replicate, channel_groups)
     shards = tuple(b.name for b in fleet if b.name not in idle) or tuple(b.name for b in fleet)
     plan = Plan(dp_share=1.0, dp_boards=shards, left_out=tuple((b.name, NO_GAIN) for b in fleet if b.name not in shards))
-    return replace(plan, prediction=prob.predict(plan))
+    return replace(plan, prediction=predict(plan, fleet, model, global_batch, stage_state=stage_state,
+                                            sync_every=sync_every, replicate=replicate))
 
 
 def _alone(prob: Problem) -> Plan | None:
