@@ -24,12 +24,7 @@ from coordinator.planning.local_members import (
     weighted_rate,
     without_local_members,
 )
-from coordinator.planning.planner import (
-    ONE_BOARD_ALONE,
-    plan_alternatives,
-    plan_every_board,
-    plan_optimal,
-)
+from coordinator.planning.planner import ONE_BOARD_ALONE, plan_alternatives, plan_optimal
 from coordinator.planning.trials import Trial, distinct, efficiency
 from coordinator.training.aggregator import as_gradient
 from coordinator.training.steps import Contribution, StepError
@@ -233,36 +228,6 @@ def test_a_candidate_that_cannot_run_is_skipped_and_the_next_runs_in_its_place()
     assert scores[0]["skipped"] == "" and scores[2]["measured_step_s"] == 1.0
     trial.skip(17, "after the trial")  # nothing to skip
     assert trial.end_step == 17
-
-
-def test_the_baseline_is_data_parallelism_over_every_board_the_split_uses_with_the_others_beside():
-    # Prepare: a board ten times slower than its peers
-    fleet, model = _fleet(slow_rate=1e8), _model()
-
-    # Execute: the split at run time (by measured speed) gave every board a share, then all but slow
-    every = plan_every_board(fleet, model, 64)
-    but_slow = plan_every_board(fleet, model, 64, idle=["slow"])
-    beside = add_local_members(but_slow, fleet, model, global_batch=64, staleness_bound=50, staleness_exponent=0.5,
-                               local_batch=16, keep_shards=True)
-
-    # Assert: every board stays a shard unless the split left it idle, whatever the prediction;
-    # the idle board trains beside the steps
-    assert sorted(every.dp_boards) == ["a", "b", "slow"] and every.prediction is not None
-    assert sorted(but_slow.dp_boards) == ["a", "b"] and dict(but_slow.left_out) == {"slow": NO_GAIN}
-    assert beside.local_boards == ("slow",) and sorted(beside.dp_boards) == ["a", "b"]
-    kept = add_local_members(every, fleet, model, global_batch=64, staleness_bound=50, staleness_exponent=0.5,
-                             local_batch=16, keep_shards=True)
-    assert sorted(kept.dp_boards) == ["a", "b", "slow"] and not kept.local_boards
-
-
-def test_the_trial_keeps_its_baseline_unless_another_candidate_measures_clearly_faster():
-    fleet, model = _fleet(), _model()
-    baseline, other = plan_every_board(fleet, model, 64), plan_alternatives(fleet, model, 64)[-1]
-    trial = Trial(0, [baseline, other], steps=3, baseline=0)
-    trial.observe([(0, 9.0), (1, 1.0), (2, 1.0), (3, 1.0), (4, 9.0), (5, 0.95), (6, 0.95), (7, 0.95)])
-    assert trial.default() == 0 and trial.best(64, None, min_gain=0.05) == 0  # 5% is within the noise
-    trial.observe([(0, 9.0), (1, 1.0), (2, 1.0), (3, 1.0), (4, 9.0), (5, 0.6), (6, 0.6), (7, 0.6)])
-    assert trial.best(64, None, min_gain=0.05) == 1
 
 
 def test_a_switch_measured_slower_than_the_plan_in_force_keeps_the_plan_in_force():

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from coordinator.planning.cost import objective_cost, predict
 from coordinator.planning.local_members import add_local_members, without_local_members
-from coordinator.planning.planner import plan_alternatives, plan_every_board, plan_optimal
+from coordinator.planning.planner import plan_alternatives, plan_optimal
 from coordinator.planning.trials import structure
 from edgetrain.config import PlannerConfig
 from edgetrain.plan import NO_GAIN, BoardCost, ModelCost, Plan, plan_to_dict
@@ -176,14 +176,6 @@ class LivePlanner:
         if self.cfg.local_updates and step >= self.local_paused_until:
             plans = [add_local_members(p, boards, self.model, **self.local) for p in plans]
         return plans
-
-    def every_board(self, step: int, boards: Sequence[BoardCost], idle: Sequence[str] = ()) -> Plan:
-        """Data parallelism over every board but `idle` (planner.plan_every_board: what runs with
-        the planner off), with the idle boards beside its steps as the plan in force would have them."""
-        plan = plan_every_board(list(boards), self.model, self.global_batch, idle=idle, **self.stage_options)
-        if self.cfg.local_updates and step >= self.local_paused_until:
-            plan = add_local_members(plan, boards, self.model, **self.local, keep_shards=True)
-        return plan
 
     def pause_local(self, step: int) -> Plan:
         """Boards beside the steps measured a loss: the plan in force without them, and none in any

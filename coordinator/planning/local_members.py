@@ -95,16 +95,14 @@ def weighted_rate(size: LocalWorkSize, step_s: float, exponent: float) -> float:
 
 def add_local_members(plan: Plan, fleet: Sequence[BoardCost], model: ModelCost, *, global_batch: int,
                       staleness_bound: int, staleness_exponent: float, local_batch: int,
-                      stage_state: str = "hosts", keep_shards: bool = False) -> Plan:
-    """`plan` with every board it leaves out for no gain, or (unless `keep_shards`: the split at
-    run time decides) gives a DP share of less than one sample, training beside its steps where a
-    local update fits the staleness bound (the others left out, saying why); its prediction then
-    counts their staleness-weighted samples per second, their memory, and their energy and samples
-    in the energy per sample."""
+                      stage_state: str = "hosts") -> Plan:
+    """`plan` with every board it leaves out for no gain, or gives a DP share of less than one
+    sample, training beside its steps where a local update fits the staleness bound (the others
+    left out, saying why); its prediction then counts their staleness-weighted samples per second,
+    their memory, and their energy and samples in the energy per sample."""
     if plan.prediction is None or owns_stages(plan, stage_state):
         return plan
-    if not keep_shards:
-        plan = _without_empty_shards(plan, global_batch)
+    plan = _without_empty_shards(plan, global_batch)
     by_name = {b.name: b for b in fleet}
     params = sum(b.param_bytes for b in model.blocks)
     flops = sum(b.train_flops for b in model.blocks)

@@ -43,7 +43,6 @@ from coordinator.planning.cost import (
     Point,
     Problem,
     objective_weight,
-    predict,
 )
 from coordinator.planning.search import (
     Unit,
@@ -54,7 +53,7 @@ from coordinator.planning.search import (
     label_search,
     transitions,
 )
-from edgetrain.plan import NO_GAIN, BoardCost, ModelCost, Plan
+from edgetrain.plan import BoardCost, ModelCost, Plan
 
 EXACT_BUDGET = 60_000
 """Most DP transitions (block ranges x groups, x3 when energy counts) the exact search may take
@@ -118,18 +117,6 @@ def plan_alternatives(fleet: Sequence[BoardCost], model: ModelCost, global_batch
     if alone is not None:
         out.append(alone)
     return out
-
-
-def plan_every_board(fleet: Sequence[BoardCost], model: ModelCost, global_batch: int, *, idle: Sequence[str] = (),
-                     stage_state: str = "hosts", sync_every: int = 50, replicate: bool = True) -> Plan:
-    """Data parallelism over every board of `fleet` but `idle` (left out for no gain), split by
-    measured speed at each step: what a job runs with the planner off, where `idle` are the boards
-    whose share of that split is empty; with the cost model's prediction. The trials measure every
-    other plan against it."""
-    shards = tuple(b.name for b in fleet if b.name not in idle) or tuple(b.name for b in fleet)
-    plan = Plan(dp_share=1.0, dp_boards=shards, left_out=tuple((b.name, NO_GAIN) for b in fleet if b.name not in shards))
-    return replace(plan, prediction=predict(plan, fleet, model, global_batch, stage_state=stage_state,
-                                            sync_every=sync_every, replicate=replicate))
 
 
 def _alone(prob: Problem) -> Plan | None:

@@ -104,7 +104,7 @@ class Trial:
     """Candidates run one after another, `steps` scored steps each (plus a hand-over step)."""
 
     def __init__(self, start_step: int, candidates: Sequence[Plan], steps: int, reasons: Sequence[str] = (),
-                 incumbent: tuple[Plan, float] | None = None, baseline: int | None = None) -> None:
+                 incumbent: tuple[Plan, float] | None = None) -> None:
         if not candidates or steps < 1:
             raise ValueError("a trial needs at least one candidate and one step each")
         self.start_step = start_step
@@ -113,8 +113,6 @@ class Trial:
         self.measured = [Measured(p) for p in candidates]
         """The candidates that run, in order (then, if given, the plan in force, already measured)."""
         self.runs = len(self.measured)
-        self.baseline = baseline
-        """Index of the candidate kept unless another measures clearly better (None: `default`'s rule)."""
         self.turns = [[start_step + self.per * i, start_step + self.per * (i + 1)] for i in range(self.runs)]
         """Each candidate's turn, [first step, first step after it) (moved up when one before it
         is skipped)."""
@@ -202,15 +200,12 @@ class Trial:
 
     def default(self) -> int:
         """The candidate kept unless another measures clearly better: the plan in force when it
-        competes with what it measured before, else the `baseline` given (data parallelism over
-        every board, as the planner-off split runs it), else the data-parallel candidate over the
-        most boards (what users of data parallelism run; it keeps no state on boards, so the syncs
-        that stage hosts pay at evaluations and checkpoints, which a trial does not see, cost it
-        nothing), else the first."""
+        competes with what it measured before, else the data-parallel candidate over the most boards
+        (what users of data parallelism run; it keeps no state on boards, so the syncs that stage
+        hosts pay at evaluations and checkpoints, which a trial does not see, cost it nothing),
+        else the first."""
         if self.measured[-1].known_s is not None:
             return len(self.measured) - 1
-        if self.baseline is not None:
-            return self.baseline
         pure = [i for i, m in enumerate(self.measured) if not m.plan.stages and m.plan.dp_boards]
         return max(pure, key=lambda i: len(self.measured[i].plan.dp_boards)) if pure else 0
 

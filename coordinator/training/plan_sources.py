@@ -32,7 +32,6 @@ from coordinator.training.pipeline_work import check_covers
 from coordinator.training.rounds import Fleet, JobAborted, RoundContext
 from edgetrain.config import ConfigError, load_plan
 from edgetrain.plan import Plan, plan_to_dict
-from edgetrain.split import split_proportional
 
 logger = logging.getLogger(__name__)
 
@@ -155,11 +154,10 @@ class LivePlans:
             self._record(step, decision)
             trial_steps = self.ctx.job.planner.trial_steps
             if decision.switched and trial_steps and self._warmed_up and self._links_known(fleet):
-                candidates, baseline = [decision.plan], None
-                if self._may_trial():  # data parallelism over every board, and the best of each other kind
-                    candidates = distinct([self._every_board(step, fleet, boards), decision.plan,
-                                           *worth_measuring(decision.plan, self.planner.alternatives(step, boards))])
-                    baseline = 0
+                candidates = [decision.plan]
+                if self._may_trial():  # the best of each other kind too
+                    candidates = distinct([decision.plan, *worth_measuring(decision.plan,
+                                                                           self.planner.alternatives(step, boards))])
                 # the plan in force, if it can still run, competes with the step time it measured (in
                 # its trial, when it has not run enough steps since)
                 known = measured or (self._kept[1] if self._kept and before is not None
@@ -167,7 +165,7 @@ class LivePlans:
                 incumbent = (before, known) if before is not None and known and self._runnable(before, fleet) \
                     else None
                 if len(candidates) >= 2 or incumbent is not None:
-                    self.trial = Trial(step, candidates, trial_steps, decision.reasons, incumbent, baseline)
+                    self.trial = Trial(step, candidates, trial_steps, decision.reasons, incumbent)
                     logger.info("[Coordinator.Planner] step %d: measuring %s for %d step(s) each before committing%s",
                                 step, " | ".join(p.describe() for p in candidates), trial_steps,
                                 f" (against the plan in force, {known:.3f} s/step)" if incumbent else "")
@@ -208,21 +206,13 @@ class LivePlans:
             return None
         self._warmed_up = True
         current = self.planner.current
-        candidates = distinct([self._every_board(step, fleet, boards), current,
-                               *worth_measuring(current, self.planner.alternatives(step, boards))])
+        candidates = distinct([current, *worth_measuring(current, self.planner.alternatives(step, boards))])
         if len(candidates) < 2:
             return None
-        self.trial = Trial(step, candidates, trial_steps, (f"{WARMUP_STEPS} steps warmed up",), baseline=0)
+        self.trial = Trial(step, candidates, trial_steps, (f"{WARMUP_STEPS} steps warmed up",))
         logger.info("[Coordinator.Planner] step %d: measuring %s for %d step(s) each before committing", step,
                     " | ".join(p.describe() for p in candidates), trial_steps)
         return self.trial.plan_for(step)
-
-    def _every_board(self, step: int, fleet: Fleet, boards: list) -> Plan:
-        """Data parallelism over every board, the boards that the planner-off split (by measured
-        speed) gives no sample beside its steps: the trials' baseline."""
-        speeds = {r.name: r.speed for r in fleet.records.values() if r.ready and not r.quarantined and r.speed}
-        shares = split_proportional(self.ctx.job.training.global_batch, speeds) if speeds else {}
-        return self.planner.every_board(step, boards, idle=[name for name, n in shares.items() if not n])
 
     @staticmethod
     def _links_known(fleet: Fleet) -> bool:
