@@ -12,6 +12,12 @@ A candidate's first step carries the hand-over (owned stages placed, boards star
 scored; the others give its measured step time. The live planner remembers every measured
 structure: a later candidate measured slower than the plan in force does not replace it.
 
+Evidence accumulates: the live planner pools the scored step times of each structure (its trial
+steps, and its steps while in force), and a candidate measured before competes with all of its
+steps so far (`Measured.earlier`), not only this trial's few. A challenger that measured faster by
+less than one trial's margin twice is then judged on twice the steps, so a consistent difference
+wins where one noisy trial could not tell it.
+
 Each candidate is scored by goodput, measured throughput x statistical efficiency (Pollux): its
 samples per step M over its measured step time, times (phi + M0) / (phi + M), with phi the
 gradient noise scale estimated in training (coordinator.training.noise_scale) and M0 the global
@@ -36,7 +42,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from edgetrain.plan import Plan
@@ -54,6 +60,10 @@ TRIAL_CONFIDENCE = 2.0
 MIN_STEP_SPREAD = 0.1
 """Least relative spread of step times assumed for a trial's few steps (on the emulated fleet one
 plan's steps scatter by 20-40%)."""
+
+EVIDENCE_STEPS = 40
+"""Most recent step times pooled per structure: older ones ran minutes ago, on a machine whose speed
+drifts by minutes."""
 
 TRIAL_SPREAD = 2.0
 """Alternatives predicted more than this many times slower a step than the planner's choice are
@@ -75,28 +85,32 @@ class Measured:
 
     plan: Plan
     steps: list[tuple[int, float]] = field(default_factory=list)
-    """(step, seconds) of its steps (the first, the hand-over, included)."""
-    known_s: float | None = None
-    """The plan in force: its step time measured before the trial (it does not run again)."""
+    """(step, seconds) of its steps in this trial (the first, the hand-over, included)."""
+    earlier: list[float] = field(default_factory=list)
+    """Scored step seconds of its structure measured before this trial (earlier trials; the plan in
+    force's own steps)."""
+    in_force: bool = False
+    """The plan in force: it does not run in the trial and competes with its `earlier` steps."""
     skipped: str = ""
     """Why its turn ended before its steps ran ("" when it ran them)."""
 
+    def times(self) -> list[float]:
+        """Every scored step time it has: `earlier`, then this trial's steps after the hand-over."""
+        return [*self.earlier, *(s for _, s in self.steps[1:])]
+
     def relative_error(self) -> float:
         """Standard error of its step time over the step time: its scored steps' spread (at least
-        MIN_STEP_SPREAD, which a few steps can underrate) over the square root of their count; 0
-        for the plan in force measured before (over many more steps)."""
-        times = [s for _, s in self.steps[1:]]
-        if self.known_s is not None or not times:
+        MIN_STEP_SPREAD, which a few steps can underrate) over the square root of their count."""
+        times = self.times()
+        if not times:
             return 0.0
         mean = statistics.fmean(times)
         spread = statistics.stdev(times) / mean if len(times) > 1 and mean > 0 else 0.0
         return max(spread, MIN_STEP_SPREAD) / math.sqrt(len(times))
 
     def step_s(self) -> float | None:
-        """Median seconds of its steps after the hand-over (None: none yet)."""
-        if self.known_s is not None:
-            return self.known_s
-        times = [s for _, s in self.steps[1:]]
+        """Median seconds of its scored steps (None: none yet)."""
+        times = self.times()
         return statistics.median(times) if times else None
 
 
@@ -104,13 +118,21 @@ class Trial:
     """Candidates run one after another, `steps` scored steps each (plus a hand-over step)."""
 
     def __init__(self, start_step: int, candidates: Sequence[Plan], steps: int, reasons: Sequence[str] = (),
-                 incumbent: tuple[Plan, float] | None = None) -> None:
+                 incumbent: tuple[Plan, Sequence[float]] | None = None,
+                 evidence: Mapping[tuple, Sequence[float]] | None = None) -> None:
+        """`incumbent`: the plan in force and its scored step times so far (it does not run again);
+        `evidence`: structure -> scored step times measured before, which a candidate of that
+        structure starts from (not given to one of the incumbent's structure: it is what differs
+        from the plan in force, its split, that is measured then)."""
         if not candidates or steps < 1:
             raise ValueError("a trial needs at least one candidate and one step each")
         self.start_step = start_step
         self.per = steps + 1
         self.reasons = tuple(reasons)
-        self.measured = [Measured(p) for p in candidates]
+        known = evidence or {}
+        held = structure(incumbent[0]) if incumbent is not None else None
+        self.measured = [Measured(p, earlier=[] if structure(p) == held else list(known.get(structure(p), ())))
+                         for p in candidates]
         """The candidates that run, in order (then, if given, the plan in force, already measured)."""
         self.runs = len(self.measured)
         self.turns = [[start_step + self.per * i, start_step + self.per * (i + 1)] for i in range(self.runs)]
@@ -120,7 +142,7 @@ class Trial:
         """By how much (a fraction) the best score had to beat the default's at the last `best`
         (None: the best was the default)."""
         if incumbent is not None:
-            self.measured.append(Measured(incumbent[0], known_s=incumbent[1]))
+            self.measured.append(Measured(incumbent[0], earlier=list(incumbent[1]), in_force=True))
 
     @property
     def end_step(self) -> int:
@@ -170,10 +192,11 @@ class Trial:
             step_s = m.step_s()
             batch = float(global_batch)  # local updates land after the trial: their samples are not measured in it
             eff = efficiency(noise_scale, global_batch, batch)
-            out.append({"plan": m.plan.describe(), "kind": m.plan.kind, "in_force_before": m.known_s is not None,
+            out.append({"plan": m.plan.describe(), "kind": m.plan.kind, "in_force_before": m.in_force,
                         "boards": sorted({b for s in m.plan.stages for b in s.boards} | set(m.plan.dp_boards)),
                         "local_boards": list(m.plan.local_boards),
-                        "steps": [s for s, _ in m.steps], "skipped": m.skipped, "measured_step_s": _round(step_s),
+                        "steps": [s for s, _ in m.steps], "earlier_steps": len(m.earlier),
+                        "skipped": m.skipped, "measured_step_s": _round(step_s),
                         "predicted_step_s": _round(p.step_s if p else None),
                         "samples_per_step": round(batch, 2),
                         "measured_samples_per_s": _round(batch / step_s if step_s else None),
@@ -204,7 +227,7 @@ class Trial:
         (what users of data parallelism run; it keeps no state on boards, so the syncs that stage
         hosts pay at evaluations and checkpoints, which a trial does not see, cost it nothing),
         else the first."""
-        if self.measured[-1].known_s is not None:
+        if self.measured[-1].in_force:
             return len(self.measured) - 1
         pure = [i for i, m in enumerate(self.measured) if not m.plan.stages and m.plan.dp_boards]
         return max(pure, key=lambda i: len(self.measured[i].plan.dp_boards)) if pure else 0

@@ -21,6 +21,7 @@ from coordinator.planning.inputs import (
 from coordinator.planning.live import MEASURED_FOR_STEPS, LivePlanner, PlanDecision
 from coordinator.planning.local_members import LOCAL_JUDGED_AT, judge_local_updates
 from coordinator.planning.trials import (
+    EVIDENCE_STEPS,
     TRIAL_SHARE,
     WARMUP_STEPS,
     Trial,
@@ -112,8 +113,11 @@ class LivePlans:
         """The plan the last attempt ran (a trial's candidate while one runs)."""
         self._warmed_up = False
         """The first WARMUP_STEPS steps ran and the first trial began (switches are measured from then)."""
-        self._kept: tuple[tuple, float] | None = None
-        """The structure the last trial kept and the step time it measured."""
+        self.evidence: dict[tuple, list[float]] = {}
+        """Scored step seconds measured per plan structure (trial steps, steps in force), the
+        most recent EVIDENCE_STEPS of each: what a later trial weighs a candidate by."""
+        self._pooled_through = -1
+        """The last step whose time is in `evidence`."""
 
     def prepare(self) -> None:
         if self.planner.current is None:
@@ -148,6 +152,7 @@ class LivePlans:
         measured = self._measured_step_s()
         if measured and self.planner.current is not None:
             self.planner.note_measured(self.planner.current, measured, step)
+        self._pool_in_force()
         before = self.planner.current
         decision = self.planner.decide(step, boards, measured) if boards else None
         if decision is not None:
@@ -158,17 +163,17 @@ class LivePlans:
                 if self._may_trial():  # the best of each other kind too
                     candidates = distinct([decision.plan, *worth_measuring(decision.plan,
                                                                            self.planner.alternatives(step, boards))])
-                # the plan in force, if it can still run, competes with the step time it measured (in
-                # its trial, when it has not run enough steps since)
-                known = measured or (self._kept[1] if self._kept and before is not None
-                                     and self._kept[0] == structure(before) else None)
+                # the plan in force, if it can still run, competes with every step it measured (in its
+                # trials and in force)
+                known = self.evidence.get(structure(before)) if before is not None else None
                 incumbent = (before, known) if before is not None and known and self._runnable(before, fleet) \
                     else None
                 if len(candidates) >= 2 or incumbent is not None:
-                    self.trial = Trial(step, candidates, trial_steps, decision.reasons, incumbent)
+                    self.trial = Trial(step, candidates, trial_steps, decision.reasons, incumbent, self.evidence)
                     logger.info("[Coordinator.Planner] step %d: measuring %s for %d step(s) each before committing%s",
                                 step, " | ".join(p.describe() for p in candidates), trial_steps,
-                                f" (against the plan in force, {known:.3f} s/step)" if incumbent else "")
+                                f" (against the plan in force, {self.trial.measured[-1].step_s():.3f} s/step)"
+                                if incumbent else "")
                     return self.trial.plan_for(step)
         return self.planner.current or Plan(dp_share=1.0)  # nobody to plan for yet: DP waits for boards
 
@@ -248,8 +253,9 @@ class LivePlans:
         chosen = trial.best(job.training.global_batch, phi, job.planner.min_gain)
         plan = trial.measured[chosen].plan
         self.trial_seconds += trial.seconds()
-        if trial.measured[chosen].step_s() is not None:
-            self._kept = (structure(plan), trial.measured[chosen].step_s())
+        for m in trial.measured[:trial.runs]:
+            self._pool(m.plan, [s for _, s in m.steps[1:]])
+        self._pooled_through = max(self._pooled_through, step - 1)
         for m in trial.measured:
             if m.step_s() is not None:
                 self.planner.note_measured(m.plan, m.step_s(), step)
@@ -272,6 +278,24 @@ class LivePlans:
         logger.info("[Coordinator.Planner] step %d: measured %d plans (noise scale %s); keeping the best:\n%s",
                     step, len(scores), "unknown" if phi is None else f"{phi:.0f}", "\n".join(lines))
         self._put_in_force(step, plan, trial=False)
+
+    def _pool(self, plan: Plan, times: list[float]) -> None:
+        """Add scored step times of `plan` to its structure's evidence."""
+        if times:
+            pooled = self.evidence.setdefault(structure(plan), [])
+            pooled.extend(times)
+            del pooled[:-EVIDENCE_STEPS]
+
+    def _pool_in_force(self) -> None:
+        """Add the plan in force's scored steps not pooled yet (its first, the hand-over, left out;
+        none before the first trial: the first steps of a run are slower whatever the plan)."""
+        if not self._warmed_up or not self.history or self.planner.current is None:
+            return
+        since = max(self.history[-1]["step"], self._pooled_through)
+        fresh = [(st, sec) for st, sec in self.ctx.step_seconds if st > since]
+        if fresh:
+            self._pool(self.planner.current, [sec for _, sec in fresh])
+            self._pooled_through = max(st for st, _ in fresh)
 
     def _put_in_force(self, step: int, plan: Plan, *, trial: bool) -> None:
         """A plan starts running at `step` (its measured steps are those after)."""
