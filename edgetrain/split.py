@@ -60,6 +60,13 @@ def fit_speed(timings: Sequence[tuple[int, float]]) -> SpeedEstimate:
 REFINE_WEIGHT = 0.3
 """Weight of one observed step in a device's speed estimate (an exponential moving average)."""
 
+REFINE_CLIP = 2.0
+"""Most one observed step counts as, as a multiple (or fraction) of its prediction. A one-off
+stall (a garbage collection, a neighbour's burst on a shared machine, the first step after an
+evaluation) of 8x its prediction would otherwise make the board predicted 3x slower at once, and
+the split starve it for the steps the estimate takes to recover; a lasting change still moves
+the estimate 1.3x a step."""
+
 
 def refine_speed(estimate: SpeedEstimate, samples: int, compute_s: float, comm_s: float,
                  weight: float = REFINE_WEIGHT) -> SpeedEstimate:
@@ -77,7 +84,8 @@ def refine_speed(estimate: SpeedEstimate, samples: int, compute_s: float, comm_s
     The first observed communication time is taken as it is: blending it with the 0 that stood
     for "not observed yet" would under-predict a slow board's transfers for several steps (at
     weight 0.3, 30% of them after one step, 66% after three), and the split would keep giving
-    it samples that make it the straggler."""
+    it samples that make it the straggler. Later ones, like compute times, count as at most
+    REFINE_CLIP times (at least 1/REFINE_CLIP of) what the estimate predicted."""
     if not (math.isfinite(compute_s) and math.isfinite(comm_s)):
         return estimate
     if comm_s <= 0:
@@ -85,12 +93,16 @@ def refine_speed(estimate: SpeedEstimate, samples: int, compute_s: float, comm_s
     elif estimate.comm_s <= 0:
         comm = comm_s
     else:
-        comm = (1 - weight) * estimate.comm_s + weight * comm_s
+        comm = estimate.comm_s * ((1 - weight) + weight * _clipped(comm_s / estimate.comm_s))
     overhead, rate = estimate.overhead_s, estimate.samples_per_s
     if samples > 0 and compute_s > 0:
-        scale = (1 - weight) + weight * compute_s / (overhead + samples / rate)
+        scale = (1 - weight) + weight * _clipped(compute_s / (overhead + samples / rate))
         overhead, rate = overhead * scale, rate / scale
     return SpeedEstimate(overhead_s=overhead, samples_per_s=rate, comm_s=comm)
+
+
+def _clipped(ratio: float) -> float:
+    return min(max(ratio, 1.0 / REFINE_CLIP), REFINE_CLIP)
 
 
 def split_proportional(total: int, speeds: Mapping[str, SpeedEstimate]) -> dict[str, int]:

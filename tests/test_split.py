@@ -152,7 +152,7 @@ def test_fit_speed_without_usable_timings_raises() -> None:
         fit_speed([(0, 1.0), (4, 0.0)])
 
 
-@pytest.mark.parametrize("observed_rate", [10.0, 400.0])
+@pytest.mark.parametrize("observed_rate", [60.0, 160.0])
 def test_refine_speed_moves_towards_observation(observed_rate: float) -> None:
     # Prepare
     estimate = SpeedEstimate(overhead_s=0.1, samples_per_s=100.0)
@@ -187,6 +187,23 @@ def test_refined_speed_extrapolates_to_other_shares_when_the_run_is_faster_than_
     # fixed seconds and fitting only the rate would predict 0.52 s where it takes 0.58)
     assert speed.seconds(7) == pytest.approx(truth(7), rel=0.01)
     assert speed.seconds(10) == pytest.approx(truth(10), rel=0.02)
+
+
+def test_one_stalled_step_moves_the_estimate_by_at_most_the_clip_and_a_lasting_change_fully() -> None:
+    # Prepare: a board predicted at 0.5 s for 40 samples (0.2 s of transfers)
+    estimate = SpeedEstimate(overhead_s=0.1, samples_per_s=100.0, comm_s=0.2)
+
+    # Execute: one step stalls 8x (compute and transfers); then the board really runs 3x slower
+    stalled = refine_speed(estimate, samples=40, compute_s=4.0, comm_s=1.6)
+    slower = estimate
+    for _ in range(12):
+        slower = refine_speed(slower, samples=40, compute_s=1.5, comm_s=0.2)
+
+    # Assert: the stall counts as 2x its prediction (1.3x the estimate, not 3.1x); the lasting
+    # change is followed all the way
+    assert stalled.seconds(40) - stalled.comm_s == pytest.approx(1.3 * 0.5)
+    assert stalled.comm_s == pytest.approx(1.3 * 0.2)
+    assert slower.seconds(40) - slower.comm_s == pytest.approx(1.5, rel=0.02)
 
 
 def test_refine_speed_blends_later_communication_times() -> None:
