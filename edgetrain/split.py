@@ -61,11 +61,12 @@ REFINE_WEIGHT = 0.3
 """Weight of one observed step in a device's speed estimate (an exponential moving average)."""
 
 REFINE_CLIP = 2.0
-"""Most one observed step counts as, as a multiple (or fraction) of its prediction. A one-off
-stall (a garbage collection, a neighbour's burst on a shared machine, the first step after an
-evaluation) of 8x its prediction would otherwise make the board predicted 3x slower at once, and
-the split starve it for the steps the estimate takes to recover; a lasting change still moves
-the estimate 1.3x a step."""
+"""Most one observed step counts as, as a multiple of its prediction. A one-off stall (a garbage
+collection, a neighbour's burst on a shared machine, the first step after an evaluation) of 8x
+its prediction would otherwise make the board predicted 3x slower at once, and the split starve
+it for the steps the estimate takes to recover; a lasting slowdown still moves the estimate 1.3x
+a step. Faster steps count as they are: stalls only ever slow a step, and a board's estimate must
+recover at once from a slow first measurement."""
 
 
 def refine_speed(estimate: SpeedEstimate, samples: int, compute_s: float, comm_s: float,
@@ -85,7 +86,7 @@ def refine_speed(estimate: SpeedEstimate, samples: int, compute_s: float, comm_s
     for "not observed yet" would under-predict a slow board's transfers for several steps (at
     weight 0.3, 30% of them after one step, 66% after three), and the split would keep giving
     it samples that make it the straggler. Later ones, like compute times, count as at most
-    REFINE_CLIP times (at least 1/REFINE_CLIP of) what the estimate predicted."""
+    REFINE_CLIP times what the estimate predicted."""
     if not (math.isfinite(compute_s) and math.isfinite(comm_s)):
         return estimate
     if comm_s <= 0:
@@ -102,7 +103,7 @@ def refine_speed(estimate: SpeedEstimate, samples: int, compute_s: float, comm_s
 
 
 def _clipped(ratio: float) -> float:
-    return min(max(ratio, 1.0 / REFINE_CLIP), REFINE_CLIP)
+    return min(ratio, REFINE_CLIP)
 
 
 def split_proportional(total: int, speeds: Mapping[str, SpeedEstimate]) -> dict[str, int]:

@@ -152,7 +152,7 @@ def test_fit_speed_without_usable_timings_raises() -> None:
         fit_speed([(0, 1.0), (4, 0.0)])
 
 
-@pytest.mark.parametrize("observed_rate", [60.0, 160.0])
+@pytest.mark.parametrize("observed_rate", [60.0, 400.0])
 def test_refine_speed_moves_towards_observation(observed_rate: float) -> None:
     # Prepare
     estimate = SpeedEstimate(overhead_s=0.1, samples_per_s=100.0)
@@ -332,3 +332,19 @@ def test_a_board_that_really_slows_loses_samples_despite_the_noise_margin() -> N
 
     # Assert: b0 was re-split to well under an equal share
     assert shares["b0"] < 0.7 * 32, shares
+
+
+# --- boards the split leaves out before they are measured -------------------------------------
+
+def test_a_board_left_out_on_its_warm_up_gets_one_sample_until_it_is_measured() -> None:
+    from coordinator.training.data_parallel import MIN_MEASURED_STEPS, with_unmeasured
+
+    shares = {"b50": 40, "b30": 18, "b20": 6, "b10": 0}
+    # b10 ran one measured step (its first carried its warm-up): it gets a sample from b50
+    assert with_unmeasured(shares, {"b50": 9, "b30": 9, "b20": 9, "b10": 1}) == {
+        "b50": 39, "b30": 18, "b20": 6, "b10": 1}
+    # measured enough: the split's verdict stands
+    assert with_unmeasured(shares, {"b50": 9, "b30": 9, "b20": 9, "b10": MIN_MEASURED_STEPS}) == shares
+    # nothing to spare: a one-sample batch stays where it is
+    assert with_unmeasured({"a": 1, "b": 0}, {"a": 5, "b": 0}) == {"a": 1, "b": 0}
+    assert shares["b10"] == 0  # the split in use is not changed

@@ -55,8 +55,28 @@ from edgetrain.work import Assignment, LocalWork
 
 logger = logging.getLogger(__name__)
 
+MIN_MEASURED_STEPS = 3
+"""A board the split leaves out before it has this many measured data-parallel steps gets one
+sample a step until it has them: its first steps in a role carry its warm-up (new shapes, first
+transfers several times slower), and a board left out is never measured again, so a warm-up
+taken for its speed would leave it out for the rest of the run."""
+
 UNMEASURED_LINK_S = 30.0
 """Transfer time assumed per step for a device whose link was never measured."""
+
+
+def with_unmeasured(shares: dict[str, int], measured_steps: dict[str, int]) -> dict[str, int]:
+    """`shares` with one sample, taken from the largest share, for each board it leaves out that
+    has fewer than MIN_MEASURED_STEPS measured steps (`measured_steps`), while the largest share
+    has samples to spare (the split in use is not changed: the next step's starts from it)."""
+    out = dict(shares)
+    for device in sorted(d for d, n in shares.items() if n == 0 and measured_steps.get(d, 0) < MIN_MEASURED_STEPS):
+        donor = max(sorted(out), key=lambda d: out[d])
+        if out[donor] < 2:
+            break
+        out[donor] -= 1
+        out[device] = 1
+    return out
 
 
 class Deadline:
@@ -133,7 +153,7 @@ class DataParallelRound(RoundPolicy):
         if names:
             speeds = {d: s for d, s in speeds.items() if fleet.name(d) in names} or speeds
         speeds = self._participants(step, speeds, fleet)
-        shares = self._split(len(indices), speeds)
+        shares = self._split(len(indices), speeds, fleet)
         choices = self._choose_codecs(shares, speeds, fleet)
         assignments = self._assign(step, attempt, indices, shares, choices, fleet)
         timeout, predicted = self._timeout(shares, speeds, attempt, choices, fleet)
@@ -196,12 +216,14 @@ class DataParallelRound(RoundPolicy):
         """The available boards that take part in this step (every one; federated rounds may draw)."""
         return speeds
 
-    def _split(self, total: int, speeds: dict[str, SpeedEstimate]) -> dict[str, int]:
+    def _split(self, total: int, speeds: dict[str, SpeedEstimate], fleet: Fleet) -> dict[str, int]:
         if self.ctx.job.training.split == "equal":
             return split_equal(total, list(speeds))
         noise = self.ctx.registry.rate_noise(speeds)
         self._shares = split_sticky(total, speeds, self._shares, min_gain=share_change_gain(noise, len(speeds)))
-        return self._shares
+        return with_unmeasured(self._shares, {d: len(fleet.records[d].step_times) for d in speeds})
+
+
 
     def _choose_codecs(self, shares: dict[str, int], speeds: dict[str, SpeedEstimate],
                        fleet: Fleet) -> dict[str, LinkChoice]:
@@ -333,7 +355,7 @@ class FederatedRound(DataParallelRound):
         chosen = set(random.Random(f"{self.ctx.job.seed}:{step}").sample(names, k))
         return {d: s for d, s in speeds.items() if fleet.name(d) in chosen}
 
-    def _split(self, total: int, speeds: dict[str, SpeedEstimate]) -> dict[str, int]:
+    def _split(self, total: int, speeds: dict[str, SpeedEstimate], fleet: Fleet) -> dict[str, int]:
         fed = self.ctx.job.federated
         self._steps = {d: local_steps(fed, s) for d, s in speeds.items()}
         return {d: steps * fed.local_batch for d, steps in self._steps.items()}
