@@ -9,6 +9,7 @@ Energy says whether it was measured (a battery's energy counter) or estimated (a
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 import threading
@@ -76,7 +77,11 @@ def probe_link(send: Callable[[bytes], None], meter: LinkMeter, *, small: int = 
     """Measure bandwidth to the coordinator with two probe sizes; returns Mbit/s.
 
     Timing the difference between a large and a small payload cancels the per-call latency and
-    a shaper's initial burst, which a single probe would count as bandwidth.
+    a shaper's initial burst, which a single probe would count as bandwidth. Where the large
+    payload took no longer than the small one (a link fast enough that its transfer is lost in
+    the call's jitter, as on loopback), the large payload over its call's whole time is the
+    estimate: a lower bound, where no estimate left the board planned at an assumed slow rate
+    until a large transfer measured it, which a board left out of the plan for that never makes.
     """
     timings = {}
     for size in (small, large, small, large):
@@ -86,9 +91,12 @@ def probe_link(send: Callable[[bytes], None], meter: LinkMeter, *, small: int = 
         elapsed = time.perf_counter() - started
         timings[size] = min(timings.get(size, elapsed), elapsed)
     meter.observe_rtt(timings[small])
-    if timings[large] <= timings[small]:  # jitter swamped the difference: no estimate this time
-        return float("nan")
-    mbit = (large - small) * 8 / (timings[large] - timings[small]) / 1e6
+    if timings[large] <= timings[small]:  # jitter swamped the difference: at least this fast
+        mbit = large * 8 / timings[large] / 1e6 if timings[large] > 0 else float("nan")
+        if math.isnan(mbit):
+            return mbit
+    else:
+        mbit = (large - small) * 8 / (timings[large] - timings[small]) / 1e6
     meter.observe_bandwidth(mbit)
     return mbit
 

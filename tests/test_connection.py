@@ -204,3 +204,26 @@ def test_a_call_rides_out_a_coordinator_restart_on_the_same_port(connect, caplog
         assert second.registry.get(result["device_id"]).name == "board-a"
     finally:
         second.close()
+
+
+def test_a_link_probe_lost_in_jitter_reports_a_lower_bound_and_a_measurable_one_its_rate(monkeypatch):
+    import edge_client.telemetry as telemetry
+    from edge_client.telemetry import LinkMeter, probe_link
+
+    clock = [0.0]
+    monkeypatch.setattr(telemetry.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(telemetry.time, "sleep", lambda s: None)
+
+    def link(seconds_for):  # a transfer that takes seconds_for(size) on the fake clock
+        def send(payload: bytes) -> None:
+            clock[0] += seconds_for(len(payload))
+        return send
+
+    # a loopback-fast link: every call takes its 2 ms of latency, whatever its size
+    meter = LinkMeter()
+    mbit = probe_link(link(lambda n: 0.002), meter)
+    assert mbit == pytest.approx((576 << 10) * 8 / 0.002 / 1e6) and meter.mbit_per_s() == mbit
+    # a 20 Mbit/s link behind 5 ms of latency: the difference of the two sizes gives its rate
+    meter = LinkMeter()
+    assert probe_link(link(lambda n: 0.005 + n * 8 / 20e6), meter) == pytest.approx(20.0)
+    assert meter.rtt_ms() == pytest.approx((0.005 + (64 << 10) * 8 / 20e6) * 1000)
