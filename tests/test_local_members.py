@@ -297,6 +297,12 @@ def test_a_challenger_measured_faster_again_wins_on_all_its_steps_and_not_on_one
     assert kept([0.9, 0.9, 0.9]) is challenger
     assert kept([1.2, 1.2, 1.2]) is in_force  # its earlier steps count against it too
 
+    # one skipped (its boards not ready at its turn) is not kept on what it measured before
+    skipped = Trial(30, [challenger], steps=3, incumbent=(in_force, in_force_steps),
+                    evidence={structure(challenger): [0.5] * 6})
+    skipped.skip(30, "b1 not ready at step 30")
+    assert skipped.scores(64, None)[0]["score"] is None and skipped.best(64, None) == 1
+
     # a candidate of the plan in force's structure (a new split of the same boards) starts afresh
     resplit = Trial(30, [in_force], steps=3, incumbent=(in_force, in_force_steps),
                     evidence={structure(in_force): [9.0]})

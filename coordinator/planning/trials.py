@@ -201,7 +201,8 @@ class Trial:
                         "samples_per_step": round(batch, 2),
                         "measured_samples_per_s": _round(batch / step_s if step_s else None),
                         "efficiency": round(eff, 4),
-                        "score": _round(batch / step_s * eff if step_s else None)})
+                        # a skipped candidate's boards were not ready: what it measured before cannot put it in force
+                        "score": _round(batch / step_s * eff if step_s and not m.skipped else None)})
         return out
 
     def best(self, global_batch: int, noise_scale: float | None, min_gain: float = 0.0) -> int:

@@ -223,8 +223,6 @@ class DataParallelRound(RoundPolicy):
         self._shares = split_sticky(total, speeds, self._shares, min_gain=share_change_gain(noise, len(speeds)))
         return with_unmeasured(self._shares, {d: len(fleet.records[d].step_times) for d in speeds})
 
-
-
     def _choose_codecs(self, shares: dict[str, int], speeds: dict[str, SpeedEstimate],
                        fleet: Fleet) -> dict[str, LinkChoice]:
         compute_s = max((speeds[d].overhead_s + n / speeds[d].samples_per_s for d, n in shares.items() if n),
