@@ -9,7 +9,6 @@ Energy says whether it was measured (a battery's energy counter) or estimated (a
 from __future__ import annotations
 
 import logging
-import math
 import os
 import statistics
 import threading
@@ -91,12 +90,10 @@ def probe_link(send: Callable[[bytes], None], meter: LinkMeter, *, small: int = 
         elapsed = time.perf_counter() - started
         timings[size] = min(timings.get(size, elapsed), elapsed)
     meter.observe_rtt(timings[small])
-    if timings[large] <= timings[small]:  # jitter swamped the difference: at least this fast
-        mbit = large * 8 / timings[large] / 1e6 if timings[large] > 0 else float("nan")
-        if math.isnan(mbit):
-            return mbit
-    else:
-        mbit = (large - small) * 8 / (timings[large] - timings[small]) / 1e6
+    if timings[large] <= 0:  # a clock that did not move: no estimate this time
+        return float("nan")
+    spent = timings[large] - timings[small]  # <= 0: jitter swamped the difference; at least this fast
+    mbit = ((large - small) / spent if spent > 0 else large / timings[large]) * 8 / 1e6
     meter.observe_bandwidth(mbit)
     return mbit
 

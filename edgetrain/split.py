@@ -94,16 +94,17 @@ def refine_speed(estimate: SpeedEstimate, samples: int, compute_s: float, comm_s
     elif estimate.comm_s <= 0:
         comm = comm_s
     else:
-        comm = estimate.comm_s * ((1 - weight) + weight * _clipped(comm_s / estimate.comm_s))
+        comm = estimate.comm_s * _blend(comm_s / estimate.comm_s, weight)
     overhead, rate = estimate.overhead_s, estimate.samples_per_s
     if samples > 0 and compute_s > 0:
-        scale = (1 - weight) + weight * _clipped(compute_s / (overhead + samples / rate))
+        scale = _blend(compute_s / (overhead + samples / rate), weight)
         overhead, rate = overhead * scale, rate / scale
     return SpeedEstimate(overhead_s=overhead, samples_per_s=rate, comm_s=comm)
 
 
-def _clipped(ratio: float) -> float:
-    return min(ratio, REFINE_CLIP)
+def _blend(ratio: float, weight: float) -> float:
+    """The factor by which one observation, `ratio` x the prediction, moves an estimate."""
+    return (1 - weight) + weight * min(ratio, REFINE_CLIP)
 
 
 def split_proportional(total: int, speeds: Mapping[str, SpeedEstimate]) -> dict[str, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from itertools import takewhile
 from pathlib import Path
 from typing import Protocol
 
@@ -292,10 +293,10 @@ class LivePlans:
         if not self._warmed_up or not self.history or self.planner.current is None:
             return
         since = max(self.history[-1]["step"], self._pooled_through)
-        fresh = [(st, sec) for st, sec in self.ctx.step_seconds if st > since]
+        fresh = list(takewhile(lambda entry: entry[0] > since, reversed(self.ctx.step_seconds)))  # newest first
         if fresh:
-            self._pool(self.planner.current, [sec for _, sec in fresh])
-            self._pooled_through = max(st for st, _ in fresh)
+            self._pool(self.planner.current, [sec for _, sec in reversed(fresh)])
+            self._pooled_through = fresh[0][0]
 
     def _put_in_force(self, step: int, plan: Plan, *, trial: bool) -> None:
         """A plan starts running at `step` (its measured steps are those after)."""
