@@ -155,9 +155,13 @@ def test_a_board_too_slow_to_wait_for_sends_local_updates_within_the_staleness_b
         clients[name] = client_factory(coordinator.address, name,
                                        extra=("--emulate", str(path), "--probe-interval", "1"))
 
-    # Execute: once its first local update was applied, the slow board dies with work in hand
-    applied = wait_for(lambda: next((s["step"] for s in _records(coordinator.run_dir) if any(
-        d.startswith("slow-") for d in s["devices"])), None), 200, "the slow board's first local update")
+    # Execute: once the trial committed and a local update of the slow board was applied after it,
+    # the slow board dies with work in hand
+    committed = wait_for(lambda: next((t["step"] for t in _records(coordinator.run_dir, "plan_trial")), None),
+                         200, "the first trial's decision")
+    applied = wait_for(lambda: next((s["step"] for s in _records(coordinator.run_dir) if s["step"] >= committed
+                                     and any(d.startswith("slow-") for d in s["devices"])), None), 200,
+                       "the slow board's first local update after the trial")
     wait_for(lambda: any("slow-" in d for s in _records(coordinator.run_dir) if s["step"] > applied
                          for d in s.get("beside", {})), 60, "the slow board's next local work")
     clients["slow"].kill()
@@ -189,5 +193,8 @@ def test_a_board_too_slow_to_wait_for_sends_local_updates_within_the_staleness_b
         assert v["weight"] == pytest.approx((1 + v["staleness"]) ** -0.5, abs=1e-3)
     # its death cost the others nothing: every step ran once, none waited for it or was redone
     assert [s["step"] for s in steps] == list(range(200))
-    assert all(s["attempts"] == 1 for s in steps if s["step"] > killed), [
-        (s["step"], s["attempts"]) for s in steps if s["attempts"] > 1]
+    # (a later trial may have made it a stage host: such a step is redone for its loss and no other)
+    assert all(s["attempts"] == 1 or s["failed"] and all(
+        f.get("failed") and all(d.startswith("slow-") for d in f["failed"]) for f in s["failed"])
+        for s in steps if s["step"] > killed), [
+        (s["step"], s["attempts"], s["failed"]) for s in steps if s["attempts"] > 1]
