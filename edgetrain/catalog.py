@@ -38,6 +38,15 @@ SYNTHETIC_HARD_TARGET = 0.70
 """Test accuracy that experiments and the time-to-accuracy benchmark stop at on ``synthetic-hard``
 at the sizes above: MobileNetV2 needs several epochs to pass it (docs/calibration.md)."""
 
+SMALL_CNN_HARD_TRAIN_SIZE = 50_000
+"""Training samples of the time-to-accuracy benchmark's `small` job (the small CNN on
+``synthetic-hard``): at 5000 the small CNN plateaus at 0.92-0.93."""
+SMALL_CNN_HARD_LR = 0.02
+"""The `small` job's learning rate (momentum 0.9, constant after warm-up)."""
+SMALL_CNN_HARD_TARGET = 0.95
+"""Test accuracy the `small` job stops at: at these settings one 0.5-core board alone needs at
+least 5 minutes to pass it (docs/calibration.md)."""
+
 CODEC_NAMES: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
 """Names accepted by ``CodecSpec.name``."""
 

@@ -6,7 +6,10 @@ Two emulated fleets of four boards at 0.5, 0.3, 0.2 and 0.1 of a core:
 On each, MobileNetV2 trains on the harder SYNTHETIC tier (`synthetic-hard`, calibrated so a
 centralized run needs several epochs to pass its target: docs/calibration.md) with a global
 batch of 64, to the calibrated target accuracy (`edgetrain.catalog.SYNTHETIC_HARD_TARGET`, the
-same for every arm) with a time cap, in arms run by `edgetrain experiment run`:
+same for every arm) with a time cap. A third job, `small`, trains the small CNN on the compute
+fleet (50,000 `synthetic-hard` items, learning rate 0.02, to `SMALL_CNN_HARD_TARGET`, calibrated so
+the fastest board alone needs at least 5 minutes): a model so small that each step's fixed costs weigh most.
+`--fleets` names any of the three. The arms, run by `edgetrain experiment run`:
 - `ddp`: PyTorch DistributedDataParallel over gloo, the framework's equal split (no
   authentication: loopback or this run's network namespaces only);
 - `single`: the fastest board alone, no coordinator (the runner's baseline);
@@ -28,18 +31,21 @@ steps; its energy likewise (energy per step on the slow links). The JSON lists p
 Without root the links cannot be shaped for gloo (it is not ours to throttle): then the DDP
 segment runs on loopback and its projection would be meaningless, so it is reported as null.
 
-    python scripts/bench_time_to_accuracy.py [--seeds 1] [--cap-s 1800] [--fleets compute,bandwidth]
+    python scripts/bench_time_to_accuracy.py [--seeds 1] [--cap-s 1800] [--fleets compute,bandwidth,small]
                                              [--arms ddp,single,proportional,federated,planner]
                                              [--keep DIR [--resume]] [--smoke] [--record]
 
-Last line: one JSON object: `target_accuracy`, `fleets` → `compute` / `bandwidth` →
+Last line: one JSON object: `target_accuracy` (the MobileNetV2 jobs'), `fleets` → `compute` /
+`bandwidth` / `small` →
 `time_to_accuracy_s` and `energy_to_accuracy_j` (maps by arm, medians over seeds; null where the
 cap was hit), the ratios of DDP's time and energy to the best EdgeTrain arm's, and with a
 `planner` arm: `planner_over_best_other` (its time ÷ the best of single, proportional and
 federated), `proportional_over_planner`, `ddp_over_planner`, `exploration_s` (seconds its trials
 took, median) and `weak_board_sample_share` (the 0.1-core board's applied samples × their
-aggregation weight ÷ all, median); `cap_s`, `seeds`, `projected` (list of "fleet/arm"),
-`reused` (arms read from an earlier run with --resume: only arms whose every seed ran at this
+aggregation weight ÷ all, median); per fleet `model`, `target_accuracy` and `front`: the
+planner's predicted time/energy front on that fleet (`edgetrain plan --objective pareto`), its
+`plans`, how many are `distinct` in kind or board set, and those `structures`; `cap_s`, `seeds`,
+`projected` (list of "fleet/arm"), `reused` (arms read from an earlier run with --resume: only arms whose every seed ran at this
 clean commit and started within 12 hours), and per fleet `arms` → arm → `commit`, `started`.
 """
 
@@ -58,6 +64,9 @@ from pathlib import Path
 import yaml
 
 from edgetrain.catalog import (
+    SMALL_CNN_HARD_LR,
+    SMALL_CNN_HARD_TARGET,
+    SMALL_CNN_HARD_TRAIN_SIZE,
     SYNTHETIC_HARD_TARGET,
     SYNTHETIC_HARD_TEST_SIZE,
     SYNTHETIC_HARD_TRAIN_SIZE,
@@ -74,6 +83,15 @@ from edgetrain.experiment.results import collect
 REPO = Path(__file__).resolve().parent.parent
 FLEETS = {"compute": REPO / "experiments" / "fleets" / "compute.yaml",
           "bandwidth": REPO / "experiments" / "fleets" / "bandwidth.yaml"}
+MOBILENET = {"model": "mobilenet_v2", "train_size": SYNTHETIC_HARD_TRAIN_SIZE,
+             "test_size": SYNTHETIC_HARD_TEST_SIZE, "target": SYNTHETIC_HARD_TARGET, "lr": 0.05}
+JOBS = {"compute": {"fleet": "compute", **MOBILENET},
+        "bandwidth": {"fleet": "bandwidth", **MOBILENET},
+        "small": {"fleet": "compute", "model": "small_cnn", "train_size": SMALL_CNN_HARD_TRAIN_SIZE,
+                  "test_size": SYNTHETIC_HARD_TEST_SIZE, "target": SMALL_CNN_HARD_TARGET, "lr": SMALL_CNN_HARD_LR}}
+"""What `--fleets` names: a fleet and the job trained on it. `small` is the small CNN on the
+compute fleet, where a step's fixed costs weigh most, to a target one board alone needs at least
+5 minutes for (docs/calibration.md)."""
 FEDERATED_ROUND_S = 10.0
 """The federated arm's shared time budget per round: each board trains as many local steps of 16
 as its speed fits in it."""
@@ -100,20 +118,20 @@ LINK_CODECS = {"compression.uplink": "adaptive", "compression.downlink": "int8"}
 codec chosen from its measured link, parameters sent down as int8 deltas (DDP has no such option)."""
 
 
-SMOKE = {"model": "small_cnn", "train_size": 256, "test_size": 64, "target_accuracy": 0.05, "cap_s": 120.0,
+SMOKE = {"model": "small_cnn", "train_size": 256, "test_size": 64, "target": 0.05, "lr": 0.05, "cap_s": 120.0,
          "eval_every": 2, "arms": "proportional", "fleets": "compute"}
 """--smoke: one small arm on the compute fleet to a target its first evaluation reaches."""
 
 
-def job(eval_every: int, smoke: bool = False) -> dict:
-    """MobileNetV2 on the harder synthetic tier, the demo's optimizer (--smoke: a small CNN, small sets)."""
+def job(spec: dict, eval_every: int) -> dict:
+    """`spec`'s model on the harder synthetic tier, the demo's optimizer at `spec`'s learning rate."""
     return {
-        "name": "tta", "model": SMOKE["model"] if smoke else "mobilenet_v2", "seed": 0,
-        "dataset": {"name": "synthetic-hard", "train_size": SMOKE["train_size"] if smoke else SYNTHETIC_HARD_TRAIN_SIZE,
-                    "test_size": SMOKE["test_size"] if smoke else SYNTHETIC_HARD_TEST_SIZE, "augment": True},
+        "name": "tta", "model": spec["model"], "seed": 0,
+        "dataset": {"name": "synthetic-hard", "train_size": spec["train_size"], "test_size": spec["test_size"],
+                    "augment": True},
         "training": {"global_batch": 64, "min_clients": 4, "eval_every": eval_every, "log_every": 20},
         "planner": {"enabled": True},  # EdgeTrain's defaults; arms that mean something else say so
-        "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 5.0e-4, "schedule": "constant",
+        "optimizer": {"lr": spec["lr"], "momentum": 0.9, "weight_decay": 5.0e-4, "schedule": "constant",
                       "warmup_steps": 10},
     }
 
@@ -126,10 +144,11 @@ def arm_entry(arm: str, codecs: dict) -> dict:
     return entry
 
 
-def run_experiment(workdir: Path, name: str, fleet: Path, arms: list[str], seeds: list[int], stop: dict,
-                   eval_every: int, codecs: dict | None = None, smoke: bool = False) -> list[dict]:
+def run_experiment(workdir: Path, name: str, job_spec: dict, arms: list[str], seeds: list[int], stop: dict,
+                   eval_every: int, codecs: dict | None = None) -> list[dict]:
     """Write the experiment file, run it with `edgetrain experiment run`, return collect()'s rows."""
-    spec = {"name": name, "job": job(eval_every, smoke), "fleet": str(fleet), "stop": stop, "seeds": seeds,
+    spec = {"name": name, "job": job(job_spec, eval_every), "fleet": str(FLEETS[job_spec["fleet"]]),
+            "stop": stop, "seeds": seeds,
             "arms": [arm_entry(arm, codecs or {}) for arm in arms]}
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -139,6 +158,20 @@ def run_experiment(workdir: Path, name: str, fleet: Path, arms: list[str], seeds
         print(f"experiment {name} exited with code {code}; reading whatever it finished", file=sys.stderr)
     run_dirs = sorted(p for p in out.iterdir() if (p / "metrics.jsonl").exists()) if out.exists() else []
     return collect(run_dirs, target_accuracy=stop.get("target_accuracy"))
+
+
+def predicted_front(fleet: Path, model: str, batch: int) -> dict:
+    """The planner's predicted (step time, energy) front on `fleet`, as `edgetrain plan --objective
+    pareto` gives it: how many plans it holds and how many differ in kind or board set (the boards
+    it does not leave out: stage hosts, DP shards, boards beside), with each such structure."""
+    from coordinator.planning.command import plan_report
+
+    report = json.loads(plan_report(fleet, model=model, objective="pareto", batch=batch, as_json=True))
+    structures = []
+    for plan in report["plans"]:
+        boards = set(report["devices"]) - set(plan["left_out"])  # every board a plan does not leave out works
+        structures.append(f"{plan['kind']}: {'+'.join(sorted(boards))}")
+    return {"plans": len(structures), "distinct": len(set(structures)), "structures": sorted(set(structures))}
 
 
 def planner_figures(rows: list[dict], arm: str) -> tuple[float | None, float | None]:
@@ -227,7 +260,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=1, help="repeats with seeds 0..N-1 (the median is reported)")
     parser.add_argument("--cap-s", type=float, default=1800, help="time cap of every arm, s")
-    parser.add_argument("--fleets", default="compute,bandwidth")
+    parser.add_argument("--fleets", default="compute,bandwidth,small",
+                        help=f"fleets (and jobs) among {', '.join(JOBS)}, comma-separated")
     parser.add_argument("--arms", default="ddp,single,proportional,federated,planner")
     parser.add_argument("--segment", type=int, default=12, help="DDP steps measured on the slow links (>= 10)")
     parser.add_argument("--eval-every", type=int, default=20)
@@ -247,21 +281,27 @@ def main() -> None:
     if args.resume and not args.keep:
         parser.error("--resume needs --keep DIR (the directory holding the finished runs)")
     fleets = args.fleets.split(",")
+    unknown = [f for f in fleets if f not in JOBS]
+    if unknown:
+        parser.error(f"--fleets: unknown {', '.join(unknown)} (known: {', '.join(JOBS)})")
     arms = args.arms.split(",")
     seeds = list(range(args.seeds))
-    target = SMOKE["target_accuracy"] if args.smoke else SYNTHETIC_HARD_TARGET
-    stop = {"target_accuracy": target, "time_cap_s": args.cap_s}
+    targets = {f: (SMOKE if args.smoke else JOBS[f])["target"] for f in fleets}
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="bench-tta-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    print(f"target test accuracy {target} (SYNTHETIC data, calibrated tier); cap {args.cap_s:.0f} s; "
-          f"seeds {seeds}; runs in {workdir}", flush=True)
+    print(f"target test accuracy {', '.join(f'{f} {t}' for f, t in targets.items())} (SYNTHETIC data, calibrated "
+          f"tier); cap {args.cap_s:.0f} s; seeds {seeds}; runs in {workdir}", flush=True)
 
     commit = commit_id()
-    result: dict = {"target_accuracy": target, "cap_s": args.cap_s, "seeds": len(seeds), "fleets": {},
+    result: dict = {"target_accuracy": targets.get("compute", next(iter(targets.values()))),
+                    "cap_s": args.cap_s, "seeds": len(seeds), "fleets": {},
                     "projected": [], "reused": [], "synthetic_data": True}
     try:
         ddp_steps: list[int | None] = []
         for fleet in fleets:
+            spec = {**JOBS[fleet], **SMOKE} if args.smoke else JOBS[fleet]
+            target = spec["target"]
+            stop = {"target_accuracy": target, "time_cap_s": args.cap_s}
             # a lone board has no links: `single` on the slow links is the compute fleet's
             fleet_arms = [a for a in arms if not (fleet == "bandwidth" and a in ("ddp", "single"))]
             out = workdir / f"tta-{fleet}"
@@ -270,8 +310,8 @@ def main() -> None:
             result["reused"] += [f"{fleet}/{a}" for a in finished]
             to_run = [a for a in fleet_arms if a not in finished]
             if to_run:
-                rows = run_experiment(workdir, f"tta-{fleet}", FLEETS[fleet], to_run, seeds, stop, args.eval_every,
-                                      LINK_CODECS if fleet == "bandwidth" else None, args.smoke)
+                rows = run_experiment(workdir, f"tta-{fleet}", spec, to_run, seeds, stop, args.eval_every,
+                                      LINK_CODECS if fleet == "bandwidth" else None)
             else:
                 rows = collect(sorted(p for p in out.iterdir() if (p / "metrics.jsonl").exists()), target_accuracy=target)
             times = {a: median_or_none([r["time_to_target_s"] for r in rows if r["arm"] == a]) for a in fleet_arms}
@@ -287,8 +327,8 @@ def main() -> None:
                                             time.time()):
                     result["reused"].append("bandwidth/ddp-segment")
                 else:
-                    run_experiment(workdir, "tta-bandwidth-ddp-segment", FLEETS[fleet], ["ddp"], [0],
-                                   {"steps": args.segment}, 0, smoke=args.smoke)
+                    run_experiment(workdir, "tta-bandwidth-ddp-segment", spec, ["ddp"], [0],
+                                   {"steps": args.segment}, 0)
                 step_s, energy_per_step, emulated = segment_rates(workdir / "tta-bandwidth-ddp-segment" / "ddp-r0")
                 steps = median_or_none(ddp_steps)
                 times["ddp"] = round(steps * step_s, 2) if steps is not None and emulated else None
@@ -297,7 +337,8 @@ def main() -> None:
                 result["projected"].append("bandwidth/ddp")
                 result["ddp_segment"] = {"steps": args.segment, "median_step_s": round(step_s, 3),
                                          "links_emulated": emulated, "steps_to_target_on_compute": steps}
-            entry = {"time_to_accuracy_s": times, "energy_to_accuracy_j": energies, "setup_s": setups,
+            entry = {"model": spec["model"], "target_accuracy": target, "time_to_accuracy_s": times,
+                     "energy_to_accuracy_j": energies, "setup_s": setups,
                      "arms": {a: provenance(arm_runs(out, a, len(seeds))) for a in fleet_arms}}
             best = min((a for a in EDGETRAIN_ARMS if times.get(a) is not None), key=lambda a: times[a], default=None)
             if best and times.get("ddp"):
@@ -315,6 +356,8 @@ def main() -> None:
                     if times.get("ddp"):
                         entry["ddp_over_planner"] = round(times["ddp"] / times[mine], 3)
                 entry["exploration_s"], entry["weak_board_sample_share"] = planner_figures(rows, mine)
+            entry["front"] = predicted_front(FLEETS[spec["fleet"]], spec["model"],
+                                             job(spec, args.eval_every)["training"]["global_batch"])
             result["fleets"][fleet] = entry
             print(f"{fleet}: {json.dumps(entry)}", flush=True)
     finally:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from edgetrain.emulator.netns import netns_available
 from edgetrain.emulator.throttle import DEFAULT_CGROUP_ROOT, DEFAULT_MEMORY_CGROUP_ROOT
@@ -222,3 +223,19 @@ def test_time_to_accuracy_resumes_only_arms_of_this_commit_started_within_12_hou
     assert not bench.reusable([{"launched_at": now}], "abc", now)  # ran before runs recorded their commit
     assert not bench.reusable(None, "abc", now)  # a seed did not finish
     assert bench.provenance(runs) == {"commit": "abc", "started": "2027-01-15T06:00:00Z"}
+
+
+def test_time_to_accuracy_counts_the_predicted_front_plans_that_differ_in_kind_or_board_set():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_tta", REPO / "scripts" / "bench_time_to_accuracy.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    fleet = {b["name"] for b in yaml.safe_load(bench.FLEETS["bandwidth"].read_text())["boards"]}
+
+    front = bench.predicted_front(bench.FLEETS["bandwidth"], "small_cnn", 64)
+
+    assert front["plans"] >= front["distinct"] == len(front["structures"]) >= 1
+    for structure in front["structures"]:
+        kind, boards = structure.split(": ")
+        assert kind in ("dp", "pipeline", "hybrid") and set(boards.split("+")) <= fleet, structure
