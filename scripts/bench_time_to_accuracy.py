@@ -8,7 +8,7 @@ centralized run needs several epochs to pass its target: docs/calibration.md) wi
 batch of 64, to the calibrated target accuracy (`edgetrain.catalog.SYNTHETIC_HARD_TARGET`, the
 same for every arm) with a time cap. A third job, `small`, trains the small CNN on the compute
 fleet (50,000 `synthetic-hard` items, learning rate 0.02, to `SMALL_CNN_HARD_TARGET`, calibrated so
-the fastest board alone needs at least 5 minutes): a model so small that each step's fixed costs weigh most.
+the fastest board alone needs about 5 minutes): a model so small that each step's fixed costs weigh most.
 `--fleets` names any of the three. The arms, run by `edgetrain experiment run`:
 - `ddp`: PyTorch DistributedDataParallel over gloo, the framework's equal split (no
   authentication: loopback or this run's network namespaces only);
@@ -90,8 +90,8 @@ JOBS = {"compute": {"fleet": "compute", **MOBILENET},
         "small": {"fleet": "compute", "model": "small_cnn", "train_size": SMALL_CNN_HARD_TRAIN_SIZE,
                   "test_size": SYNTHETIC_HARD_TEST_SIZE, "target": SMALL_CNN_HARD_TARGET, "lr": SMALL_CNN_HARD_LR}}
 """What `--fleets` names: a fleet and the job trained on it. `small` is the small CNN on the
-compute fleet, where a step's fixed costs weigh most, to a target one board alone needs at least
-5 minutes for (docs/calibration.md)."""
+compute fleet, where a step's fixed costs weigh most, to a target calibrated for one board alone
+to need about 5 minutes (docs/calibration.md)."""
 FEDERATED_ROUND_S = 10.0
 """The federated arm's shared time budget per round: each board trains as many local steps of 16
 as its speed fits in it."""
