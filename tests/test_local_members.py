@@ -441,6 +441,24 @@ def test_local_updates_are_judged_by_what_the_steps_they_touch_measured():
     assert judge_local_updates(steps[:15], {k: 2.0 for k in range(1, 15, 2)}, global_batch=64) is None  # 7 and 8
 
 
+def test_local_samples_are_worth_what_they_add_to_the_steps_goodput_at_the_measured_noise_scale():
+    from coordinator.planning.local_members import judge_local_updates
+
+    steps = [(k, 0.55 if k % 2 else 0.5) for k in range(40)]
+    work = {k: 20.0 for k in range(1, 40, 2)}  # 10 weighted samples a step, 0.025 s a step cost
+
+    unknown = judge_local_updates(steps, work, global_batch=64)
+    noisy = judge_local_updates(steps, work, global_batch=64, noise_scale=1e6)
+    quiet = judge_local_updates(steps, work, global_batch=64, noise_scale=16.0)
+
+    # Assert: a noise scale far above the batch leaves every sample its full worth (as unknown does);
+    # one far below it makes more samples a step worth little: (74 / 64) x (80 / 90) - 1 of a step
+    assert unknown.gain_s == pytest.approx(10 * 0.5 / 64) and unknown.efficiency == 1.0 and unknown.pays
+    assert noisy.gain_s == pytest.approx(unknown.gain_s, rel=1e-3) and noisy.pays
+    assert quiet.efficiency == pytest.approx(80 / 90)
+    assert quiet.gain_s == pytest.approx(0.5 * (74 / 64 * 80 / 90 - 1)) and not quiet.pays
+
+
 def test_a_plan_whose_local_updates_measured_a_loss_keeps_none_until_they_are_measured_again():
     from coordinator.planning.live import MEASURED_FOR_STEPS, LivePlanner
     from edgetrain.config import PlannerConfig

@@ -23,6 +23,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from coordinator.planning.trials import efficiency
 from edgetrain.plan import NO_GAIN, BoardCost, ModelCost, Plan
 
 MIN_LOCAL_SAMPLES = 4
@@ -189,10 +190,14 @@ class LocalVerdict:
     """What the steps that handed out or applied local work took longer than the others, times
     their share of the steps."""
     gain_s: float
-    """What the weighted local samples they applied are worth: the time the plan's own steps take
-    to train as many samples."""
+    """What the weighted local samples they applied are worth, in the goodput the trials score
+    plans by: the step time they save at the same goodput (their samples x the statistical
+    efficiency of the larger batch; see judge_local_updates)."""
     touched: int
     untouched: int
+    efficiency: float = 1.0
+    """The statistical efficiency of the step's batch with their samples against without (1 when
+    the gradient noise scale is unknown)."""
 
     @property
     def pays(self) -> bool:
@@ -200,17 +205,23 @@ class LocalVerdict:
 
     def describe(self) -> str:
         return (f"local updates cost {self.cost_s:.3f} s a step and add {self.gain_s:.3f} s worth of samples "
-                f"(steps with local work {self.touched}, without {self.untouched})")
+                f"(at efficiency {self.efficiency:.2f}; steps with local work {self.touched}, without "
+                f"{self.untouched})")
 
 
 def judge_local_updates(step_seconds: Sequence[tuple[int, float]], local_work: dict[int, float],
-                        global_batch: int) -> LocalVerdict | None:
+                        global_batch: int, noise_scale: float | None = None) -> LocalVerdict | None:
     """Measure, not assume, what boards beside the steps bring: the plan's steps that handed out or
     applied local work (`local_work`: step -> weighted local samples applied) against those that
     did not, measured in the same minutes (the emulated machine's speed drifts by minutes, not by
     steps). Boards beside the steps share the gateway's CPU and network with the steps (their
     downloads and uploads, their updates applied); the samples they add are weighted by staleness.
-    None while either kind has fewer than MIN_JUDGED_STEPS steps."""
+    They pay when the steps' goodput with them beats it without, as trials score plans: with m
+    weighted samples a step added to a batch of B, the steps carry B + m samples at statistical
+    efficiency (phi + B) / (phi + B + m) (Pollux; phi the gradient noise scale, `noise_scale`), so
+    they are worth base x ((B + m) / B x (phi + B) / (phi + B + m) - 1) seconds a step: m / B of
+    a step when phi is unknown or large, nothing when phi is far below the batch (more samples a
+    step then hardly cut the steps). None while either kind has fewer than MIN_JUDGED_STEPS steps."""
     touched = [sec for step, sec in step_seconds if step in local_work]
     plain = [sec for step, sec in step_seconds if step not in local_work]
     if len(touched) < MIN_JUDGED_STEPS or len(plain) < MIN_JUDGED_STEPS:
@@ -219,5 +230,6 @@ def judge_local_updates(step_seconds: Sequence[tuple[int, float]], local_work: d
     base = sum(plain) / len(plain)
     cost = (sum(touched) / len(touched) - base) * len(touched) / steps
     samples = sum(local_work.get(step, 0.0) for step, _ in step_seconds) / steps
-    return LocalVerdict(cost_s=cost, gain_s=samples / global_batch * base, touched=len(touched),
-                        untouched=len(plain))
+    eff = efficiency(noise_scale, global_batch, global_batch + samples)
+    return LocalVerdict(cost_s=cost, gain_s=base * ((global_batch + samples) / global_batch * eff - 1),
+                        touched=len(touched), untouched=len(plain), efficiency=eff)

@@ -188,11 +188,13 @@ class LivePlans:
         steps = [(s, sec) for s, sec in self.ctx.step_seconds if s > since]
         if len(steps) not in LOCAL_JUDGED_AT:
             return
-        verdict = judge_local_updates(steps, self.ctx.local_work, self.ctx.job.training.global_batch)
+        verdict = judge_local_updates(steps, self.ctx.local_work, self.ctx.job.training.global_batch,
+                                      self.ctx.aggregator.noise.value)
         if verdict is None:
             return
         self.ctx.metrics.write({"kind": "local_updates", "step": step, "boards": list(plan.local_boards),
                                 "cost_s": round(verdict.cost_s, 4), "gain_s": round(verdict.gain_s, 4),
+                                "efficiency": round(verdict.efficiency, 4),
                                 "steps_with": verdict.touched, "steps_without": verdict.untouched,
                                 "kept": verdict.pays})
         if verdict.pays:
