@@ -7,9 +7,9 @@ On each, MobileNetV2 trains on the harder SYNTHETIC tier (`synthetic-hard`, cali
 centralized run needs several epochs to pass its target: docs/calibration.md) with a global
 batch of 64, to the calibrated target accuracy (`edgetrain.catalog.SYNTHETIC_HARD_TARGET`, the
 same for every arm) with a time cap. A third job, `small`, trains the small CNN on the compute
-fleet (50,000 `synthetic-hard` items, learning rate 0.02, to `SMALL_CNN_HARD_TARGET`, calibrated so
-the fastest board alone needs about 5 minutes): a model so small that each step's fixed costs weigh most.
-`--fleets` names any of the three. The arms, run by `edgetrain experiment run`:
+fleet (50,000 `synthetic-hard` items, learning rate 0.02, to `SMALL_CNN_HARD_TARGET`, calibrated
+so the fastest board alone needs about 5 minutes): a model so small that each step's fixed costs
+weigh most. `--fleets` names any of the three. The arms, run by `edgetrain experiment run`:
 - `ddp`: PyTorch DistributedDataParallel over gloo, the framework's equal split (no
   authentication: loopback or this run's network namespaces only);
 - `single`: the fastest board alone, no coordinator (the runner's baseline);
@@ -31,22 +31,23 @@ steps; its energy likewise (energy per step on the slow links). The JSON lists p
 Without root the links cannot be shaped for gloo (it is not ours to throttle): then the DDP
 segment runs on loopback and its projection would be meaningless, so it is reported as null.
 
-    python scripts/bench_time_to_accuracy.py [--seeds 1] [--cap-s 1800] [--fleets compute,bandwidth,small]
+    python scripts/bench_time_to_accuracy.py [--seeds 1] [--cap-s 1800]
+                                             [--fleets compute,bandwidth,small]
                                              [--arms ddp,single,proportional,federated,planner]
                                              [--keep DIR [--resume]] [--smoke] [--record]
 
 Last line: one JSON object: `target_accuracy` (the MobileNetV2 jobs'), `fleets` → `compute` /
-`bandwidth` / `small` →
-`time_to_accuracy_s` and `energy_to_accuracy_j` (maps by arm, medians over seeds; null where the
-cap was hit), the ratios of DDP's time and energy to the best EdgeTrain arm's, and with a
-`planner` arm: `planner_over_best_other` (its time ÷ the best of single, proportional and
-federated), `proportional_over_planner`, `ddp_over_planner`, `exploration_s` (seconds its trials
-took, median) and `weak_board_sample_share` (the 0.1-core board's applied samples × their
-aggregation weight ÷ all, median); per fleet `model`, `target_accuracy` and `front`: the
-planner's predicted time/energy front on that fleet (`edgetrain plan --objective pareto`), its
-`plans`, how many are `distinct` in kind or board set, and those `structures`; `cap_s`, `seeds`,
-`projected` (list of "fleet/arm"), `reused` (arms read from an earlier run with --resume: only arms whose every seed ran at this
-clean commit and started within 12 hours), and per fleet `arms` → arm → `commit`, `started`.
+`bandwidth` / `small` → `time_to_accuracy_s` and `energy_to_accuracy_j` (maps by arm, medians over
+seeds; null where the cap was hit), the ratios of DDP's time and energy to the best EdgeTrain
+arm's, and with a `planner` arm: `planner_over_best_other` (its time ÷ the best of single,
+proportional and federated), `proportional_over_planner`, `ddp_over_planner`, `exploration_s`
+(seconds its trials took, median) and `weak_board_sample_share` (the 0.1-core board's applied
+samples × their aggregation weight ÷ all, median); per fleet `model`, `target_accuracy` and
+`front`: the planner's predicted time/energy front on that fleet (`edgetrain plan --objective
+pareto`), its `plans`, how many are `distinct` in kind or board set, and those `structures`;
+`cap_s`, `seeds`, `projected` (list of "fleet/arm"), `reused` (arms read from an earlier run with
+--resume: only arms whose every seed ran at this clean commit and started within 12 hours), and
+per fleet `arms` → arm → `commit`, `started`.
 """
 
 from __future__ import annotations
