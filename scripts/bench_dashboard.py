@@ -1,7 +1,8 @@
 """Benchmark: what an open dashboard costs the training it shows.
 
 The demo job (MobileNetV2 on SYNTHETIC CIFAR-shaped data, four emulated boards at 0.5, 0.3, 0.2
-and 0.1 of a core) runs with its dashboard served, and within the same run the page is open in
+and 0.1 of a core), as proportional data parallelism (its planner off: plans must not change
+between windows), runs with its dashboard served, and within the same run the page is open in
 headless Chromium (live updates every second) and closed (the browser on about:blank) in
 alternating windows of `--window` steps: A B A B ... Comparing windows of one run removes what
 differs between runs (the boards' join-time profiles, and so their shares:
@@ -63,7 +64,8 @@ def run_once(workdir: Path, name: str, steps: int, warmup: int, window: int,
     runs = workdir / name
     proc = subprocess.Popen([sys.executable, "-m", "edgetrain", "local", str(DEMO_JOB), "--runs-dir", str(runs),
                              "--set", f"training.steps={steps}", "--set", "training.eval_every=0",
-                             "--set", "training.checkpoint_every_s=0", *(a for o in overrides for a in ("--set", o)),
+                             "--set", "training.checkpoint_every_s=0", "--set", "planner.enabled=false",
+                             *(a for o in overrides for a in ("--set", o)),
                              "--dashboard", "127.0.0.1:0"],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     driver = None

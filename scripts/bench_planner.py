@@ -202,6 +202,7 @@ def run_mode(mode: str, fleet: str, model_name: str, links, batch: int, args, wo
     job["training"].update(steps=args.steps, min_clients=len(SPEEDS), eval_every=0, global_batch=batch,
                            log_every=1, split="equal" if mode == "equal" else "proportional",
                            heartbeat_timeout_s=120.0)
+    job["planner"] = {"enabled": False}  # the demo job plans with the planner: only the hybrid arm does here
     if mode == "hybrid":
         job["planner"] = {"enabled": True, "link_wait_s": 30}
         job["pipeline"] = {"stage_timeout_s": 600}

@@ -93,6 +93,7 @@ def run_arm(secure: bool, index: int, args: argparse.Namespace, workdir: Path) -
     name = f"bench-tls-{'mtls' if secure else 'insecure'}-{index}"
     job = load_yaml(DEMO_JOB)
     job.update(name=name, model=args.model)
+    job["planner"] = {"enabled": False}  # both arms the same plan: proportional data parallelism
     job["dataset"].update(train_size=128 if args.smoke else 4096, test_size=32 if args.smoke else 256)
     job["training"].update(steps=args.steps, min_clients=len(SPEEDS), eval_every=0, global_batch=args.batch,
                            log_every=10)

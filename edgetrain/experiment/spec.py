@@ -11,7 +11,7 @@ stop: {target_accuracy: 0.70, time_cap_s: 900}   # or {steps: N} or {wall_s: S};
 repeats: 1                             # or seeds: [0, 1, 2] (one repeat per seed)
 arms:
   - {name: ddp, baseline: ddp}
-  - {name: proportional, set: {training.split: proportional}}
+  - {name: proportional, set: {planner.enabled: false, training.split: proportional}}
   - {name: hybrid, set: {planner.enabled: true}}
   - {name: rolling, trace: {jobs: traces/lab.yaml, scheduler: rolling}}
 ```
