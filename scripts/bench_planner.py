@@ -66,8 +66,7 @@ from coordinator.planning.inputs import (
     transfer_cpu_s_per_byte,
 )
 from coordinator.planning.planner import plan_optimal
-from edgetrain.config import load_yaml
-from edgetrain.emulator.launch import DEMO_JOB, run_on_emulated_boards
+from edgetrain.emulator.launch import plain_demo_job, run_on_emulated_boards
 from edgetrain.experiment.bench_output import add_bench_args, finish, stop_on_sigterm
 from edgetrain.fleet_file import BoardSpec, LinkSpec
 from edgetrain.plan import BoardCost, Plan, StagePlan
@@ -196,13 +195,12 @@ def measured_ideal(model_name: str, batch: int, seconds: float = 30.0) -> list[f
 def run_mode(mode: str, fleet: str, model_name: str, links, batch: int, args, workdir: Path, model,
              one_core) -> dict:
     name = f"bench-plan-{fleet}-{model_name}-{mode}"  # one run directory each: metrics.jsonl is appended to
-    job = load_yaml(DEMO_JOB)
+    job = plain_demo_job()  # the hybrid arm turns the planner on
     job.update(name=name, model=model_name)
     job["dataset"].update(train_size=128 if args.smoke else 2048, test_size=32 if args.smoke else 256, augment=False)
     job["training"].update(steps=args.steps, min_clients=len(SPEEDS), eval_every=0, global_batch=batch,
                            log_every=1, split="equal" if mode == "equal" else "proportional",
                            heartbeat_timeout_s=120.0)
-    job["planner"] = {"enabled": False}  # the demo job plans with the planner: only the hybrid arm does here
     if mode == "hybrid":
         job["planner"] = {"enabled": True, "link_wait_s": 30}
         job["pipeline"] = {"stage_timeout_s": 600}

@@ -36,18 +36,18 @@ segment runs on loopback and its projection would be meaningless, so it is repor
                                              [--arms ddp,single,proportional,federated,planner]
                                              [--keep DIR [--resume]] [--smoke] [--record]
 
-Last line: one JSON object: `target_accuracy` (the MobileNetV2 jobs'), `fleets` → `compute` /
-`bandwidth` / `small` → `time_to_accuracy_s` and `energy_to_accuracy_j` (maps by arm, medians over
-seeds; null where the cap was hit), the ratios of DDP's time and energy to the best EdgeTrain
-arm's, and with a `planner` arm: `planner_over_best_other` (its time ÷ the best of single,
-proportional and federated), `proportional_over_planner`, `ddp_over_planner`, `exploration_s`
-(seconds its trials took, median) and `weak_board_sample_share` (the 0.1-core board's applied
-samples × their aggregation weight ÷ all, median); per fleet `model`, `target_accuracy` and
-`front`: the planner's predicted time/energy front on that fleet (`edgetrain plan --objective
-pareto`), its `plans`, how many are `distinct` in kind or board set, and those `structures`;
-`cap_s`, `seeds`, `projected` (list of "fleet/arm"), `reused` (arms read from an earlier run with
---resume: only arms whose every seed ran at this clean commit and started within 12 hours), and
-per fleet `arms` → arm → `commit`, `started`.
+Last line: one JSON object: `target_accuracy` (the MobileNetV2 fleets'; null when neither ran),
+`fleets` → `compute` / `bandwidth` / `small` → `time_to_accuracy_s` and `energy_to_accuracy_j`
+(maps by arm, medians over seeds; null where the cap was hit), the ratios of DDP's time and energy
+to the best EdgeTrain arm's, and with a `planner` arm: `planner_over_best_other` (its time ÷ the
+best of single, proportional and federated), `proportional_over_planner`, `ddp_over_planner`,
+`exploration_s` (seconds its trials took, median) and `weak_board_sample_share` (the 0.1-core
+board's applied samples × their aggregation weight ÷ all, median); per fleet `model`,
+`target_accuracy` and `front`: the planner's predicted time/energy front on that fleet (`edgetrain
+plan --objective pareto`), its `plans`, how many are `distinct` in kind or board set, and those
+`structures`; `cap_s`, `seeds`, `projected` (list of "fleet/arm"), `reused` (arms read from an
+earlier run with --resume: only arms whose every seed ran at this clean commit and started within
+12 hours), and per fleet `arms` → arm → `commit`, `started`.
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ def main() -> None:
           f"tier); cap {args.cap_s:.0f} s; seeds {seeds}; runs in {workdir}", flush=True)
 
     commit = commit_id()
-    result: dict = {"target_accuracy": targets.get("compute", next(iter(targets.values()))),
+    result: dict = {"target_accuracy": targets.get("compute", targets.get("bandwidth")),
                     "cap_s": args.cap_s, "seeds": len(seeds), "fleets": {},
                     "projected": [], "reused": [], "synthetic_data": True}
     try:
@@ -357,8 +357,11 @@ def main() -> None:
                     if times.get("ddp"):
                         entry["ddp_over_planner"] = round(times["ddp"] / times[mine], 3)
                 entry["exploration_s"], entry["weak_board_sample_share"] = planner_figures(rows, mine)
-            entry["front"] = predicted_front(FLEETS[spec["fleet"]], spec["model"],
-                                             job(spec, args.eval_every)["training"]["global_batch"])
+            try:
+                entry["front"] = predicted_front(FLEETS[spec["fleet"]], spec["model"],
+                                                 job(spec, args.eval_every)["training"]["global_batch"])
+            except ValueError as e:  # no plan fits the fleet: the arms' figures still stand
+                entry["front"] = {"error": str(e)}
             result["fleets"][fleet] = entry
             print(f"{fleet}: {json.dumps(entry)}", flush=True)
     finally:

@@ -32,8 +32,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from edgetrain.config import load_yaml
-from edgetrain.emulator.launch import DEMO_JOB, LocalRun, run_local
+from edgetrain.emulator.launch import LocalRun, plain_demo_job, run_local
 from edgetrain.experiment.bench_output import add_bench_args, finish, stop_on_sigterm
 
 SPEEDS = (0.5, 0.3, 0.2, 0.1)
@@ -91,9 +90,8 @@ class CpuWatch:
 
 def run_arm(secure: bool, index: int, args: argparse.Namespace, workdir: Path) -> dict:
     name = f"bench-tls-{'mtls' if secure else 'insecure'}-{index}"
-    job = load_yaml(DEMO_JOB)
+    job = plain_demo_job()  # both arms the same plan: proportional data parallelism
     job.update(name=name, model=args.model)
-    job["planner"] = {"enabled": False}  # both arms the same plan: proportional data parallelism
     job["dataset"].update(train_size=128 if args.smoke else 4096, test_size=32 if args.smoke else 256)
     job["training"].update(steps=args.steps, min_clients=len(SPEEDS), eval_every=0, global_batch=args.batch,
                            log_every=10)

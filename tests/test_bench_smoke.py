@@ -14,7 +14,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-import yaml
 
 from edgetrain.emulator.netns import netns_available
 from edgetrain.emulator.throttle import DEFAULT_CGROUP_ROOT, DEFAULT_MEMORY_CGROUP_ROOT
@@ -225,17 +224,24 @@ def test_time_to_accuracy_resumes_only_arms_of_this_commit_started_within_12_hou
     assert bench.provenance(runs) == {"commit": "abc", "started": "2027-01-15T06:00:00Z"}
 
 
-def test_time_to_accuracy_counts_the_predicted_front_plans_that_differ_in_kind_or_board_set():
+def test_time_to_accuracy_counts_the_predicted_front_plans_that_differ_in_kind_or_board_set(monkeypatch):
     import importlib.util
+
+    from coordinator.planning import command
 
     spec = importlib.util.spec_from_file_location("bench_tta", REPO / "scripts" / "bench_time_to_accuracy.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    fleet = {b["name"] for b in yaml.safe_load(bench.FLEETS["bandwidth"].read_text())["boards"]}
+    # Prepare: a front as `edgetrain plan --objective pareto --json` gives it: two DP plans over the
+    # same three boards (one with the fourth beside: not left out), a pipeline over the same three,
+    # and a DP plan over two
+    plans = [{"kind": "dp", "left_out": {"d": "no gain"}}, {"kind": "dp", "left_out": {}},
+             {"kind": "dp", "left_out": {"d": "no gain"}}, {"kind": "pipeline", "left_out": {"d": "no gain"}},
+             {"kind": "dp", "left_out": {"c": "no gain", "d": "no gain"}}]
+    monkeypatch.setattr(command, "plan_report", lambda *a, **kw: json.dumps(
+        {"devices": {b: "cpu" for b in "abcd"}, "plans": plans}))
 
-    front = bench.predicted_front(bench.FLEETS["bandwidth"], "small_cnn", 64)
+    front = bench.predicted_front(bench.FLEETS["compute"], "small_cnn", 64)
 
-    assert front["plans"] >= front["distinct"] == len(front["structures"]) >= 1
-    for structure in front["structures"]:
-        kind, boards = structure.split(": ")
-        assert kind in ("dp", "pipeline", "hybrid") and set(boards.split("+")) <= fleet, structure
+    assert front == {"plans": 5, "distinct": 4,
+                     "structures": ["dp: a+b", "dp: a+b+c", "dp: a+b+c+d", "pipeline: a+b+c"]}

@@ -156,17 +156,20 @@ def test_a_board_too_slow_to_wait_for_sends_local_updates_within_the_staleness_b
                                        extra=("--emulate", str(path), "--probe-interval", "1"))
 
     # Execute: once the trial committed and a local update of the slow board was applied after it,
-    # the slow board dies with work in hand
+    # the slow board dies with work in hand (or, if its updates were measured not to pay by then,
+    # out of the plan)
     committed = wait_for(lambda: next((t["step"] for t in _records(coordinator.run_dir, "plan_trial")), None),
-                         200, "the first trial's decision")
+                         100, "the first trial's decision")
     applied = wait_for(lambda: next((s["step"] for s in _records(coordinator.run_dir) if s["step"] >= committed
-                                     and any(d.startswith("slow-") for d in s["devices"])), None), 200,
+                                     and any(d.startswith("slow-") for d in s["devices"])), None), 60,
                        "the slow board's first local update after the trial")
     wait_for(lambda: any("slow-" in d for s in _records(coordinator.run_dir) if s["step"] > applied
-                         for d in s.get("beside", {})), 60, "the slow board's next local work")
+                         for d in s.get("beside", {}))
+             or any(not v["kept"] for v in _records(coordinator.run_dir, "local_updates")), 30,
+             "the slow board's next local work")
     clients["slow"].kill()
     killed = max(s["step"] for s in _records(coordinator.run_dir))
-    coordinator.wait(timeout=200)
+    coordinator.wait(timeout=100)
 
     # Assert: the planner measured at least two plans and kept the best score, or the default one
     # when the best did not beat it by the trial's margin
@@ -191,10 +194,12 @@ def test_a_board_too_slow_to_wait_for_sends_local_updates_within_the_staleness_b
     for _, v in mine:
         assert 0 <= v["staleness"] <= bound
         assert v["weight"] == pytest.approx((1 + v["staleness"]) ** -0.5, abs=1e-3)
-    # its death cost the others nothing: every step ran once, none waited for it or was redone
+    # its death cost the others nothing: every step ran, none waited for it, and none was redone but
+    # for its own loss (a later trial may have made it a stage host: that step's failed attempt
+    # names it, as a board lost or a stage host that failed)
     assert [s["step"] for s in steps] == list(range(200))
-    # (a later trial may have made it a stage host: such a step is redone for its loss and no other)
-    assert all(s["attempts"] == 1 or s["failed"] and all(
-        f.get("failed") and all(d.startswith("slow-") for d in f["failed"]) for f in s["failed"])
-        for s in steps if s["step"] > killed), [
-        (s["step"], s["attempts"], s["failed"]) for s in steps if s["attempts"] > 1]
+    for s in steps:
+        if s["step"] > killed and s["attempts"] > 1:
+            named = set(s["failed"]) | {d for f in s.get("failures", []) for d in f.get("failed", {})}
+            assert any(d.startswith("slow-") for d in named), (s["step"], s["attempts"], s["failed"],
+                                                                s.get("failures"))

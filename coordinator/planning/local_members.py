@@ -191,8 +191,8 @@ class LocalVerdict:
     their share of the steps."""
     gain_s: float
     """What the weighted local samples they applied are worth, in the goodput the trials score
-    plans by: the step time they save at the same goodput (their samples x the statistical
-    efficiency of the larger batch; see judge_local_updates)."""
+    plans by: the extra step time their samples pay for at equal goodput (their samples x the
+    statistical efficiency of the larger batch; see judge_local_updates)."""
     touched: int
     untouched: int
     efficiency: float = 1.0
