@@ -45,7 +45,7 @@ SMALL_CNN_HARD_LR = 0.02
 """The `small` job's learning rate (momentum 0.9, constant after warm-up)."""
 SMALL_CNN_HARD_TARGET = 0.95
 """Test accuracy the `small` job stops at, calibrated for one 0.5-core board alone to need about 5
-minutes (docs/calibration.md: 249.5-257.6 s on 2026-12-05)."""
+minutes (docs/calibration.md: 250-259 s on 2026-12-05)."""
 
 CODEC_NAMES: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
 """Names accepted by ``CodecSpec.name``."""
