@@ -93,6 +93,8 @@ JOBS = {"compute": {"fleet": "compute", **MOBILENET},
 """What `--fleets` names: a fleet and the job trained on it. `small` is the small CNN on the
 compute fleet, where a step's fixed costs weigh most, to a target calibrated for one board alone
 to need about 5 minutes (docs/calibration.md)."""
+GLOBAL_BATCH = 64
+"""Every job's and arm's global batch."""
 FEDERATED_ROUND_S = 10.0
 """The federated arm's shared time budget per round: each board trains as many local steps of 16
 as its speed fits in it."""
@@ -130,7 +132,7 @@ def job(spec: dict, eval_every: int) -> dict:
         "name": "tta", "model": spec["model"], "seed": 0,
         "dataset": {"name": "synthetic-hard", "train_size": spec["train_size"], "test_size": spec["test_size"],
                     "augment": True},
-        "training": {"global_batch": 64, "min_clients": 4, "eval_every": eval_every, "log_every": 20},
+        "training": {"global_batch": GLOBAL_BATCH, "min_clients": 4, "eval_every": eval_every, "log_every": 20},
         "planner": {"enabled": True},  # EdgeTrain's defaults; arms that mean something else say so
         "optimizer": {"lr": spec["lr"], "momentum": 0.9, "weight_decay": 5.0e-4, "schedule": "constant",
                       "warmup_steps": 10},
@@ -358,8 +360,7 @@ def main() -> None:
                         entry["ddp_over_planner"] = round(times["ddp"] / times[mine], 3)
                 entry["exploration_s"], entry["weak_board_sample_share"] = planner_figures(rows, mine)
             try:
-                entry["front"] = predicted_front(FLEETS[spec["fleet"]], spec["model"],
-                                                 job(spec, args.eval_every)["training"]["global_batch"])
+                entry["front"] = predicted_front(FLEETS[spec["fleet"]], spec["model"], GLOBAL_BATCH)
             except ValueError as e:  # no plan fits the fleet: the arms' figures still stand
                 entry["front"] = {"error": str(e)}
             result["fleets"][fleet] = entry
