@@ -317,3 +317,31 @@ def test_a_fleet_file_without_power_figures_is_priced_with_the_power_its_boards_
         assert (board.idle_w, board.busy_w) == (model.idle_w, model.busy_w) and board.busy_w > board.idle_w > 0
     plan = _planner().decide(0, boards).plan
     assert plan.prediction.energy_per_sample_j > 0
+
+
+def test_a_candidate_is_judged_by_the_boards_that_work_in_its_steps_so_a_measured_one_is_recognised():
+    # Prepare: fast links, and a board so slow that data parallelism would give it a sixth of a
+    # sample a step. A trial measured the alternatives (as coordinator.training.plan_sources does):
+    # the fastest board alone 1.0 s a step, data parallelism 1.5 s; the board alone is in force
+    fast = {n: {"mbit_per_s": 1000.0} for n in "abc"}
+    fleet = _fleet(**fast, d={"flops_per_s": 5e7, "mbit_per_s": 100.0})
+    live = _planner()
+    live.decide(0, fleet)
+    alternatives = live.alternatives(1, fleet)
+    dp, alone = alternatives[0], alternatives[-1]
+    live.adopt(alone)
+    live.note_measured(dp, 1.5, 5)
+    live.note_measured(alone, 1.0, 5)
+
+    # Execute: the slow board's link changes (and holds); data parallelism is still predicted about
+    # twice as fast
+    decision = _held(live, 10, _fleet(**fast, d={"flops_per_s": 5e7, "mbit_per_s": 200.0}))
+
+    # Assert: no plan gives a shard less than one sample a step (the weak board is out of data
+    # parallelism), so the candidate is recognised as the structure measured slower, and it does
+    # not replace the plan in force
+    for plan in (decision.plan, *alternatives, *live.alternatives(11, fleet)):
+        assert all(plan.prediction.share[b] * 64 >= 1 for b in plan.dp_boards)
+    assert dp.kind == "dp" and set(dp.dp_boards) == {"a", "b", "c"}
+    assert decision.candidate_cost < 0.95 * decision.current_cost  # predicted better by more than min_gain
+    assert not decision.switched and _used(decision.plan) == {"a"}

@@ -16,6 +16,9 @@ coordinator.planning.inputs). A re-plan is considered when
   steps they ran (a stage host's from its stage's compute: coordinator.registry), so the
   re-plan sees them as they are. A candidate that is the plan in force keeps it: comparing its
   prediction with its own measurement says nothing.
+Every plan is taken as its steps run: DP shards predicted to take less than one sample a step are
+left out for no gain (coordinator.planning.local_members.without_empty_shards), so a candidate
+measured before is recognised by the boards that work in it.
 The new plan replaces the current one only when the current one cannot run (one of its boards
 is gone or below the battery floor) or the new one is predicted at least `min_gain` better on
 the changed fleet; otherwise the current plan stays (less any DP shard it now gives no work)
@@ -30,7 +33,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from coordinator.planning.cost import objective_cost, predict
-from coordinator.planning.local_members import add_local_members, without_local_members
+from coordinator.planning.local_members import (
+    add_local_members,
+    without_empty_shards,
+    without_local_members,
+)
 from coordinator.planning.planner import plan_alternatives, plan_optimal
 from coordinator.planning.trials import structure
 from edgetrain.config import PlannerConfig
@@ -134,9 +141,10 @@ class LivePlanner:
             return None
         if self.current is not None:  # judged and kept as the planner made it; boards beside it are added after
             self.current = without_local_members(self.current)
-        candidate = plan_optimal(list(boards), self.model, self.global_batch, self.cfg.weight,
-                                 battery_floor=self.cfg.battery_floor, channel_groups=self.cfg.channel_groups,
-                                 **self.stage_options)
+        candidate = without_empty_shards(plan_optimal(list(boards), self.model, self.global_batch, self.cfg.weight,
+                                                      battery_floor=self.cfg.battery_floor,
+                                                      channel_groups=self.cfg.channel_groups, **self.stage_options),
+                                         self.global_batch)
         cost = objective_cost(candidate.prediction, boards, self.cfg.weight)
         current_cost = None
         if self.current is not None and self._runnable(self.current, boards):
@@ -170,9 +178,10 @@ class LivePlanner:
     def alternatives(self, step: int, boards: Sequence[BoardCost]) -> list[Plan]:
         """The best plan of each other kind on `boards` (coordinator.planning.planner.plan_alternatives),
         with boards beside their steps as the plan in force would have them."""
-        plans = plan_alternatives(list(boards), self.model, self.global_batch, self.cfg.weight,
-                                  battery_floor=self.cfg.battery_floor, channel_groups=self.cfg.channel_groups,
-                                  **self.stage_options)
+        plans = [without_empty_shards(p, self.global_batch)
+                 for p in plan_alternatives(list(boards), self.model, self.global_batch, self.cfg.weight,
+                                            battery_floor=self.cfg.battery_floor,
+                                            channel_groups=self.cfg.channel_groups, **self.stage_options)]
         if self.cfg.local_updates and step >= self.local_paused_until:
             plans = [add_local_members(p, boards, self.model, **self.local) for p in plans]
         return plans

@@ -103,7 +103,7 @@ def add_local_members(plan: Plan, fleet: Sequence[BoardCost], model: ModelCost, 
     their memory, and their energy and samples in the energy per sample."""
     if plan.prediction is None or owns_stages(plan, stage_state):
         return plan
-    plan = _without_empty_shards(plan, global_batch)
+    plan = without_empty_shards(plan, global_batch)
     by_name = {b.name: b for b in fleet}
     params = sum(b.param_bytes for b in model.blocks)
     flops = sum(b.train_flops for b in model.blocks)
@@ -147,9 +147,12 @@ def owns_stages(plan: Plan, stage_state: str) -> bool:
     return stage_state == "hosts" and not plan.dp_boards and any(len(s.boards) == 1 for s in plan.stages)
 
 
-def _without_empty_shards(plan: Plan, global_batch: int) -> Plan:
+def without_empty_shards(plan: Plan, global_batch: int) -> Plan:
     """`plan` with its DP shards predicted to take less than one sample a step left out for no
-    gain (a pure DP plan keeps at least its busiest shard)."""
+    gain (a pure DP plan keeps at least its busiest shard): the plan as its steps run, so that it
+    is compared, measured and remembered by the boards that work in them."""
+    if plan.prediction is None:
+        return plan
     share = plan.prediction.share
     empty = [b for b in plan.dp_boards if share.get(b, 0.0) * global_batch < 1]
     kept = tuple(b for b in plan.dp_boards if b not in empty)
