@@ -11,7 +11,8 @@ fleet (50,000 `synthetic-hard` items, learning rate 0.02, to `SMALL_CNN_HARD_TAR
 so the fastest board alone needs about 5 minutes): a model so small that each step's fixed costs
 weigh most. `--fleets` names any of the three. The arms, run by `edgetrain experiment run`:
 - `ddp`: PyTorch DistributedDataParallel over gloo, the framework's equal split (no
-  authentication: loopback or this run's network namespaces only);
+  authentication: loopback or this run's network namespaces only); seed 0 only, whatever
+  `--seeds` says (the EdgeTrain arms' medians are compared with it);
 - `single`: the fastest board alone, no coordinator (the runner's baseline);
 - `proportional`: EdgeTrain, synchronous data parallelism, shares from measured speed
   (`planner.enabled: false`);
@@ -99,7 +100,7 @@ FEDERATED_ROUND_S = 10.0
 """The federated arm's shared time budget per round: each board trains as many local steps of 16
 as its speed fits in it."""
 ARMS = {
-    "ddp": {"baseline": "ddp"},
+    "ddp": {"baseline": "ddp", "repeats": 1},  # seed 0 only: the EdgeTrain medians are measured against it
     "single": {"baseline": "single"},
     "proportional": {"set": {"planner.enabled": False, "training.split": "proportional"}},
     "federated": {"set": {"planner.enabled": False, "aggregation.rule": "fedavg",
@@ -202,6 +203,11 @@ def planner_figures(rows: list[dict], arm: str) -> tuple[float | None, float | N
 REUSE_WITHIN_S = 12 * 3600
 """--resume reuses an arm only when every seed of it ran at this commit and started this recently:
 this machine's core runs 1.6-1.85x faster on some days than others, so a result mixes no days."""
+
+
+def arm_repeats(arm: str, seeds: int) -> int:
+    """How many of the `seeds` seeds `arm` runs (DDP only the first)."""
+    return min(ARMS[arm].get("repeats", seeds), seeds)
 
 
 def arm_runs(out: Path, arm: str, repeats: int) -> list[dict] | None:
@@ -309,7 +315,7 @@ def main() -> None:
             fleet_arms = [a for a in arms if not (fleet == "bandwidth" and a in ("ddp", "single"))]
             out = workdir / f"tta-{fleet}"
             finished = [a for a in fleet_arms
-                        if args.resume and reusable(arm_runs(out, a, len(seeds)), commit, time.time())]
+                        if args.resume and reusable(arm_runs(out, a, arm_repeats(a, len(seeds))), commit, time.time())]
             result["reused"] += [f"{fleet}/{a}" for a in finished]
             to_run = [a for a in fleet_arms if a not in finished]
             if to_run:
@@ -325,7 +331,7 @@ def main() -> None:
                 # the same --keep directory (the fleets can then be run one at a time)
                 ddp_steps = [steps_to_target(workdir / "tta-compute" / f"ddp-r{k}", target)
                              if (workdir / "tta-compute" / f"ddp-r{k}" / "metrics.jsonl").exists() else None
-                             for k in range(len(seeds))]
+                             for k in range(arm_repeats("ddp", len(seeds)))]
                 if args.resume and reusable(arm_runs(workdir / "tta-bandwidth-ddp-segment", "ddp", 1), commit,
                                             time.time()):
                     result["reused"].append("bandwidth/ddp-segment")
@@ -342,7 +348,7 @@ def main() -> None:
                                          "links_emulated": emulated, "steps_to_target_on_compute": steps}
             entry = {"model": spec["model"], "target_accuracy": target, "time_to_accuracy_s": times,
                      "energy_to_accuracy_j": energies, "setup_s": setups,
-                     "arms": {a: provenance(arm_runs(out, a, len(seeds))) for a in fleet_arms}}
+                     "arms": {a: provenance(arm_runs(out, a, arm_repeats(a, len(seeds)))) for a in fleet_arms}}
             best = min((a for a in EDGETRAIN_ARMS if times.get(a) is not None), key=lambda a: times[a], default=None)
             if best and times.get("ddp"):
                 entry["best_edgetrain_arm"] = best

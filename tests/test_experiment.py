@@ -123,6 +123,12 @@ def test_seeds_and_repeats_make_one_run_per_arm_and_seed_with_the_stop_rule_appl
     seeded.pop("repeats")
     path.write_text(yaml.safe_dump({**seeded, "seeds": [0, 7]}))
     assert [(r.name, r.seed) for r in load_experiment(path).runs(["e"], boards=2)] == [("e-r0", 0), ("e-r1", 7)]
+    once = {**seeded, "seeds": [0, 7, 9], "arms": [{"name": "p", "repeats": 1}, {"name": "e", "repeats": 2}]}
+    path.write_text(yaml.safe_dump(once))
+    assert [(r.name, r.seed) for r in load_experiment(path).runs(boards=2)] == [("p-r0", 0), ("e-r0", 0), ("e-r1", 7)]
+    path.write_text(yaml.safe_dump({**once, "arms": [{"name": "p", "repeats": 0}]}))
+    with pytest.raises(SpecError, match="repeats"):
+        load_experiment(path)
 
 
 def test_a_live_fleet_refuses_baselines_and_traces_in_one_line(tmp_path, capsys):

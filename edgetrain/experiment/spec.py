@@ -10,7 +10,7 @@ stop: {target_accuracy: 0.70, time_cap_s: 900}   # or {steps: N} or {wall_s: S};
                                        # calibrated takes the dataset's (edgetrain.catalog)
 repeats: 1                             # or seeds: [0, 1, 2] (one repeat per seed)
 arms:
-  - {name: ddp, baseline: ddp}
+  - {name: ddp, baseline: ddp, repeats: 1}   # an arm may run only the first seed(s): a costly baseline once
   - {name: proportional, set: {planner.enabled: false, training.split: proportional}}
   - {name: hybrid, set: {planner.enabled: true}}
   - {name: rolling, trace: {jobs: traces/lab.yaml, scheduler: rolling}}
@@ -153,6 +153,8 @@ class Arm:
     baseline: str | None = None
     """None (EdgeTrain), or one of BASELINE_KINDS."""
     trace: Trace | None = None
+    repeats: int | None = None
+    """The arm runs only the experiment's first `repeats` seeds (None: every seed)."""
 
     @property
     def kind(self) -> str:
@@ -202,7 +204,7 @@ class Experiment:
                 raise SpecError(f"{self.source}: --arms: no arm {name!r} (arms: {', '.join(known)})")
         arms = [a for a in self.arms if not arm_names or a.name in arm_names]
         return [Run(arm=arm, repeat=k, seed=seed, job=None if arm.trace else self.arm_job(arm, k, seed, boards=boards))
-                for k, seed in enumerate(self.seeds) for arm in arms]
+                for k, seed in enumerate(self.seeds) for arm in arms if arm.repeats is None or k < arm.repeats]
 
     def arm_job(self, arm: Arm, repeat: int, seed: int, *, boards: int) -> dict:
         """The checked job mapping of `arm`'s repeat `repeat` (see the module docstring for the
@@ -240,9 +242,12 @@ class _ArmEntry:
     """Overrides for this arm (dotted job keys, or nested sections)."""
     baseline: str | None = None
     trace: _TraceRef | None = None
+    repeats: int | None = None
+    """Run only the experiment's first `repeats` seeds."""
 
     def __post_init__(self) -> None:
         require(bool(_NAME.match(self.name)), "name", self.name, _NAME_RULE)
+        require(self.repeats is None or self.repeats >= 1, "repeats", self.repeats, "must be >= 1")
         require(self.baseline is None or self.baseline in BASELINE_KINDS, "baseline", self.baseline,
                 f"must be one of {', '.join(BASELINE_KINDS)}")
         require(self.trace is None or self.baseline is None, "baseline", self.baseline,
@@ -403,7 +408,8 @@ def _arm(entry: Any, index: int, source: Path) -> Arm:
     trace = None
     if arm.trace is not None:
         trace = load_trace(source.parent / arm.trace.jobs, arm.trace.scheduler, f"{where}: trace")
-    return Arm(name=arm.name, overrides=_overrides(arm.set, f"{where}: set"), baseline=arm.baseline, trace=trace)
+    return Arm(name=arm.name, overrides=_overrides(arm.set, f"{where}: set"), baseline=arm.baseline, trace=trace,
+               repeats=arm.repeats)
 
 
 def _seeds(spec: _ExperimentFile, base_job: dict | None) -> tuple[int, ...]:
