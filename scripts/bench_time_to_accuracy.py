@@ -323,6 +323,8 @@ def main() -> None:
                                       LINK_CODECS if fleet == "bandwidth" else None)
             else:
                 rows = collect(sorted(p for p in out.iterdir() if (p / "metrics.jsonl").exists()), target_accuracy=target)
+            # runs an earlier invocation left in a kept directory beyond what each arm runs now do not count
+            rows = [r for r in rows if r["arm"] not in ARMS or int(r["repeat"]) < arm_repeats(r["arm"], len(seeds))]
             times = {a: median_or_none([r["time_to_target_s"] for r in rows if r["arm"] == a]) for a in fleet_arms}
             energies = {a: median_or_none([r["energy_to_target_j"] for r in rows if r["arm"] == a]) for a in fleet_arms}
             setups = {a: median_or_none([r["setup_s"] for r in rows if r["arm"] == a]) for a in fleet_arms}

@@ -11,6 +11,7 @@ import pytest
 
 from coordinator.planning.command import spread
 from coordinator.planning.live import LINK_CONFIRM_DECISIONS, LivePlanner
+from coordinator.planning.planner import plan_optimal
 from edgetrain.cli import main
 from edgetrain.config import PlannerConfig
 from edgetrain.plan import BlockCost, BoardCost, ModelCost
@@ -325,6 +326,8 @@ def test_a_candidate_is_judged_by_the_boards_that_work_in_its_steps_so_a_measure
     # the fastest board alone 1.0 s a step, data parallelism 1.5 s; the board alone is in force
     fast = {n: {"mbit_per_s": 1000.0} for n in "abc"}
     fleet = _fleet(**fast, d={"flops_per_s": 5e7, "mbit_per_s": 100.0})
+    raw = plan_optimal(fleet, MODEL, 64)
+    assert "d" in raw.dp_boards and raw.prediction.share["d"] * 64 < 1  # the premise
     live = _planner()
     live.decide(0, fleet)
     alternatives = live.alternatives(1, fleet)
@@ -333,8 +336,7 @@ def test_a_candidate_is_judged_by_the_boards_that_work_in_its_steps_so_a_measure
     live.note_measured(dp, 1.5, 5)
     live.note_measured(alone, 1.0, 5)
 
-    # Execute: the slow board's link changes (and holds); data parallelism is still predicted about
-    # twice as fast
+    # Execute: the slow board's link changes (and holds); data parallelism is still predicted faster
     decision = _held(live, 10, _fleet(**fast, d={"flops_per_s": 5e7, "mbit_per_s": 200.0}))
 
     # Assert: no plan gives a shard less than one sample a step (the weak board is out of data
@@ -345,3 +347,7 @@ def test_a_candidate_is_judged_by_the_boards_that_work_in_its_steps_so_a_measure
     assert dp.kind == "dp" and set(dp.dp_boards) == {"a", "b", "c"}
     assert decision.candidate_cost < 0.95 * decision.current_cost  # predicted better by more than min_gain
     assert not decision.switched and _used(decision.plan) == {"a"}
+    # without boards beside the steps too: the alternatives leave the sub-sample shard out
+    bare = _planner(local_updates=False)
+    bare.decide(0, fleet)
+    assert all(p.prediction.share[b] * 64 >= 1 for p in bare.alternatives(1, fleet) for b in p.dp_boards)
